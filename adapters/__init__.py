@@ -1,0 +1,1 @@
+"""Framework adapters (installed as `mas_trainer.adapters`; LangGraph first)."""

@@ -1,0 +1,257 @@
+"""LangChain callback handler that turns one LangGraph run into spans and node/tool records.
+
+Attached through the run config (`config["callbacks"]`), it sees every chain run: the ones
+whose metadata opens a new LangGraph task (`langgraph_checkpoint_ns` gains a segment named
+after the run) are node calls. Each node call becomes an OTel span under the rollout's root
+span (or under the enclosing node call, for subgraph nodes). LLM calls themselves are
+recorded by the OpenAI instrumentation and the gateway; this handler only tells the
+instrumentation which node call, role and span the current code runs under.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from uuid import UUID
+
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.runnables.config import var_child_runnable_config
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, StatusCode
+
+from mas_trainer.spec import ResolvedSpec
+from mas_trainer.trace import attributes as A
+from mas_trainer.trace.instrument import CallContext, register_resolver, span_hex
+from mas_trainer.trace.otel import get_tracer
+from mas_trainer.trace.schema import NodeCall, ToolCall
+
+__all__ = ["GraphTracer", "node_path"]
+
+# Exceptions LangGraph uses for control flow, not failures.
+_CONTROL_FLOW = {"GraphInterrupt", "NodeInterrupt", "ParentCommand", "GraphBubbleUp"}
+
+
+def node_path(checkpoint_ns: str) -> str:
+    """``outer:<task id>|inner:<task id>`` -> ``outer:inner`` (the xray name of the node)."""
+    return ":".join(seg.rsplit(":", 1)[0] for seg in checkpoint_ns.split("|") if seg)
+
+
+@dataclass
+class _Run:
+    parent: UUID | None
+    ns: str | None
+    node_call: "_NodeRun | None" = None  # the node call this run belongs to
+
+
+@dataclass
+class _NodeRun:
+    record: NodeCall
+    span: trace.Span
+    role: str
+    ctx: Any = field(default=None)
+
+
+class GraphTracer(BaseCallbackHandler):
+    """Records one rollout. Not shared between rollouts: each gets its own instance."""
+
+    run_inline = True  # keep callbacks on the caller's thread/task: ordering and cost
+    raise_error = False
+
+    def __init__(self, rollout_id: str, spec: ResolvedSpec, task: Any = None) -> None:
+        self.rollout_id = rollout_id
+        self.spec = spec
+        self._lock = threading.Lock()
+        self._runs: dict[UUID, _Run] = {}
+        self._nodes: list[_NodeRun] = []
+        self._tools: dict[UUID, ToolCall] = {}
+        self._attempts: dict[str, int] = {}
+        self.root = get_tracer().start_span(
+            "invoke_agent graph",
+            kind=SpanKind.INTERNAL,
+            attributes={A.KIND: "rollout", A.ROLLOUT_ID: rollout_id, A.GEN_AI_OPERATION: "invoke_agent"},
+        )
+        self._root_ctx = trace.set_span_in_context(self.root)
+        self.trace_id = format(self.root.get_span_context().trace_id, "032x")
+
+    # --- what the OpenAI instrumentation asks -------------------------------------------
+    def call_context(self, run_id: UUID | None) -> CallContext | None:
+        with self._lock:
+            run = self._runs.get(run_id) if run_id is not None else None
+            node = run.node_call if run is not None else None
+        if node is None:
+            return None
+        return CallContext(self.rollout_id, node.record.name, node.record.id, node.role, node.ctx)
+
+    # --- run tree -----------------------------------------------------------------------
+    def _register(self, run_id: UUID, parent: UUID | None, metadata: dict | None, name: str | None) -> _Run:
+        md = metadata or {}
+        ns = md.get("langgraph_checkpoint_ns")
+        with self._lock:
+            parent_run = self._runs.get(parent) if parent is not None else None
+            run = _Run(parent, ns, parent_run.node_call if parent_run else None)
+            node = md.get("langgraph_node")
+            opens_task = (
+                ns
+                and node
+                and name == node
+                and ns.rsplit("|", 1)[-1].startswith(f"{node}:")
+                and (parent_run is None or parent_run.ns != ns)
+            )
+            if opens_task:
+                run.node_call = self._open_node(ns, md, run.node_call)
+            self._runs[run_id] = run
+        return run
+
+    def _open_node(self, ns: str, md: dict, enclosing: _NodeRun | None) -> _NodeRun:
+        path = node_path(ns)
+        attempt = self._attempts.get(ns, 0) + 1
+        self._attempts[ns] = attempt
+        route = self.spec.route(path)
+        parent_ctx = enclosing.ctx if enclosing else self._root_ctx
+        span = get_tracer().start_span(
+            f"node {path}",
+            context=parent_ctx,
+            attributes={
+                A.KIND: "node",
+                A.ROLLOUT_ID: self.rollout_id,
+                A.NODE: path,
+                A.STEP: md.get("langgraph_step", -1),
+                A.CHECKPOINT_NS: ns,
+                A.ATTEMPT: attempt,
+                A.ROLE: route.role,
+                A.POLICY: route.policy,
+                A.GEN_AI_AGENT_NAME: route.role,
+            },
+        )
+        record = NodeCall(
+            id=span_hex(span),
+            name=path,
+            step=md.get("langgraph_step"),
+            parent_id=enclosing.record.id if enclosing else None,
+            status="ok",
+            attempt=attempt,
+            start_time=time.time(),
+        )
+        if enclosing:
+            span.set_attribute(A.PARENT_NODE_CALL_ID, enclosing.record.id)
+        span.set_attribute(A.NODE_CALL_ID, record.id)
+        node = _NodeRun(record, span, route.role, trace.set_span_in_context(span))
+        self._nodes.append(node)
+        return node
+
+    def _close(self, run_id: UUID, error: BaseException | None) -> None:
+        with self._lock:
+            run = self._runs.get(run_id)
+            node = run.node_call if run else None
+            parent = self._runs.get(run.parent) if run and run.parent else None
+            owns = node is not None and (parent is None or parent.node_call is not node)
+        if not owns or node.record.end_time is not None:
+            return
+        node.record.end_time = time.time()
+        kind = type(error).__name__ if error is not None else None
+        if kind in ("GraphInterrupt", "NodeInterrupt"):
+            node.record.status = "interrupted"
+        elif error is not None and kind not in _CONTROL_FLOW:
+            node.record.status = "error"
+            node.record.error = f"{type(error).__name__}: {error}"
+            node.span.record_exception(error)
+            node.span.set_status(StatusCode.ERROR, node.record.error)
+        node.span.end()
+
+    # --- LangChain callbacks ---------------------------------------------------------------
+    def on_chain_start(self, serialized, inputs, *, run_id, parent_run_id=None, tags=None, metadata=None, **kw):
+        self._register(run_id, parent_run_id, metadata, kw.get("name") or (serialized or {}).get("name"))
+
+    def on_chain_end(self, outputs, *, run_id, **kw):
+        self._close(run_id, None)
+
+    def on_chain_error(self, error, *, run_id, **kw):
+        self._close(run_id, error)
+
+    def on_chat_model_start(self, serialized, messages, *, run_id, parent_run_id=None, metadata=None, **kw):
+        self._register(run_id, parent_run_id, metadata, None)
+
+    def on_llm_start(self, serialized, prompts, *, run_id, parent_run_id=None, metadata=None, **kw):
+        self._register(run_id, parent_run_id, metadata, None)
+
+    def on_retriever_start(self, serialized, query, *, run_id, parent_run_id=None, metadata=None, **kw):
+        self._register(run_id, parent_run_id, metadata, None)
+
+    def on_tool_start(self, serialized, input_str, *, run_id, parent_run_id=None, metadata=None, inputs=None, **kw):
+        run = self._register(run_id, parent_run_id, metadata, None)
+        name = kw.get("name") or (serialized or {}).get("name") or "tool"
+        call_id = (metadata or {}).get("tool_call_id") or str(run_id)
+        with self._lock:
+            self._tools[run_id] = ToolCall(
+                id=str(call_id),
+                node_id=run.node_call.record.id if run.node_call else None,
+                name=name,
+                input=inputs if inputs is not None else input_str,
+            )
+
+    def on_tool_end(self, output, *, run_id, **kw):
+        with self._lock:
+            tool = self._tools.get(run_id)
+        if tool is not None:
+            tool.output = getattr(output, "content", output)
+            self._tool_span(tool)
+
+    def on_tool_error(self, error, *, run_id, **kw):
+        with self._lock:
+            tool = self._tools.get(run_id)
+        if tool is not None:
+            tool.status, tool.error = "error", f"{type(error).__name__}: {error}"
+            self._tool_span(tool)
+
+    def _tool_span(self, tool: ToolCall) -> None:
+        with self._lock:
+            parent = next((n for n in self._nodes if n.record.id == tool.node_id), None)
+        span = get_tracer().start_span(
+            f"execute_tool {tool.name}",
+            context=parent.ctx if parent else self._root_ctx,
+            attributes={
+                A.KIND: "tool",
+                A.ROLLOUT_ID: self.rollout_id,
+                A.GEN_AI_OPERATION: "execute_tool",
+                A.GEN_AI_TOOL_NAME: tool.name,
+                A.GEN_AI_TOOL_CALL_ID: tool.id,
+            },
+        )
+        if tool.status == "error":
+            span.set_status(StatusCode.ERROR, tool.error or "")
+        span.end()
+
+    # --- results -------------------------------------------------------------------------
+    def finish(self, status: str, error: str | None = None) -> tuple[list[NodeCall], list[ToolCall]]:
+        """End the rollout: node calls still open (timeout, cancellation) are closed as cancelled."""
+        now = time.time()
+        with self._lock:
+            nodes = list(self._nodes)
+            tools = list(self._tools.values())
+        for node in nodes:
+            if node.record.end_time is None:
+                node.record.end_time = now
+                node.record.status = "cancelled"
+                node.span.set_status(StatusCode.ERROR, "cancelled")
+                node.span.end()
+        if status != "ok":
+            self.root.set_status(StatusCode.ERROR, error or status)
+        self.root.end()
+        return [n.record for n in nodes], tools
+
+
+def _resolve_from_langchain_context() -> CallContext | None:
+    config = var_child_runnable_config.get()
+    if not config:
+        return None
+    manager = config.get("callbacks")
+    handlers = getattr(manager, "handlers", None) or (manager if isinstance(manager, list) else [])
+    for handler in handlers:
+        if isinstance(handler, GraphTracer):
+            return handler.call_context(getattr(manager, "parent_run_id", None))
+    return None
+
+
+register_resolver(_resolve_from_langchain_context)

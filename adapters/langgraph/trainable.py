@@ -1,0 +1,109 @@
+"""`@trainable`: attach a policy map to a LangGraph app without changing how it runs.
+
+The decorator returns the very object it was given (builder or compiled graph) with the
+spec stored on it, so invoke/stream/async/checkpointers/interrupts behave exactly as
+before. A function returning a graph is wrapped so that what it returns is marked too.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Mapping
+
+from langgraph.graph import StateGraph
+from langgraph.pregel import Pregel
+
+from mas_trainer.spec import ResolvedSpec, SpecError, TrainSpec
+
+__all__ = ["trainable", "spec_of", "as_graph", "node_names"]
+
+SPEC_ATTR = "__mas_trainer_spec__"
+
+
+def node_names(graph: Pregel) -> list[str]:
+    """Qualified node names, subgraph nodes included (``outer:inner``, as xray names them)."""
+    return [n for n in graph.get_graph(xray=True).nodes if n not in ("__start__", "__end__")]
+
+
+def trainable(
+    app: Any = None,
+    /,
+    *,
+    roles: Mapping[str, str] | None = None,
+    policies: Mapping[str, str] | None = None,
+    reward: Callable[..., Any] | None = None,
+    frozen: list[str] | tuple[str, ...] = (),
+    role_names: Mapping[str, str] | None = None,
+    default_policy: str | None = None,
+    **extras: Any,
+) -> Any:
+    """Mark a LangGraph app as trainable.
+
+    roles: node -> policy name (nodes in subgraphs: ``"parent:child"`` or the bare child
+    name when unique). policies: policy name -> base model (``"default"`` is the bundled
+    model, or a local path / HF id; default: every policy in `roles` on ``"default"``).
+    reward: trajectory-level reward ``(task, final_state, trajectory) -> float | None``.
+    frozen: nodes served by the base model and never trained. role_names: node -> role,
+    to group several nodes into one logical agent. default_policy: the policy of LLM
+    calls made by nodes not listed (default: frozen). Works as ``@trainable(...)`` or
+    ``trainable(graph, ...)`` on a `StateGraph`, a compiled graph, or a function returning either.
+    """
+    spec = TrainSpec.build(
+        roles, policies, role_names=role_names, frozen=frozen, default_policy=default_policy, reward=reward, **extras
+    )
+
+    def mark(obj: Any) -> Any:
+        if isinstance(obj, StateGraph):
+            spec.resolve(node_names(obj.compile()))
+            setattr(obj, SPEC_ATTR, spec)
+            return obj
+        if isinstance(obj, Pregel):
+            spec.resolve(node_names(obj))
+            setattr(obj, SPEC_ATTR, spec)
+            return obj
+        if callable(obj):
+
+            @functools.wraps(obj)
+            def build(*args: Any, **kwargs: Any) -> Any:
+                return mark(obj(*args, **kwargs))
+
+            setattr(build, SPEC_ATTR, spec)
+            return build
+        raise SpecError(
+            f"@trainable expects a StateGraph, a compiled graph or a function returning one, got {type(obj).__name__}"
+        )
+
+    return mark if app is None else mark(app)
+
+
+def spec_of(obj: Any) -> TrainSpec | None:
+    """The spec attached by @trainable, looking through a compiled graph to its builder."""
+    spec = getattr(obj, SPEC_ATTR, None)
+    if spec is None and isinstance(obj, Pregel):
+        spec = getattr(getattr(obj, "builder", None), SPEC_ATTR, None)
+    return spec
+
+
+def as_graph(obj: Any) -> tuple[Pregel, TrainSpec | None]:
+    """Turn whatever APP names into a compiled graph plus its spec (None if undecorated)."""
+    spec = spec_of(obj)
+    if isinstance(obj, StateGraph):
+        obj = obj.compile()
+    elif not isinstance(obj, Pregel) and callable(obj):
+        obj = obj()
+        spec = spec_of(obj) or spec
+        if isinstance(obj, StateGraph):
+            obj = obj.compile()
+    if not isinstance(obj, Pregel):
+        raise SpecError(f"expected a LangGraph graph, got {type(obj).__name__}")
+    return obj, spec or spec_of(obj)
+
+
+def resolve(obj: Any, base_model: str | None = None) -> tuple[Pregel, ResolvedSpec]:
+    """Compiled graph and its spec checked against its nodes; undecorated graphs get one policy."""
+    graph, spec = as_graph(obj)
+    if spec is None:
+        spec = TrainSpec.one_policy_per_graph(base_model or "default")
+    elif base_model:
+        spec = spec.with_base_model(base_model)
+    return graph, spec.resolve(node_names(graph))

@@ -1,0 +1,53 @@
+"""Load the object an APP reference names: ``path/to/file.py:attr`` or ``package.module:attr``."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["AppLoadError", "load_object"]
+
+
+class AppLoadError(ValueError):
+    """One line saying what is missing; the CLI prints it and exits 2."""
+
+
+def load_object(ref: str) -> Any:
+    if ":" not in ref:
+        raise AppLoadError(f"APP must be 'path/to/file.py:attr' or 'package.module:attr', got {ref!r}")
+    where, attr = ref.rsplit(":", 1)
+    if not attr:
+        raise AppLoadError(f"APP {ref!r} names no attribute after ':'")
+    if where.endswith(".py") or "/" in where or where.startswith("."):
+        path = Path(where)
+        if not path.is_file():
+            raise AppLoadError(f"app file not found: {where}")
+        name = f"_mas_app_{abs(hash(str(path.resolve())))}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise AppLoadError(f"cannot import {where}: not a Python file")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        # the app's own folder is importable, as when its author runs `python app.py`
+        sys.path.insert(0, str(path.resolve().parent))
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:
+            raise AppLoadError(f"importing {where} failed: {type(exc).__name__}: {exc}".splitlines()[0]) from exc
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ModuleNotFoundError as exc:
+            raise AppLoadError(f"module not found: {where} ({exc.name} is missing)") from exc
+        except Exception as exc:
+            raise AppLoadError(f"importing {where} failed: {type(exc).__name__}: {exc}".splitlines()[0]) from exc
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            names = [n for n in dir(module) if not n.startswith("_")]
+            raise AppLoadError(f"{where} has no attribute {attr!r}; it defines: {', '.join(names[:20])}")
+        obj = getattr(obj, part)
+    return obj

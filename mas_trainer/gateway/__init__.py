@@ -1,0 +1,7 @@
+"""The OpenAI-compatible gateway that routes each call to its policy's engine."""
+
+from .ledger import Ledger
+from .router import Router
+from .server import Gateway, GatewayServer, PolicyBackend
+
+__all__ = ["Gateway", "GatewayServer", "PolicyBackend", "Router", "Ledger"]

@@ -1,0 +1,68 @@
+"""Decides which policy answers a request: by graph baggage first, then by model name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+from mas_trainer.spec import ResolvedSpec
+from mas_trainer.trace import attributes as A
+
+__all__ = ["Router", "RouteDecision", "UnknownModel"]
+
+
+class UnknownModel(LookupError):
+    pass
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    policy: str
+    role: str
+    node: str | None
+    trainable: bool
+    rollout_id: str | None
+    node_call_id: str | None
+
+
+class Router:
+    """`spec` maps graph nodes to policies; `model_routes` maps model names a client asks for
+    (e.g. "gpt-4o-mini") to policies for calls that carry no graph baggage; `fallback` is the
+    policy such calls get when their model name is unknown (None: they are refused)."""
+
+    def __init__(
+        self,
+        spec: ResolvedSpec | None = None,
+        model_routes: Mapping[str, str] | None = None,
+        fallback: str | None = None,
+    ) -> None:
+        self.spec = spec
+        self.model_routes = dict(model_routes or {})
+        self.fallback = fallback
+        self._role_policy: dict[str, tuple[str, bool]] = {}
+        if spec is not None:
+            for key in list(spec.spec.roles) + list(spec.spec.frozen):
+                route = spec.route(spec.qualified[key])
+                self._role_policy[route.role] = (route.policy, route.trainable)
+
+    def route(self, bag: Mapping[str, object], model: str, policies: Iterable[str]) -> RouteDecision:
+        policies = set(policies)
+        rollout = _s(bag.get(A.BAGGAGE_ROLLOUT))
+        node = _s(bag.get(A.BAGGAGE_NODE))
+        role = _s(bag.get(A.BAGGAGE_ROLE))
+        call = _s(bag.get(A.BAGGAGE_NODE_CALL))
+        if node and self.spec is not None:
+            r = self.spec.route(node)
+            return RouteDecision(r.policy, role or r.role, node, r.trainable, rollout, call)
+        if role and role in self._role_policy:
+            policy, trainable = self._role_policy[role]
+            return RouteDecision(policy, role, node, trainable, rollout, call)
+        for policy in (model if model in policies else None, self.model_routes.get(model), self.fallback):
+            if policy is not None:
+                return RouteDecision(policy, role or model, node, False, rollout, call)
+        names = sorted(policies | set(self.model_routes))
+        raise UnknownModel(f"model {model!r} is not served here; available models: {', '.join(names)}")
+
+
+def _s(value: object) -> str | None:
+    return str(value) if value is not None else None

@@ -1,0 +1,106 @@
+"""The centre of the star: runs the app on tasks and assembles trajectories.
+
+Rollouts run concurrently (bounded); each is the app invoked unchanged with a tracer, and
+its LLM calls are collected from the gateway's ledger when it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Protocol
+
+from mas_trainer.gateway.ledger import Ledger
+from mas_trainer.spec import ResolvedSpec
+from mas_trainer.trace.schema import NodeCall, ToolCall, Trajectory
+
+__all__ = ["RunResult", "AppRunner", "Controller", "jsonable"]
+
+
+@dataclass
+class RunResult:
+    status: str
+    error: str | None
+    final_state: Any
+    nodes: list[NodeCall]
+    tool_calls: list[ToolCall]
+    trace_id: str | None
+
+
+class AppRunner(Protocol):
+    """What the controller needs from a framework adapter."""
+
+    framework: str
+    spec: ResolvedSpec
+
+    async def run(self, task: dict[str, Any], rollout_id: str, *, timeout_s: float | None = None) -> RunResult: ...
+
+
+def jsonable(obj: Any) -> Any:
+    """Graph state as JSON: pydantic models (LangChain messages included) dumped, the rest str()."""
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set)):
+        return [jsonable(v) for v in obj]
+    dump = getattr(obj, "model_dump", None)
+    if callable(dump):
+        try:
+            return jsonable(dump(mode="json"))
+        except Exception:
+            pass
+    if hasattr(obj, "__dict__") and type(obj).__module__.startswith("langgraph"):
+        return {"type": type(obj).__name__, **jsonable(vars(obj))}
+    return str(obj)
+
+
+class Controller:
+    def __init__(self, app: AppRunner, ledger: Ledger, *, max_in_flight: int = 64, timeout_s: float | None = 300.0) -> None:
+        self.app = app
+        self.ledger = ledger
+        self.max_in_flight = max_in_flight
+        self.timeout_s = timeout_s
+
+    async def rollout(self, task: dict[str, Any], rollout_id: str | None = None) -> Trajectory:
+        rollout_id = rollout_id or uuid.uuid4().hex
+        start = time.time()
+        result = await self.app.run(task, rollout_id, timeout_s=self.timeout_s)
+        calls = self.ledger.take(rollout_id)
+        node_names = {n.id: n.name for n in result.nodes}
+        for call in calls:
+            if call.node is None and call.node_id in node_names:
+                call.node = node_names[call.node_id]
+        return Trajectory(
+            rollout_id=rollout_id,
+            task=task,
+            status=result.status,  # type: ignore[arg-type]
+            error=result.error,
+            trace_id=result.trace_id,
+            nodes=result.nodes,
+            llm_calls=sorted(calls, key=lambda c: (c.start_time or 0.0)),
+            tool_calls=result.tool_calls,
+            final_state=jsonable(result.final_state),
+            duration_s=time.time() - start,
+        )
+
+    async def run(
+        self,
+        tasks: Iterable[dict[str, Any]],
+        *,
+        n: int = 1,
+        on_done: Callable[[Trajectory], None] | None = None,
+    ) -> list[Trajectory]:
+        """Run every task `n` times, at most `max_in_flight` rollouts at once, in task order."""
+        sem = asyncio.Semaphore(self.max_in_flight)
+
+        async def one(task: dict[str, Any]) -> Trajectory:
+            async with sem:
+                traj = await self.rollout(task)
+            if on_done is not None:
+                on_done(traj)
+            return traj
+
+        return list(await asyncio.gather(*(one(t) for t in tasks for _ in range(n))))

@@ -1,0 +1,162 @@
+"""Roles, policies and the policy map, validated against an app's node names.
+
+Framework-free: an adapter lists the app's nodes (qualified as ``parent:child`` for nodes
+inside subgraphs, as LangGraph's ``get_graph(xray=True)`` names them) and this module decides,
+for every node call, which role it plays and which policy serves it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+__all__ = ["FROZEN_POLICY", "PolicySpec", "TrainSpec", "ResolvedSpec", "SpecError", "Route"]
+
+# Policy that serves nodes nobody asked to train: the base model, never updated.
+FROZEN_POLICY = "frozen"
+
+
+class SpecError(ValueError):
+    """A decorator argument names something that does not exist; the message lists what does."""
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    name: str
+    base_model: str = "default"
+    trainable: bool = True
+
+
+@dataclass(frozen=True)
+class Route:
+    role: str
+    policy: str
+    trainable: bool
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """What `@trainable` was told, before it is checked against a graph.
+
+    roles: node -> policy. role_names: node -> role, to group several nodes into one logical
+    agent (default: each node is its own role). frozen: nodes served by the base model and
+    never trained. default_policy: the policy of LLM-calling nodes not listed in `roles`
+    (default: frozen).
+    """
+
+    roles: Mapping[str, str]
+    policies: Mapping[str, PolicySpec]
+    role_names: Mapping[str, str] = field(default_factory=dict)
+    frozen: frozenset[str] = frozenset()
+    default_policy: str | None = None
+    reward: Callable[..., Any] | None = None
+    extras: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def build(
+        cls,
+        roles: Mapping[str, str] | None = None,
+        policies: Mapping[str, str] | None = None,
+        *,
+        role_names: Mapping[str, str] | None = None,
+        frozen: Iterable[str] = (),
+        default_policy: str | None = None,
+        reward: Callable[..., Any] | None = None,
+        **extras: Any,
+    ) -> "TrainSpec":
+        roles = dict(roles or {})
+        if policies is None:
+            policies = {p: "default" for p in roles.values()}
+        if not isinstance(policies, Mapping):
+            raise SpecError(f"policies must be a dict of policy name -> base model, got {type(policies).__name__}")
+        pols = {name: PolicySpec(name, str(model)) for name, model in policies.items()}
+        if FROZEN_POLICY in pols:
+            raise SpecError(f"policy name {FROZEN_POLICY!r} is reserved for frozen nodes; rename it")
+        for node, pol in roles.items():
+            if pol not in pols:
+                raise SpecError(
+                    f"role {node!r} maps to unknown policy {pol!r}; valid policies: {', '.join(sorted(pols)) or '(none)'}"
+                )
+        if default_policy is not None and default_policy not in pols:
+            raise SpecError(
+                f"default_policy {default_policy!r} is not a policy; valid policies: {', '.join(sorted(pols))}"
+            )
+        frozen = frozenset(frozen)
+        both = sorted(frozen & set(roles))
+        if both:
+            raise SpecError(f"node(s) {', '.join(both)} are both trained (roles=) and frozen (frozen=); pick one")
+        if reward is not None and not callable(reward):
+            raise SpecError(f"reward must be a callable (task, final_state, trajectory) -> float, got {reward!r}")
+        return cls(roles, pols, dict(role_names or {}), frozen, default_policy, reward, extras)
+
+    @classmethod
+    def one_policy_per_graph(cls, base_model: str = "default") -> "TrainSpec":
+        """For graphs that were not decorated: every node is its own role, all on one policy."""
+        return cls({}, {"default": PolicySpec("default", base_model)}, default_policy="default")
+
+    def with_base_model(self, model: str) -> "TrainSpec":
+        """`--model` overrides the base model of every policy."""
+        pols = {n: PolicySpec(n, model, p.trainable) for n, p in self.policies.items()}
+        return TrainSpec(self.roles, pols, self.role_names, self.frozen, self.default_policy, self.reward, self.extras)
+
+    def resolve(self, node_names: Iterable[str]) -> "ResolvedSpec":
+        """Check every name against the graph's nodes; raise SpecError listing the valid ones."""
+        nodes = [n for n in node_names if n not in ("__start__", "__end__")]
+        keyed = {}
+        for key in [*self.roles, *self.frozen, *self.role_names]:
+            keyed[key] = _match(key, nodes)
+        return ResolvedSpec(self, tuple(nodes), keyed)
+
+
+def _match(key: str, nodes: list[str]) -> str:
+    if key in nodes:
+        return key
+    # a bare child name is accepted when exactly one node (at any depth) has it
+    hits = [n for n in nodes if n.rsplit(":", 1)[-1] == key]
+    if len(hits) == 1:
+        return hits[0]
+    if len(hits) > 1:
+        raise SpecError(f"node name {key!r} is ambiguous ({', '.join(hits)}); use the qualified name")
+    raise SpecError(f"unknown node {key!r}; valid nodes: {', '.join(nodes) or '(none)'}")
+
+
+@dataclass(frozen=True)
+class ResolvedSpec:
+    """A TrainSpec checked against one graph: routes node paths to (role, policy)."""
+
+    spec: TrainSpec
+    nodes: tuple[str, ...]
+    qualified: Mapping[str, str]  # user's key -> qualified node name
+
+    @property
+    def policies(self) -> dict[str, PolicySpec]:
+        pols = dict(self.spec.policies)
+        if self._needs_frozen():
+            base = next(iter(pols.values())).base_model if pols else "default"
+            pols[FROZEN_POLICY] = PolicySpec(FROZEN_POLICY, base, trainable=False)
+        return pols
+
+    def _needs_frozen(self) -> bool:
+        return self.spec.default_policy is None or bool(self.spec.frozen)
+
+    def route(self, node_path: str) -> Route:
+        """Role and policy of a node call; `node_path` is qualified (``outer:inner``).
+
+        A node inside a subgraph that is not listed itself inherits the mapping of the
+        nearest enclosing node that is.
+        """
+        by_node = {q: k for k, q in self.qualified.items()}
+        parts = node_path.split(":")
+        for depth in range(len(parts), 0, -1):
+            q = ":".join(parts[:depth])
+            key = by_node.get(q)
+            if key is None:
+                continue
+            role = self.spec.role_names.get(key, key)
+            if key in self.spec.frozen:
+                return Route(role, FROZEN_POLICY, False)
+            if key in self.spec.roles:
+                return Route(role, self.spec.roles[key], True)
+        if self.spec.default_policy is not None:
+            return Route(node_path, self.spec.default_policy, True)
+        return Route(node_path, FROZEN_POLICY, False)

@@ -1,0 +1,165 @@
+"""OpenAI SDK instrumentation: every chat completion carries the caller's graph context.
+
+The wrapped `create`/`parse` methods (sync and async) open a GenAI "chat" span under the
+current node call and inject W3C `traceparent` + `baggage` (rollout, node, node call, role)
+as request headers through OTel's propagators. The gateway routes on that baggage and files
+the engine's token ids under the span id. openai 3.x sends through `httpx2`, so patching
+httpx transports would miss these calls; wrapping the resource methods does not.
+
+Which node is calling is framework knowledge: an adapter registers a resolver.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from opentelemetry import baggage, propagate, trace
+from opentelemetry.context import Context
+from opentelemetry.trace import SpanKind
+
+from mas_trainer.trace import attributes as A
+from mas_trainer.trace.otel import get_tracer
+
+__all__ = ["CallContext", "register_resolver", "instrument_openai", "current_call", "span_hex"]
+
+
+@dataclass(frozen=True)
+class CallContext:
+    """Where an LLM call is made from: the rollout, node call and role, plus the node's span."""
+
+    rollout_id: str
+    node: str
+    node_call_id: str
+    role: str
+    parent: Context | None = None
+
+
+Resolver = Callable[[], "CallContext | None"]
+_resolvers: list[Resolver] = []
+_lock = threading.Lock()
+_installed = False
+
+
+def register_resolver(resolver: Resolver) -> None:
+    """Add a function that says which graph context the current thread/task is in."""
+    with _lock:
+        if resolver not in _resolvers:
+            _resolvers.append(resolver)
+
+
+def current_call() -> CallContext | None:
+    for resolver in _resolvers:
+        ctx = resolver()
+        if ctx is not None:
+            return ctx
+    return None
+
+
+def span_hex(span: trace.Span) -> str:
+    return format(span.get_span_context().span_id, "016x")
+
+
+def _headers_for(call: CallContext, span: trace.Span) -> dict[str, str]:
+    ctx = trace.set_span_in_context(span)
+    for key, value in (
+        (A.BAGGAGE_ROLLOUT, call.rollout_id),
+        (A.BAGGAGE_NODE, call.node),
+        (A.BAGGAGE_NODE_CALL, call.node_call_id),
+        (A.BAGGAGE_ROLE, call.role),
+    ):
+        ctx = baggage.set_baggage(key, value, context=ctx)
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=ctx)
+    return carrier
+
+
+def _start_span(call: CallContext, kwargs: dict[str, Any]) -> trace.Span:
+    model = kwargs.get("model")
+    attrs = {
+        A.KIND: "llm",
+        A.GEN_AI_OPERATION: "chat",
+        A.GEN_AI_PROVIDER: "openai",
+        A.ROLLOUT_ID: call.rollout_id,
+        A.NODE: call.node,
+        A.NODE_CALL_ID: call.node_call_id,
+        A.ROLE: call.role,
+        A.GEN_AI_AGENT_NAME: call.role,
+    }
+    if isinstance(model, str):
+        attrs[A.GEN_AI_REQUEST_MODEL] = model
+    return get_tracer().start_span(f"chat {model or ''}".strip(), context=call.parent, kind=SpanKind.CLIENT, attributes=attrs)
+
+
+def _with_headers(kwargs: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+    extra = dict(kwargs.get("extra_headers") or {})
+    extra.update(headers)
+    return {**kwargs, "extra_headers": extra}
+
+
+def _finish(span: trace.Span, result: Any) -> None:
+    usage = getattr(result, "usage", None)
+    if usage is not None:
+        span.set_attribute(A.GEN_AI_INPUT_TOKENS, getattr(usage, "prompt_tokens", 0) or 0)
+        span.set_attribute(A.GEN_AI_OUTPUT_TOKENS, getattr(usage, "completion_tokens", 0) or 0)
+    span.end()
+
+
+def _wrap_sync(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def create(self: Any, *args: Any, **kwargs: Any) -> Any:
+        call = current_call()
+        if call is None or "traceparent" in (kwargs.get("extra_headers") or {}):
+            return method(self, *args, **kwargs)
+        span = _start_span(call, kwargs)
+        try:
+            result = method(self, *args, **_with_headers(kwargs, _headers_for(call, span)))
+        except BaseException as exc:
+            span.record_exception(exc)
+            span.set_status(trace.StatusCode.ERROR, str(exc))
+            span.end()
+            raise
+        _finish(span, result)
+        return result
+
+    create.__mas_trainer_wrapped__ = method  # type: ignore[attr-defined]
+    return create
+
+
+def _wrap_async(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    async def create(self: Any, *args: Any, **kwargs: Any) -> Any:
+        call = current_call()
+        if call is None or "traceparent" in (kwargs.get("extra_headers") or {}):
+            return await method(self, *args, **kwargs)
+        span = _start_span(call, kwargs)
+        try:
+            result = await method(self, *args, **_with_headers(kwargs, _headers_for(call, span)))
+        except BaseException as exc:
+            span.record_exception(exc)
+            span.set_status(trace.StatusCode.ERROR, str(exc))
+            span.end()
+            raise
+        _finish(span, result)
+        return result
+
+    create.__mas_trainer_wrapped__ = method  # type: ignore[attr-defined]
+    return create
+
+
+def instrument_openai() -> None:
+    """Wrap chat `create`/`parse` of the installed openai SDK (idempotent)."""
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        from openai.resources.chat.completions import completions as mod
+
+        for cls, wrap in ((mod.Completions, _wrap_sync), (mod.AsyncCompletions, _wrap_async)):
+            for name in ("create", "parse"):
+                method = getattr(cls, name, None)
+                if method is not None and not hasattr(method, "__mas_trainer_wrapped__"):
+                    setattr(cls, name, wrap(method))
+        _installed = True

@@ -1,0 +1,101 @@
+"""The trajectory record (one JSON object per line in ``trajectories.jsonl``).
+
+These field names are a contract: DESIGN.md lists them and later stages (rewards,
+advantages, replay) read them. Add fields, never rename; bump SCHEMA_VERSION when a
+field changes meaning.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["SCHEMA_VERSION", "NodeCall", "LLMCall", "ToolCall", "Rewards", "Trajectory"]
+
+SCHEMA_VERSION = 1
+
+Status = Literal["ok", "error", "timeout"]
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class NodeCall(_Record):
+    """One execution of one graph node. Each `Send` branch and each retry attempt is its own."""
+
+    id: str
+    name: str  # qualified: "outer:inner" for a node inside a subgraph
+    step: int | None  # LangGraph superstep
+    parent_id: str | None  # the enclosing node call, for nodes inside subgraphs
+    status: Literal["ok", "error", "cancelled", "interrupted"]
+    attempt: int = 1
+    error: str | None = None
+    start_time: float | None = None
+    end_time: float | None = None
+
+
+class LLMCall(_Record):
+    """One chat completion choice, with the exact ids the engine produced."""
+
+    id: str
+    node_id: str | None
+    node: str | None
+    role: str
+    policy: str
+    trainable: bool = True
+    messages: list[dict[str, Any]]
+    output_text: str | None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float]
+    finish_reason: str | None
+    model: str | None = None
+    start_time: float | None = None
+    end_time: float | None = None
+
+    @model_validator(mode="after")
+    def _aligned(self) -> "LLMCall":
+        if len(self.response_ids) != len(self.response_logprobs):
+            raise ValueError(
+                f"llm call {self.id}: {len(self.response_ids)} response ids but {len(self.response_logprobs)} log-probs"
+            )
+        return self
+
+
+class ToolCall(_Record):
+    id: str
+    node_id: str | None
+    name: str
+    input: Any = None
+    output: Any = None
+    status: Literal["ok", "error"] = "ok"
+    error: str | None = None
+
+
+class Rewards(_Record):
+    trajectory: float | None = None
+    roles: dict[str, float] = Field(default_factory=dict)
+    turns: dict[str, float] = Field(default_factory=dict)
+    # How each turn's reward was made (allocator, levels mixed); for audit.
+    detail: dict[str, Any] = Field(default_factory=dict)
+
+
+class Trajectory(_Record):
+    schema_version: int = SCHEMA_VERSION
+    rollout_id: str
+    task: dict[str, Any]
+    status: Status
+    error: str | None = None
+    trace_id: str | None = None
+    nodes: list[NodeCall] = Field(default_factory=list)
+    llm_calls: list[LLMCall] = Field(default_factory=list)
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    rewards: Rewards = Field(default_factory=Rewards)
+    final_state: Any = None
+    duration_s: float | None = None
+
+    def to_json(self) -> str:
+        return self.model_dump_json()
