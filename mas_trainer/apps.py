@@ -8,10 +8,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mas_trainer.errors import UserError
+
 __all__ = ["AppLoadError", "load_object"]
 
 
-class AppLoadError(ValueError):
+class AppLoadError(UserError):
     """One line saying what is missing; the CLI prints it and exits 2."""
 
 

@@ -10,13 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
+from mas_trainer.errors import UserError
+
 __all__ = ["FROZEN_POLICY", "PolicySpec", "TrainSpec", "ResolvedSpec", "SpecError", "Route"]
 
 # Policy that serves nodes nobody asked to train: the base model, never updated.
 FROZEN_POLICY = "frozen"
 
 
-class SpecError(ValueError):
+class SpecError(UserError):
     """A decorator argument names something that does not exist; the message lists what does."""
 
 

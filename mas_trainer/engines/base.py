@@ -25,6 +25,9 @@ class SamplingParams:
     # A JSON schema the output must satisfy (response_format json_schema, forced tool
     # choice). None means free text.
     json_schema: dict[str, Any] | None = None
+    # Keep generating past the end-of-turn token until max_tokens or a stop string (as in
+    # vLLM); for benchmarks that must produce a fixed number of tokens.
+    ignore_eos: bool = False
 
 
 @dataclass

@@ -73,10 +73,11 @@ def parse_tool_calls(text: str, tools: list[dict[str, Any]] | None = None) -> tu
     rest = _TOOL_CALL_RE.sub(take, text).strip()
     if not calls and tools and rest.startswith("{") and rest.endswith("}"):
         try:
-            call = _as_call(json.loads(rest))
+            obj = json.loads(rest)
         except ValueError:
-            call = None
-        if call is not None and "arguments" in json.loads(rest):
+            obj = None
+        call = _as_call(obj) if isinstance(obj, dict) and ("arguments" in obj or "parameters" in obj) else None
+        if call is not None:
             calls.append(call)
             rest = ""
     if calls and not rest:

@@ -1,0 +1,121 @@
+"""`mas-trainer`: one console script, one verb per stage of the product."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from mas_trainer.errors import UserError
+
+__all__ = ["main"]
+
+
+class UsageError(UserError):
+    """Bad input from the command line: printed as one line, exit status 2."""
+
+
+def _load_tasks(args: argparse.Namespace) -> list[dict[str, Any]]:
+    if args.input is not None:
+        try:
+            task = json.loads(args.input)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"--input is not valid JSON: {exc}") from exc
+        if not isinstance(task, dict):
+            raise UsageError("--input must be a JSON object, e.g. '{\"question\": \"...\"}'")
+        return [task]
+    path = Path(args.data)
+    if not path.is_file():
+        raise UsageError(f"data file not found: {path}")
+    text = path.read_text()
+    if path.suffix == ".json":
+        try:
+            tasks = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"{path}: not valid JSON: {exc}") from exc
+        tasks = tasks if isinstance(tasks, list) else [tasks]
+    else:
+        tasks = []
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                tasks.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise UsageError(f"{path}:{lineno}: not valid JSON: {exc.msg}") from exc
+    bad = [i for i, t in enumerate(tasks, 1) if not isinstance(t, dict)]
+    if bad:
+        raise UsageError(f"{path}: task {bad[0]} is not a JSON object")
+    if not tasks:
+        raise UsageError(f"{path}: no tasks")
+    return tasks
+
+
+def _check_model(model: str | None) -> None:
+    if model is None or model in ("tiny", "default"):
+        return
+    if not Path(model).exists() and ("/" not in model or model.startswith((".", "/"))):
+        raise UsageError(f"--model {model!r}: no such folder; use tiny, default, a local model folder or a cached HF id")
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from mas_trainer.runtime.session import Session
+    from mas_trainer.trace.report import print_trajectories
+
+    tasks = _load_tasks(args)
+    _check_model(args.model)
+    console = Console(stderr=False)
+    out = Path(args.output)
+    with Session(model=args.model, max_in_flight=args.concurrency, timeout_s=args.timeout, otel_exporter=args.otel, default_max_tokens=args.max_tokens) as session:
+        app = session.load_app(args.app)
+        pols = ", ".join(f"{n}={p.base_model}" for n, p in app.spec.policies.items())
+        console.print(f"[bold]{args.app}[/]: {len(app.spec.nodes)} nodes; policies {pols}; gateway {session.server.base_url}")
+        start = time.time()
+        trajs = session.run(tasks, n=args.n)
+        elapsed = time.time() - start
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w") as f:
+        for t in trajs:
+            f.write(t.to_json() + "\n")
+    print_trajectories(trajs, console)
+    console.print(f"{len(trajs)} rollouts in {elapsed:.1f} s → {out}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mas-trainer", description="Train LangGraph multi-agent apps with multi-agent RL.")
+    sub = parser.add_subparsers(dest="verb", required=True)
+
+    p = sub.add_parser("trace", help="dry run: run the app on tasks, write trajectories, print node/LLM call trees",
+                       description="Run APP on tasks with every LLM call routed to its role's policy; no training.")
+    p.add_argument("app", metavar="APP", help="path/to/file.py:attr or package.module:attr (graph, builder or function)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--input", help="one task as a JSON object")
+    src.add_argument("--data", help="tasks file: JSON lines (or a .json list)")
+    p.add_argument("--model", default=None, help="base model of every policy: tiny | default | PATH (default: as the app says)")
+    p.add_argument("--output", default="trajectories.jsonl", help="where to write trajectories (JSON lines)")
+    p.add_argument("--n", type=int, default=1, help="rollouts per task")
+    p.add_argument("--concurrency", type=int, default=64, help="rollouts in flight at once")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a rollout is stopped (status timeout)")
+    p.add_argument("--max-tokens", type=int, default=256, help="max_tokens for requests that set none")
+    p.add_argument("--otel", choices=["none", "console", "otlp"], default=None, help="also export spans (otlp: OTEL_EXPORTER_OTLP_* env)")
+    p.set_defaults(func=cmd_trace)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as exc:
+        print(f"mas-trainer {args.verb}: error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""One process hosting a gateway, the policies' engines and a controller.
+
+Order matters: the gateway starts and OPENAI_BASE_URL points at it *before* the app is
+imported, because apps build their OpenAI clients at import time; the engines start after,
+since which policies exist is only known once the app's spec is read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any, Callable, Iterable
+
+from mas_trainer.apps import load_object
+from mas_trainer.gateway import Gateway, GatewayServer, Ledger, PolicyBackend, Router
+from mas_trainer.runtime.controller import AppRunner, Controller
+from mas_trainer.spec import FROZEN_POLICY
+from mas_trainer.trace import otel
+from mas_trainer.trace.instrument import instrument_openai
+from mas_trainer.trace.schema import Trajectory
+
+__all__ = ["Session", "torch_backend"]
+
+
+def torch_backend(base_model: str, *, seed: int = 0, max_batch_size: int = 8) -> PolicyBackend:
+    """The embedded engine for one policy: its own copy of the base model's weights."""
+    from mas_trainer.engines.chat import HFChatFormat
+    from mas_trainer.engines.models import load_model
+    from mas_trainer.engines.torch_engine import TorchEngine
+
+    model, tokenizer = load_model(base_model, seed=seed)
+    engine = TorchEngine(model, tokenizer, model_name=base_model, max_batch_size=max_batch_size)
+    return PolicyBackend(engine, HFChatFormat(tokenizer))
+
+
+class Session:
+    def __init__(
+        self,
+        *,
+        model: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_in_flight: int = 64,
+        timeout_s: float | None = 300.0,
+        otel_exporter: str | None = None,
+        default_max_tokens: int = 256,
+        backend_factory: Callable[[str], PolicyBackend] = torch_backend,
+    ) -> None:
+        self.model = model
+        self.max_in_flight = max_in_flight
+        self.timeout_s = timeout_s
+        self.backend_factory = backend_factory
+        self.ledger = Ledger()
+        otel.configure(otel_exporter)
+        self.gateway = Gateway(Router(), self.ledger, default_max_tokens=default_max_tokens)
+        self.server = GatewayServer(self.gateway, host, port)
+        self.app: AppRunner | None = None
+        self._saved_env: dict[str, str | None] = {}
+
+    def __enter__(self) -> "Session":
+        self.server.start()
+        for key, value in (("OPENAI_BASE_URL", self.server.base_url), ("OPENAI_API_KEY", os.environ.get("OPENAI_API_KEY") or "mas-trainer")):
+            self._saved_env[key] = os.environ.get(key)
+            os.environ[key] = value
+        instrument_openai()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for backend in self.gateway.backends.values():
+            backend.engine.close()
+        self.server.stop()
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+    def load_app(self, ref_or_obj: Any) -> AppRunner:
+        """Import the app (after the gateway is up), then start one engine per policy."""
+        from mas_trainer.adapters.langgraph import LangGraphApp
+
+        obj = load_object(ref_or_obj) if isinstance(ref_or_obj, str) else ref_or_obj
+        app = LangGraphApp(obj, base_model=self.model)
+        for name, policy in app.spec.policies.items():
+            self.gateway.add_policy(name, self.backend_factory(policy.base_model))
+        fallback = app.spec.spec.default_policy or (FROZEN_POLICY if FROZEN_POLICY in app.spec.policies else None)
+        self.gateway.router = Router(app.spec, fallback=fallback)
+        self.app = app
+        return app
+
+    def run(self, tasks: Iterable[dict[str, Any]], *, n: int = 1, on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
+        if self.app is None:
+            raise RuntimeError("load_app() first")
+        controller = Controller(self.app, self.ledger, max_in_flight=self.max_in_flight, timeout_s=self.timeout_s)
+        return asyncio.run(controller.run(list(tasks), n=n, on_done=on_done))

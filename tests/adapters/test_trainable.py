@@ -1,0 +1,111 @@
+"""@trainable returns the same graph: invoke/stream/async/checkpointer/interrupts unchanged."""
+
+import operator
+from typing import Annotated, TypedDict
+
+import pytest
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.graph import END, START, StateGraph
+from langgraph.types import Command, interrupt
+
+from mas_trainer import trainable
+from mas_trainer.adapters.langgraph import as_graph, node_names, spec_of
+from mas_trainer.spec import SpecError
+
+
+class S(TypedDict):
+    x: int
+    log: Annotated[list, operator.add]
+
+
+def _builder(with_interrupt: bool = False) -> StateGraph:
+    def plan(s):
+        return {"x": s["x"] + 1, "log": ["plan"]}
+
+    def act(s):
+        if with_interrupt:
+            answer = interrupt("approve?")
+            return {"log": [f"act:{answer}"]}
+        return {"x": s["x"] * 2, "log": ["act"]}
+
+    inner = StateGraph(S)
+    inner.add_node("inner_step", lambda s: {"log": ["inner"]})
+    inner.add_edge(START, "inner_step")
+    g = StateGraph(S)
+    g.add_node("plan", plan)
+    g.add_node("act", act)
+    g.add_node("sub", inner.compile())
+    g.add_edge(START, "plan")
+    g.add_edge("plan", "act")
+    g.add_edge("act", "sub")
+    g.add_edge("sub", END)
+    return g
+
+
+ROLES = {"plan": "p", "act": "q"}
+
+
+async def _all_results(graph, config=None):
+    inp = {"x": 1, "log": []}
+    return (
+        graph.invoke(inp, config),
+        await graph.ainvoke(inp, config),
+        list(graph.stream(inp, config)),
+        [c async for c in graph.astream(inp, config)],
+    )
+
+
+async def test_decorated_compiled_graph_is_the_same_graph():
+    plain = _builder().compile()
+    marked = trainable(_builder().compile(), roles=ROLES)
+    assert await _all_results(marked) == await _all_results(plain)
+    assert spec_of(marked).roles == ROLES
+
+
+async def test_decorated_builder_and_function_forms():
+    builder = trainable(_builder(), roles=ROLES)
+    assert isinstance(builder, StateGraph)
+    compiled = builder.compile()
+    assert spec_of(compiled).roles == ROLES  # found through .builder
+    assert compiled.invoke({"x": 1, "log": []}) == _builder().compile().invoke({"x": 1, "log": []})
+
+    @trainable(roles=ROLES, policies={"p": "default", "q": "tiny"})
+    def make_graph():
+        return _builder()
+
+    graph, spec = as_graph(make_graph)
+    assert spec.policies["q"].base_model == "tiny"
+    assert graph.invoke({"x": 2, "log": []})["x"] == 6
+
+
+def test_checkpointer_and_interrupts_unchanged():
+    def run(graph):
+        cfg = {"configurable": {"thread_id": "t1"}}
+        first = graph.invoke({"x": 1, "log": []}, cfg)
+        resumed = graph.invoke(Command(resume="yes"), cfg)
+        return first["log"], "__interrupt__" in first, resumed["log"]
+
+    plain = run(_builder(with_interrupt=True).compile(checkpointer=InMemorySaver()))
+    marked = run(trainable(_builder(with_interrupt=True).compile(checkpointer=InMemorySaver()), roles=ROLES))
+    assert plain == marked
+    assert marked[1] and marked[2][-2:] == ["act:yes", "inner"]
+
+
+def test_node_names_include_subgraph_nodes():
+    assert node_names(_builder().compile()) == ["plan", "act", "sub:inner_step"]
+
+
+def test_mistakes_are_caught_at_decoration_time():
+    with pytest.raises(SpecError, match="unknown node 'plan_x'; valid nodes: plan, act, sub:inner_step"):
+        trainable(_builder(), roles={"plan_x": "p"})
+    with pytest.raises(SpecError, match="valid policies: p"):
+        trainable(_builder(), roles={"plan": "nope"}, policies={"p": "default"})
+    with pytest.raises(SpecError, match="both trained"):
+        trainable(_builder(), roles={"plan": "p"}, frozen=["plan"])
+    with pytest.raises(SpecError, match="expects a StateGraph"):
+        trainable(42, roles={})
+
+
+def test_roles_may_name_subgraph_nodes():
+    graph = trainable(_builder().compile(), roles={"inner_step": "p", "sub:inner_step": "p"})
+    assert set(spec_of(graph).roles) == {"inner_step", "sub:inner_step"}
