@@ -153,6 +153,9 @@ class GraphTracer(BaseCallbackHandler):
         kind = type(error).__name__ if error is not None else None
         if kind in ("GraphInterrupt", "NodeInterrupt"):
             node.record.status = "interrupted"
+        elif kind == "CancelledError":  # the rollout was stopped (timeout) while this node ran
+            node.record.status = "cancelled"
+            node.span.set_status(StatusCode.ERROR, "cancelled")
         elif error is not None and kind not in _CONTROL_FLOW:
             node.record.status = "error"
             node.record.error = f"{type(error).__name__}: {error}"
@@ -182,7 +185,7 @@ class GraphTracer(BaseCallbackHandler):
     def on_tool_start(self, serialized, input_str, *, run_id, parent_run_id=None, metadata=None, inputs=None, **kw):
         run = self._register(run_id, parent_run_id, metadata, None)
         name = kw.get("name") or (serialized or {}).get("name") or "tool"
-        call_id = (metadata or {}).get("tool_call_id") or str(run_id)
+        call_id = kw.get("tool_call_id") or (metadata or {}).get("tool_call_id") or str(run_id)
         with self._lock:
             self._tools[run_id] = ToolCall(
                 id=str(call_id),

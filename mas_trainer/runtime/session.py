@@ -33,6 +33,19 @@ def torch_backend(base_model: str, *, seed: int = 0, max_batch_size: int = 8) ->
     return PolicyBackend(engine, HFChatFormat(tokenizer))
 
 
+_loop: asyncio.AbstractEventLoop | None = None
+
+
+def _rollout_loop() -> asyncio.AbstractEventLoop:
+    """One event loop for every rollout of the process, never closed: clients that apps or
+    their libraries create once (langchain-openai shares one async HTTP client per base URL)
+    stay bound to the first loop that used them."""
+    global _loop
+    if _loop is None or _loop.is_closed():
+        _loop = asyncio.new_event_loop()
+    return _loop
+
+
 class Session:
     def __init__(
         self,
@@ -56,6 +69,7 @@ class Session:
         self.server = GatewayServer(self.gateway, host, port)
         self.app: AppRunner | None = None
         self._saved_env: dict[str, str | None] = {}
+        self.loop = _rollout_loop()
 
     def __enter__(self) -> "Session":
         self.server.start()
@@ -92,4 +106,4 @@ class Session:
         if self.app is None:
             raise RuntimeError("load_app() first")
         controller = Controller(self.app, self.ledger, max_in_flight=self.max_in_flight, timeout_s=self.timeout_s)
-        return asyncio.run(controller.run(list(tasks), n=n, on_done=on_done))
+        return self.loop.run_until_complete(controller.run(list(tasks), n=n, on_done=on_done))

@@ -1,0 +1,492 @@
+"""The embedded engine: one thread owns a torch model and batches concurrent requests.
+
+Every turn of every rollout comes through here, so throughput decides how fast training
+runs on a CPU. Requests are split into rows (one per choice) and decoded together with a
+shared KV cache; rows join the running batch as soon as there is room (continuous
+batching) and leave it the step they finish, so a long answer never holds short ones back.
+Each row keeps its own sampling parameters, seed generator and JSON-schema matcher, while
+the sampling itself stays vectorised across rows.
+
+Returned log-probs are `log_softmax(raw logits)` at the sampled token: temperature 1, no
+top-p and no grammar mask. That is the policy's own probability of the token, which is
+what a PPO learner needs as the old log-prob; it is not the probability of the (possibly
+warped) distribution the token was drawn from.
+
+Thread model: only the worker thread touches the model. `generate` (async, any event loop)
+and `generate_sync` (any thread) enqueue rows and wait on a future; `run_exclusive` runs a
+function on the model between batches (admission pauses, running rows finish first), which
+is how a learner swaps weights without a response mixing two policies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from mas_trainer.engines.base import Generation, SamplingParams
+
+__all__ = ["TorchEngine"]
+
+
+@dataclass(eq=False)
+class _Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    future: concurrent.futures.Future
+    grammar: Any = None
+    results: list[Generation | None] = field(default_factory=list)
+    remaining: int = 0
+
+
+@dataclass(eq=False)
+class _Row:
+    req: _Request
+    index: int
+    limit: int  # max tokens for this row (max_tokens, bounded by the context window)
+    generator: torch.Generator | None = None
+    matcher: Any = None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+def _row_seed(seed: int, index: int) -> int:
+    """Distinct, reproducible seeds for the n choices of one seeded request."""
+    return seed if index == 0 else (seed * 0x9E3779B97F4A7C15 + index) & (2**63 - 1)
+
+
+class TorchEngine:
+    """`Engine` over a Hugging Face causal LM, batching concurrent requests on one thread."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        model_name: str,
+        max_batch_size: int = 8,
+        batch_wait_ms: float = 5,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.batch_wait_s = batch_wait_ms / 1000
+        self.device = torch.device(device)
+        self._model = model.to(device=self.device, dtype=dtype).eval()
+        config = model.config
+        self.max_positions = getattr(config, "max_position_embeddings", None) or 1 << 30
+        eos = {tokenizer.eos_token_id, config.eos_token_id}
+        gen_eos = getattr(model.generation_config, "eos_token_id", None) if model.generation_config else None
+        eos |= set(gen_eos) if isinstance(gen_eos, (list, tuple)) else {gen_eos}
+        self.eos_ids = frozenset(i for i in eos if i is not None)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids, default=0)
+        self.stats: dict[str, Any] = {"decode_steps": 0, "prefills": 0, "tokens": 0, "batch_sizes": collections.Counter()}
+        self._rng = torch.Generator(device=self.device).manual_seed(0)
+        self._grammars: dict[str, Any] = {}
+        self._grammar_lock = threading.Lock()
+        self._xgr_compiler: Any = None
+        # State shared with callers, guarded by _cond.
+        self._cond = threading.Condition()
+        self._pending: collections.deque[_Row] = collections.deque()
+        self._controls: collections.deque[tuple[Callable[[Any], Any], concurrent.futures.Future]] = collections.deque()
+        self._closed = False
+        # Batch state, touched only by the worker thread.
+        self._rows: list[_Row] = []
+        self._cache: Any = None
+        self._mask = self._pos = self._next = None
+        # Joining rows to a running batch edits the KV cache per layer, which is only sound
+        # for full-attention layers; models with sliding windows fall back to static batches.
+        from transformers import DynamicCache
+
+        layers = DynamicCache(config=config).layers
+        self._continuous = bool(layers) and all(type(l).__name__ == "DynamicLayer" for l in layers)
+        self._thread = threading.Thread(target=self._work, name=f"TorchEngine[{model_name}]", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- public API
+
+    @property
+    def model(self) -> Any:
+        """The model; read freely, but change it only through `run_exclusive`."""
+        return self._model
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[Generation]:
+        """`params.n` choices for one prompt; cancelling the await frees the rows."""
+        if params.json_schema is not None and self._schema_key(params.json_schema) not in self._grammars:
+            await asyncio.to_thread(self._grammar_for, params.json_schema)
+        return await asyncio.wrap_future(self._submit(prompt_ids, params))
+
+    def generate_sync(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[Generation]:
+        """Blocking `generate` for threads without an event loop (never the worker itself)."""
+        return self._submit(prompt_ids, params).result()
+
+    def run_exclusive(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        """Run `fn(model)` on the worker once running rows finish; new rows wait meanwhile."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError(f"engine {self.model_name!r} is closed")
+            self._controls.append((fn, fut))
+            self._cond.notify()
+        return fut
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> None:
+        """Load new weights between batches (blocks until they are in place)."""
+
+        def load(model: Any) -> None:
+            with torch.no_grad():
+                model.load_state_dict(state_dict, strict=strict)
+
+        self.run_exclusive(load).result()
+
+    def close(self) -> None:
+        """Stop the worker; requests still waiting or running fail with RuntimeError."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def __enter__(self) -> "TorchEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- submission
+
+    @staticmethod
+    def _schema_key(schema: dict[str, Any]) -> str:
+        return json.dumps(schema, sort_keys=True)
+
+    def _grammar_for(self, schema: dict[str, Any]) -> Any:
+        """Compile a JSON schema once (xgrammar), without free-form whitespace."""
+        key = self._schema_key(schema)
+        with self._grammar_lock:
+            if key not in self._grammars:
+                import xgrammar as xgr
+
+                if self._xgr_compiler is None:
+                    vocab = self._model.get_output_embeddings().weight.shape[0]
+                    info = xgr.TokenizerInfo.from_huggingface(
+                        self.tokenizer, vocab_size=vocab, stop_token_ids=sorted(self.eos_ids)
+                    )
+                    self._xgr_compiler = xgr.GrammarCompiler(info, max_threads=2)
+                try:
+                    self._grammars[key] = self._xgr_compiler.compile_json_schema(key, any_whitespace=False)
+                except Exception as err:  # xgrammar raises RuntimeError for bad schemas
+                    raise ValueError(f"invalid json_schema: {err}") from None
+            return self._grammars[key]
+
+    def _submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> concurrent.futures.Future:
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("prompt_ids is empty")
+        if params.n < 1 or params.max_tokens < 1:
+            raise ValueError("n and max_tokens must be >= 1")
+        room = self.max_positions - len(prompt)
+        if room < 1:
+            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in a {self.max_positions}-token context")
+        grammar = self._grammar_for(params.json_schema) if params.json_schema is not None else None
+        req = _Request(prompt, params, concurrent.futures.Future(), grammar, [None] * params.n, params.n)
+        rows = [
+            _Row(req, i, min(params.max_tokens, room),
+                 torch.Generator(device=self.device).manual_seed(_row_seed(params.seed, i)) if params.seed is not None else None)
+            for i in range(params.n)
+        ]
+        with self._cond:
+            if self._closed:
+                raise RuntimeError(f"engine {self.model_name!r} is closed")
+            self._pending.extend(rows)
+            self._cond.notify()
+        return req.future
+
+    # ---------------------------------------------------------------- worker loop
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                admit = self._wait_for_work()
+                if admit is None:
+                    break
+                controls = [] if self._rows or admit else list(self._controls)
+                if controls:
+                    self._controls.clear()
+            for fn, fut in controls:
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn(self._model))
+                    except BaseException as err:  # handed to the caller
+                        fut.set_exception(err)
+            try:
+                self._iteration(admit)
+            except Exception as err:  # fail the affected requests, keep serving others
+                for row in self._rows + admit:
+                    self._fail(row.req, err)
+                self._rows, self._cache = [], None
+        self._shutdown()
+
+    def _wait_for_work(self) -> list[_Row] | None:
+        """Under the lock: rows to admit now ([] = just decode), or None to stop."""
+        while not self._closed and not self._rows and not self._pending and not self._controls:
+            self._cond.wait()
+        if self._closed:
+            return None
+        if self._controls or (self._rows and not self._continuous):
+            return []  # drain first: exclusive calls wait for an empty batch; so do static batches
+        if not self._rows and self._pending:  # idle: give concurrent callers a moment to join
+            deadline = time.monotonic() + self.batch_wait_s
+            while len(self._pending) < self.max_batch_size and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+        admit = []
+        while self._pending and len(self._rows) + len(admit) < self.max_batch_size:
+            row = self._pending.popleft()
+            if not row.req.future.done():  # cancelled while waiting
+                admit.append(row)
+        return admit
+
+    def _shutdown(self) -> None:
+        with self._cond:
+            rows = self._rows + list(self._pending)
+            controls = list(self._controls)
+            self._pending.clear()
+            self._controls.clear()
+        err = RuntimeError(f"engine {self.model_name!r} is closed")
+        for row in rows:
+            self._fail(row.req, err)
+        for _, fut in controls:
+            if not fut.done():
+                fut.set_exception(err)
+        self._rows, self._cache = [], None
+
+    @staticmethod
+    def _fail(req: _Request, err: BaseException) -> None:
+        if not req.future.done():
+            try:
+                req.future.set_exception(err)
+            except concurrent.futures.InvalidStateError:
+                pass
+
+    # ---------------------------------------------------------------- one step
+
+    @torch.inference_mode()
+    def _iteration(self, admit: list[_Row]) -> None:
+        """Prefill newly admitted rows into the batch, then decode one token for all rows."""
+        if any(row.req.future.done() for row in self._rows):  # cancelled by the caller
+            self._keep([i for i, row in enumerate(self._rows) if not row.req.future.done()])
+        if admit:
+            self._prefill(admit)
+        if self._rows:
+            self._decode()
+
+    def _prefill(self, rows: list[_Row]) -> None:
+        """Run the new prompts (each distinct prompt once) and merge them into the batch."""
+        from transformers import DynamicCache
+
+        distinct: dict[tuple[int, ...], int] = {}
+        which = [distinct.setdefault(tuple(r.req.prompt_ids), len(distinct)) for r in rows]
+        prompts = list(distinct)
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        cache = DynamicCache(config=self._model.config)
+        out = self._model(
+            input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            past_key_values=cache, use_cache=True, logits_to_keep=1,
+        )
+        index = torch.tensor(which, device=self.device)
+        if len(prompts) != len(rows):
+            cache.batch_select_indices(index)
+        for row in rows:
+            if row.req.grammar is not None:
+                import xgrammar as xgr
+
+                row.matcher = xgr.GrammarMatcher(row.req.grammar)
+        self.stats["prefills"] += 1
+        running = (self._rows, self._cache, self._mask, self._pos, self._next)
+        self._rows, self._cache, self._mask, self._next = rows, cache, mask[index], None
+        self._pos = self._mask.sum(-1)
+        first = self._sample(out.logits[index, -1])
+        fresh = (self._rows, self._cache, self._mask, self._pos, first)
+        self._rows, self._cache, self._mask, self._pos, self._next = running
+        if not fresh[0]:
+            return
+        if self._rows:
+            self._merge(*fresh)
+        else:
+            self._rows, self._cache, self._mask, self._pos, self._next = fresh
+
+    def _decode(self) -> None:
+        ones = torch.ones((len(self._rows), 1), dtype=torch.long, device=self.device)
+        self._mask = torch.cat([self._mask, ones], dim=1)
+        out = self._model(
+            input_ids=self._next[:, None], attention_mask=self._mask, position_ids=self._pos[:, None],
+            past_key_values=self._cache, use_cache=True,
+        )
+        self._pos, self._next = self._pos + 1, None
+        self.stats["decode_steps"] += 1
+        self.stats["batch_sizes"][len(self._rows)] += 1
+        self._next = self._sample(out.logits[:, -1])
+
+    def _merge(self, rows: list[_Row], cache: Any, mask: torch.Tensor, pos: torch.Tensor, nxt: torch.Tensor) -> None:
+        """Append freshly prefilled rows (and their cache) to the running batch.
+
+        Both caches are left-aligned to the same length by left padding, which the
+        attention mask hides; positions stay per row, so the math is unchanged.
+        """
+        width = max(mask.shape[1], self._mask.shape[1])
+
+        def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
+            missing = width - t.shape[dim]
+            if missing == 0:
+                return t
+            shape = list(t.shape)
+            shape[dim] = missing
+            return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+        for mine, theirs in zip(self._cache.layers, cache.layers):
+            mine.keys = torch.cat([pad(mine.keys, 2), pad(theirs.keys, 2)])
+            mine.values = torch.cat([pad(mine.values, 2), pad(theirs.values, 2)])
+        self._mask = torch.cat([pad(self._mask, 1), pad(mask, 1)])
+        self._pos = torch.cat([self._pos, pos])
+        self._next = torch.cat([self._next, nxt])
+        self._rows = self._rows + rows
+
+    def _keep(self, keep: list[int]) -> None:
+        """Drop finished rows from the batch and the padding columns nobody needs anymore."""
+        self._rows = [self._rows[i] for i in keep]
+        if not keep:
+            self._cache = self._mask = self._pos = self._next = None
+            return
+        index = torch.tensor(keep, device=self.device)
+        mask = self._mask[index]
+        self._pos = self._pos[index]
+        if self._next is not None:
+            self._next = self._next[index]
+        if not self._continuous:
+            self._mask = mask
+            self._cache.batch_select_indices(index)
+            return
+        start = int(mask.any(0).to(torch.int8).argmax())
+        self._mask = mask[:, start:]
+        for layer in self._cache.layers:
+            layer.keys = layer.keys[index, :, start:]
+            layer.values = layer.values[index, :, start:]
+
+    # ---------------------------------------------------------------- sampling
+
+    def _sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """Pick one token per row with its own parameters; record it and retire finished rows."""
+        rows = self._rows
+        logits = logits.float()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        constrained = [i for i, r in enumerate(rows) if r.matcher is not None]
+        if constrained:
+            import xgrammar as xgr
+
+            bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[-1])
+            for i in constrained:
+                rows[i].matcher.fill_next_token_bitmask(bitmask, i)
+            logits = logits.clone()
+            xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=constrained)
+        hot = [i for i, r in enumerate(rows) if r.req.params.temperature > 0]
+        if len(hot) == len(rows):
+            tokens = self._draw(logits, rows)
+        else:
+            tokens = logits.argmax(-1)
+            if hot:
+                tokens[hot] = self._draw(logits[hot], [rows[i] for i in hot])
+        chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+        token_list = tokens.tolist()
+        keep = []
+        for i, row in enumerate(rows):
+            row.tokens.append(token_list[i])
+            row.logprobs.append(chosen[i])
+            if row.matcher is not None:
+                row.matcher.accept_token(token_list[i])
+            if not self._finished(row):
+                keep.append(i)
+        self.stats["tokens"] += len(rows)
+        if len(keep) < len(rows):
+            self._keep(keep)
+            tokens = tokens[keep] if keep else tokens[:0]
+        return tokens
+
+    def _draw(self, logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
+        """Sample with temperature and top-p by inverse CDF: one uniform number per row.
+
+        Unseeded rows share the engine's generator; seeded rows draw their number from their
+        own, so a seeded sample does not depend on what else is in the batch.
+        """
+        temps = torch.tensor([r.req.params.temperature for r in rows], device=logits.device)
+        probs = torch.softmax(logits / temps[:, None], dim=-1)
+        top_p = [r.req.params.top_p for r in rows]
+        if any(p < 1 for p in top_p):
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above each token
+            drop = before >= torch.tensor(top_p, device=logits.device)[:, None]
+            drop[:, 0] = False  # top_p=0 means the single most likely token
+            probs = probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
+        u = torch.rand((len(rows), 1), generator=self._rng, device=logits.device)
+        for i, row in enumerate(rows):
+            if row.generator is not None:
+                u[i] = torch.rand(1, generator=row.generator, device=logits.device)
+        cdf = probs.cumsum(-1)
+        picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_max_(probs.shape[-1] - 1)
+        # Rounding at the very top of the CDF could land on a token with zero mass.
+        bad = probs.gather(1, picked) <= 0
+        if bool(bad.any()):
+            picked = torch.where(bad, probs.argmax(-1, keepdim=True), picked)
+        return picked[:, 0]
+
+    def _finished(self, row: _Row) -> bool:
+        """Decide whether `row` is done; if so, file its Generation."""
+        params, token = row.req.params, row.tokens[-1]
+        reason = None
+        if token in self.eos_ids and not params.ignore_eos:
+            reason = "stop"
+        elif row.matcher is not None and row.matcher.is_terminated():
+            reason = "stop"
+        elif params.stop and self._hit_stop(row):
+            reason = "stop"
+        elif len(row.tokens) >= row.limit:
+            reason = "length"
+        if reason is None:
+            return False
+        ids = row.tokens[:-1] if token in self.eos_ids and reason == "stop" else row.tokens
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        cuts = [text.find(s) for s in params.stop if s and s in text]
+        if cuts:
+            text, reason = text[: min(cuts)], "stop"
+        req = row.req
+        req.results[row.index] = Generation(list(row.tokens), list(row.logprobs), text, reason, req.prompt_ids)
+        req.remaining -= 1
+        if req.remaining == 0 and not req.future.done():
+            try:
+                req.future.set_result(list(req.results))
+            except concurrent.futures.InvalidStateError:
+                pass
+        return True
+
+    def _hit_stop(self, row: _Row) -> bool:
+        """Does a stop string end in the last tokens? (decodes only a short tail)."""
+        stops = row.req.params.stop
+        tail = max(len(s) for s in stops) + 2
+        text = self.tokenizer.decode(row.tokens[-tail:], skip_special_tokens=True)
+        return any(s and s in text for s in stops)

@@ -1,0 +1,16 @@
+import pytest
+
+from mas_trainer.engines.fake import FakeChatFormat, FakeEngine
+from mas_trainer.gateway import PolicyBackend
+from mas_trainer.runtime.session import Session
+
+
+def fake_backend(_base_model: str) -> PolicyBackend:
+    return PolicyBackend(FakeEngine(latency_s=0.002, reply="fake reply"), FakeChatFormat())
+
+
+@pytest.fixture
+def fake_session():
+    """A gateway on 127.0.0.1 with fake engines, OPENAI_BASE_URL pointing at it."""
+    with Session(backend_factory=fake_backend, timeout_s=20) as session:
+        yield session

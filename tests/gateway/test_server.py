@@ -1,0 +1,150 @@
+"""The gateway speaks enough OpenAI for the official clients, and survives bad requests."""
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from mas_trainer.engines.fake import FakeChatFormat, FakeEngine
+from mas_trainer.gateway import Gateway, GatewayServer, Ledger, PolicyBackend, Router
+from mas_trainer.spec import TrainSpec
+
+
+class Recording(FakeEngine):
+    """A fake upstream that remembers the sampling params each request arrived with."""
+
+    def __init__(self, reply: str = "hello there", **kw):
+        super().__init__(model_name="fake", latency_s=0.0, reply=reply, **kw)
+        self.params = []
+
+    async def generate(self, prompt_ids, params):
+        self.params.append(params)
+        return await super().generate(prompt_ids, params)
+
+
+@pytest.fixture
+def served():
+    spec = TrainSpec.build({"planner": "p", "coder": "q"}).resolve(["planner", "coder"])
+    engines = {"p": Recording("from p"), "q": Recording('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')}
+    ledger = Ledger()
+    gw = Gateway(Router(spec, model_routes={"gpt-4o-mini": "p"}), ledger, api_key=None)
+    for name, eng in engines.items():
+        gw.add_policy(name, PolicyBackend(eng, FakeChatFormat()))
+    with GatewayServer(gw) as server:
+        yield server, engines, ledger
+
+
+def _client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0)
+
+
+def test_models_and_routing_by_model_name(served):
+    server, engines, _ = served
+    client = _client(server)
+    assert {m.id for m in client.models.list().data} == {"p", "q", "gpt-4o-mini"}
+    r = client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}])
+    assert r.choices[0].message.content == "from p"
+    raw = r.model_dump()
+    assert len(raw["choices"][0]["token_ids"]) == len(raw["choices"][0]["logprobs"]["content"]) > 0
+    assert raw["prompt_token_ids"]
+
+
+def test_sampling_params_are_passed_to_the_engine(served):
+    server, engines, _ = served
+    client = _client(server)
+    r = client.chat.completions.create(
+        model="p", messages=[{"role": "user", "content": "hi"}], temperature=0.3, top_p=0.9,
+        max_tokens=7, stop=["\n"], n=2, seed=11,
+    )
+    assert len(r.choices) == 2
+    p = engines["p"].params[-1]
+    assert (p.temperature, p.top_p, p.max_tokens, p.stop, p.n, p.seed) == (0.3, 0.9, 7, ("\n",), 2, 11)
+
+
+def test_structured_output_and_forced_tools_constrain_the_engine(served):
+    server, engines, _ = served
+    client = _client(server)
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    client.chat.completions.create(
+        model="p", messages=[{"role": "user", "content": "hi"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "A", "schema": schema}},
+    )
+    got = engines["p"].params[-1].json_schema
+    assert got["properties"]["answer"]["type"] == "string" and got["properties"]["answer"]["maxLength"] > 0
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}
+    client.chat.completions.create(model="p", messages=[{"role": "user", "content": "hi"}], tools=[tool], tool_choice="required")
+    forced = engines["p"].params[-1].json_schema
+    assert forced["properties"]["name"] == {"const": "add"}
+
+
+def test_tool_calls_in_model_output_become_openai_tool_calls(served):
+    server, _, _ = served
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    r = _client(server).chat.completions.create(model="q", messages=[{"role": "user", "content": "1+1"}], tools=[tool])
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls[0].function.name == "add"
+    assert json.loads(choice.message.tool_calls[0].function.arguments) == {"a": 1}
+
+
+def test_streaming_matches_the_plain_response(served):
+    server, _, _ = served
+    client = _client(server)
+    chunks = list(client.chat.completions.create(
+        model="p", messages=[{"role": "user", "content": "hi"}], stream=True, stream_options={"include_usage": True}
+    ))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "from p"
+    assert chunks[-1].usage.completion_tokens > 0
+
+
+def test_baggage_routes_by_node_and_files_tokens_by_rollout(served):
+    server, _, ledger = served
+    headers = {
+        "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        "baggage": "mas.rollout=r1,mas.node=coder,mas.node_call=abc,mas.role=coder",
+    }
+    r = httpx.post(f"{server.base_url}/chat/completions", headers=headers,
+                   json={"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 200
+    [call] = ledger.take("r1")
+    assert (call.id, call.node, call.node_id, call.role, call.policy) == ("b7ad6b7169203331", "coder", "abc", "coder", "q")
+    assert len(call.response_ids) == len(call.response_logprobs) > 0
+
+
+@pytest.mark.parametrize(
+    "body, status, needle",
+    [
+        ("not json", 400, "not valid JSON"),
+        ({"model": "p"}, 400, "messages"),
+        ({"model": "p", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+        ({"model": "p", "messages": [{"role": "user", "content": "x"}], "temperature": 5}, 400, "temperature"),
+        ({"model": "p", "messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "n"),
+        ({"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "available models"),
+        ({"model": "p", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "x"}]}, 400, "tool"),
+    ],
+)
+def test_malformed_requests_get_4xx_json_and_server_keeps_serving(served, body, status, needle):
+    server, _, _ = served
+    data = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(f"{server.base_url}/chat/completions", content=data, headers={"content-type": "application/json"})
+    assert r.status_code == status
+    assert needle in r.json()["error"]["message"]
+    ok = _client(server).chat.completions.create(model="p", messages=[{"role": "user", "content": "still there?"}])
+    assert ok.choices[0].message.content == "from p"
+
+
+def test_api_key_is_enforced_when_set():
+    gw = Gateway(api_key="s3cret")
+    gw.add_policy("p", PolicyBackend(FakeEngine(latency_s=0.0, reply="ok"), FakeChatFormat()))
+    with GatewayServer(gw) as server:
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=server.base_url, api_key="wrong", max_retries=0).models.list()
+        good = openai.OpenAI(base_url=server.base_url, api_key="s3cret", max_retries=0)
+        assert good.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}]).choices[0].message.content == "ok"
+
+
+def test_binds_loopback_by_default():
+    with GatewayServer(Gateway()) as server:
+        assert server.host == "127.0.0.1" and server.base_url.startswith("http://127.0.0.1:")
