@@ -39,32 +39,36 @@ def node_path(checkpoint_ns: str) -> str:
 
 
 @dataclass
-class _Run:
-    parent: UUID | None
-    ns: str | None
-    node_call: "_NodeRun | None" = None  # the node call this run belongs to
-
-
-@dataclass
 class _NodeRun:
     record: NodeCall
     span: trace.Span
     role: str
+    ns: str
     ctx: Any = field(default=None)
 
 
 class GraphTracer(BaseCallbackHandler):
-    """Records one rollout. Not shared between rollouts: each gets its own instance."""
+    """Records one rollout. Not shared between rollouts: each gets its own instance.
+
+    Node calls are keyed by their checkpoint namespace, which LangGraph gives each task
+    and which every run inside the task inherits through its metadata: so an LLM or tool
+    call finds its node call by one dict lookup, with no run tree kept.
+    """
 
     run_inline = True  # keep callbacks on the caller's thread/task: ordering and cost
     raise_error = False
+    ignore_llm = True  # LLM calls are recorded at the HTTP boundary instead
+    ignore_chat_model = True
+    ignore_retriever = True
+    ignore_custom_event = True
 
     def __init__(self, rollout_id: str, spec: ResolvedSpec, task: Any = None) -> None:
         self.rollout_id = rollout_id
         self.spec = spec
         self._lock = threading.Lock()
-        self._runs: dict[UUID, _Run] = {}
         self._nodes: list[_NodeRun] = []
+        self._open: dict[str, _NodeRun] = {}  # checkpoint ns -> running node call
+        self._opened_by: dict[UUID, _NodeRun] = {}  # the run that opened each node call
         self._tools: dict[UUID, ToolCall] = {}
         self._attempts: dict[str, int] = {}
         self.root = get_tracer().start_span(
@@ -76,33 +80,34 @@ class GraphTracer(BaseCallbackHandler):
         self.trace_id = format(self.root.get_span_context().trace_id, "032x")
 
     # --- what the OpenAI instrumentation asks -------------------------------------------
-    def call_context(self, run_id: UUID | None) -> CallContext | None:
+    def node_for(self, ns: str | None) -> _NodeRun | None:
+        if not ns:
+            return None
         with self._lock:
-            run = self._runs.get(run_id) if run_id is not None else None
-            node = run.node_call if run is not None else None
+            return self._open.get(ns)
+
+    def call_context(self, ns: str | None) -> CallContext | None:
+        node = self.node_for(ns)
         if node is None:
             return None
         return CallContext(self.rollout_id, node.record.name, node.record.id, node.role, node.ctx)
 
-    # --- run tree -----------------------------------------------------------------------
-    def _register(self, run_id: UUID, parent: UUID | None, metadata: dict | None, name: str | None) -> _Run:
+    # --- node calls ------------------------------------------------------------------------
+    def _maybe_open(self, run_id: UUID, metadata: dict | None, name: str | None) -> None:
         md = metadata or {}
         ns = md.get("langgraph_checkpoint_ns")
+        node = md.get("langgraph_node")
+        # a task's own run is named after its node and its namespace ends in "<node>:<task id>";
+        # runs inside it (conditional edges, a subgraph's graph run) share the namespace
+        if not ns or name != node or not ns.rsplit("|", 1)[-1].startswith(f"{node}:"):
+            return
         with self._lock:
-            parent_run = self._runs.get(parent) if parent is not None else None
-            run = _Run(parent, ns, parent_run.node_call if parent_run else None)
-            node = md.get("langgraph_node")
-            opens_task = (
-                ns
-                and node
-                and name == node
-                and ns.rsplit("|", 1)[-1].startswith(f"{node}:")
-                and (parent_run is None or parent_run.ns != ns)
-            )
-            if opens_task:
-                run.node_call = self._open_node(ns, md, run.node_call)
-            self._runs[run_id] = run
-        return run
+            if ns in self._open:
+                return
+            enclosing = self._open.get(ns.rsplit("|", 1)[0]) if "|" in ns else None
+            opened = self._open_node(ns, md, enclosing)
+            self._open[ns] = opened
+            self._opened_by[run_id] = opened
 
     def _open_node(self, ns: str, md: dict, enclosing: _NodeRun | None) -> _NodeRun:
         path = node_path(ns)
@@ -137,17 +142,18 @@ class GraphTracer(BaseCallbackHandler):
         if enclosing:
             span.set_attribute(A.PARENT_NODE_CALL_ID, enclosing.record.id)
         span.set_attribute(A.NODE_CALL_ID, record.id)
-        node = _NodeRun(record, span, route.role, trace.set_span_in_context(span))
+        node = _NodeRun(record, span, route.role, ns, trace.set_span_in_context(span))
         self._nodes.append(node)
         return node
 
     def _close(self, run_id: UUID, error: BaseException | None) -> None:
         with self._lock:
-            run = self._runs.get(run_id)
-            node = run.node_call if run else None
-            parent = self._runs.get(run.parent) if run and run.parent else None
-            owns = node is not None and (parent is None or parent.node_call is not node)
-        if not owns or node.record.end_time is not None:
+            node = self._opened_by.pop(run_id, None)
+            if node is None:
+                return
+            if self._open.get(node.ns) is node:
+                del self._open[node.ns]
+        if node.record.end_time is not None:
             return
         node.record.end_time = time.time()
         kind = type(error).__name__ if error is not None else None
@@ -165,7 +171,7 @@ class GraphTracer(BaseCallbackHandler):
 
     # --- LangChain callbacks ---------------------------------------------------------------
     def on_chain_start(self, serialized, inputs, *, run_id, parent_run_id=None, tags=None, metadata=None, **kw):
-        self._register(run_id, parent_run_id, metadata, kw.get("name") or (serialized or {}).get("name"))
+        self._maybe_open(run_id, metadata, kw.get("name") or (serialized or {}).get("name"))
 
     def on_chain_end(self, outputs, *, run_id, **kw):
         self._close(run_id, None)
@@ -173,23 +179,14 @@ class GraphTracer(BaseCallbackHandler):
     def on_chain_error(self, error, *, run_id, **kw):
         self._close(run_id, error)
 
-    def on_chat_model_start(self, serialized, messages, *, run_id, parent_run_id=None, metadata=None, **kw):
-        self._register(run_id, parent_run_id, metadata, None)
-
-    def on_llm_start(self, serialized, prompts, *, run_id, parent_run_id=None, metadata=None, **kw):
-        self._register(run_id, parent_run_id, metadata, None)
-
-    def on_retriever_start(self, serialized, query, *, run_id, parent_run_id=None, metadata=None, **kw):
-        self._register(run_id, parent_run_id, metadata, None)
-
     def on_tool_start(self, serialized, input_str, *, run_id, parent_run_id=None, metadata=None, inputs=None, **kw):
-        run = self._register(run_id, parent_run_id, metadata, None)
+        node = self.node_for((metadata or {}).get("langgraph_checkpoint_ns"))
         name = kw.get("name") or (serialized or {}).get("name") or "tool"
-        call_id = kw.get("tool_call_id") or (metadata or {}).get("tool_call_id") or str(run_id)
+        call_id = kw.get("tool_call_id") or str(run_id)
         with self._lock:
             self._tools[run_id] = ToolCall(
                 id=str(call_id),
-                node_id=run.node_call.record.id if run.node_call else None,
+                node_id=node.record.id if node else None,
                 name=name,
                 input=inputs if inputs is not None else input_str,
             )
@@ -253,7 +250,7 @@ def _resolve_from_langchain_context() -> CallContext | None:
     handlers = getattr(manager, "handlers", None) or (manager if isinstance(manager, list) else [])
     for handler in handlers:
         if isinstance(handler, GraphTracer):
-            return handler.call_context(getattr(manager, "parent_run_id", None))
+            return handler.call_context((config.get("metadata") or {}).get("langgraph_checkpoint_ns"))
     return None
 
 

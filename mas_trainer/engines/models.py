@@ -189,9 +189,12 @@ def describe(spec: str) -> str:
 
 
 def _not_found(spec: str, err: Exception | None = None) -> ModelNotFoundError:
-    why = f" ({type(err).__name__})" if err is not None else ""
+    why = ""
+    if err is not None:
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        why = f" ({type(err).__name__}: {first})" if first else f" ({type(err).__name__})"
     return ModelNotFoundError(
-        f"model {spec!r} not found{why}: use 'tiny', 'default', or a local model folder "
+        f"model {spec!r} not found or not loadable{why}; use 'tiny', 'default', or a local model folder "
         "(HF ids work only when already in the local cache)"
     )
 

@@ -18,6 +18,7 @@ __all__ = ["configure", "get_tracer", "add_span_processor", "EXPORTERS"]
 EXPORTERS = ("none", "console", "otlp")
 _lock = threading.Lock()
 _provider: TracerProvider | None = None
+_tracer: trace.Tracer | None = None
 
 
 def configure(exporter: str | None = None) -> TracerProvider:
@@ -25,7 +26,7 @@ def configure(exporter: str | None = None) -> TracerProvider:
 
     otlp uses the standard OTEL_EXPORTER_OTLP_* variables for its endpoint and headers.
     """
-    global _provider
+    global _provider, _tracer
     exporter = (exporter or os.environ.get("MAS_TRAINER_OTEL_EXPORTER") or "none").lower()
     if exporter not in EXPORTERS:
         raise ValueError(f"unknown OTel exporter {exporter!r}; choose one of {', '.join(EXPORTERS)}")
@@ -40,6 +41,7 @@ def configure(exporter: str | None = None) -> TracerProvider:
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     with _lock:
         old, _provider = _provider, provider
+        _tracer = provider.get_tracer("mas_trainer")
     if old is not None:
         old.shutdown()
     return provider
@@ -52,7 +54,12 @@ def _get_provider() -> TracerProvider:
 
 
 def get_tracer() -> trace.Tracer:
-    return _get_provider().get_tracer("mas_trainer")
+    """The project's tracer (cached: it is asked for on every node and LLM call)."""
+    tracer = _tracer
+    if tracer is None:
+        configure()
+        tracer = _tracer
+    return tracer  # type: ignore[return-value]
 
 
 def add_span_processor(processor: SpanProcessor) -> None:

@@ -1,0 +1,101 @@
+"""`mas-trainer trace` end to end on the tiny model, and its one-line errors."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+APPS = ROOT / "examples" / "langgraph_apps"
+
+
+def run_cli(*args, cwd=ROOT, timeout=600):
+    return subprocess.run(
+        [sys.executable, "-m", "mas_trainer.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _read(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def test_trace_map_reduce_on_tiny_model(tmp_path):
+    out = tmp_path / "traj.jsonl"
+    r = run_cli("trace", f"{APPS}/map_reduce.py:graph", "--data", f"{APPS}/data/map_reduce.jsonl", "--model", "tiny",
+                "--output", str(out), "--max-tokens", "16")
+    assert r.returncode == 0, r.stderr[-2000:]
+    trajs = _read(out)
+    tasks = (APPS / "data" / "map_reduce.jsonl").read_text().splitlines()
+    assert len(trajs) == len(tasks)
+    for t in trajs:
+        assert t["schema_version"] == 1 and t["status"] == "ok", t["error"]
+        nodes = {n["id"]: n for n in t["nodes"]}
+        llm_nodes = [n for n in t["nodes"] if n["name"] in ("planner", "worker", "reducer")]
+        assert len(t["llm_calls"]) == len(llm_nodes)  # one call per LLM node call, each once
+        for c in t["llm_calls"]:
+            assert nodes[c["node_id"]]["name"] == c["node"]
+            assert c["policy"] == {"planner": "planner", "worker": "worker", "reducer": "worker"}[c["node"]]
+            assert len(c["response_ids"]) == len(c["response_logprobs"]) > 0
+    assert "planner" in r.stdout and "worker" in r.stdout  # the tree and the role table
+
+
+def test_trace_undecorated_graph_with_input(tmp_path):
+    out = tmp_path / "t.jsonl"
+    task = json.loads((APPS / "data" / "untraced_plain.jsonl").read_text().splitlines()[0])
+    r = run_cli("trace", "examples.langgraph_apps.untraced_plain:graph", "--input", json.dumps(task), "--model", "tiny",
+                "--output", str(out), "--max-tokens", "8")
+    assert r.returncode == 0, r.stderr[-2000:]
+    [t] = _read(out)
+    assert {c["policy"] for c in t["llm_calls"]} == {"default"}
+    assert {c["role"] for c in t["llm_calls"]} == {c["node"] for c in t["llm_calls"]}
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["nope.py:graph", "--input", "{}"], "app file not found: nope.py"),
+        (["examples/langgraph_apps/map_reduce.py", "--input", "{}"], "APP must be"),
+        (["examples/langgraph_apps/map_reduce.py:nothing", "--input", "{}"], "has no attribute 'nothing'"),
+        (["no_such_pkg.mod:graph", "--input", "{}"], "module not found: no_such_pkg.mod"),
+        (["examples/langgraph_apps/map_reduce.py:graph", "--input", "{bad"], "--input is not valid JSON"),
+        (["examples/langgraph_apps/map_reduce.py:graph", "--input", "[1]"], "must be a JSON object"),
+        (["examples/langgraph_apps/map_reduce.py:graph", "--data", "missing.jsonl"], "data file not found"),
+        (["examples/langgraph_apps/map_reduce.py:graph", "--input", "{}", "--model", "./no/such/model"], "--model"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args, needle):
+    r = run_cli("trace", *args, timeout=120)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_bad_data_line_names_file_and_line(tmp_path):
+    data = tmp_path / "tasks.jsonl"
+    data.write_text('{"topic": "a"}\n{oops\n')
+    r = run_cli("trace", "examples/langgraph_apps/map_reduce.py:graph", "--data", str(data), timeout=120)
+    assert r.returncode == 2 and f"{data}:2: not valid JSON" in r.stderr
+
+
+def test_every_verb_has_help():
+    r = run_cli("trace", "--help", timeout=60)
+    assert r.returncode == 0 and "--model" in r.stdout and "--data" in r.stdout
+
+
+@pytest.mark.model
+def test_trace_on_the_bundled_model(tmp_path):
+    out = tmp_path / "traj.jsonl"
+    r = run_cli("trace", f"{APPS}/subgraph_app.py:graph", "--data", f"{APPS}/data/subgraph_app.jsonl", "--model", "default",
+                "--output", str(out), "--max-tokens", "24")
+    assert r.returncode == 0, r.stderr[-2000:]
+    trajs = _read(out)
+    for t in trajs:
+        assert t["status"] == "ok", t["error"]
+        names = {c["node"] for c in t["llm_calls"]}
+        assert {"research:search_query", "research:summarize", "final"} <= names
+        for c in t["llm_calls"]:
+            assert len(c["response_ids"]) == len(c["response_logprobs"]) > 0
+            assert c["output_text"] is not None
