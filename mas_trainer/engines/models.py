@@ -22,6 +22,8 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mas_trainer.errors import UserError
+
 if TYPE_CHECKING:  # pragma: no cover - typing only; torch stays a lazy import
     import torch
 
@@ -57,7 +59,7 @@ _TOKENIZER_NAME = "smollm2-135m-instruct-tokenizer"
 _conversion_lock = threading.Lock()
 
 
-class ModelNotFoundError(ValueError):
+class ModelNotFoundError(UserError):
     """The model spec names neither a bundled model, a local folder nor a cached HF id."""
 
 
