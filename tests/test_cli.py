@@ -99,3 +99,36 @@ def test_trace_on_the_bundled_model(tmp_path):
         for c in t["llm_calls"]:
             assert len(c["response_ids"]) == len(c["response_logprobs"]) > 0
             assert c["output_text"] is not None
+
+
+# node -> policy of each example app (as its @trainable says), or None for undecorated apps
+EXAMPLES = {
+    "supervisor": {"supervisor": "supervisor_policy", "researcher": "researcher_policy", "writer": "writer_policy"},
+    "reflection": {"generate": "shared", "reflect": "shared"},
+    "map_reduce": {"planner": "planner", "worker": "worker", "reducer": "worker"},
+    "subgraph_app": {"research:search_query": "research", "research:summarize": "research", "final": "writer"},
+    "raw_openai": {"answer": "answerer", "review": "reviewer"},
+    "tools_agent": {"agent": "agent"},
+    "untraced_plain": {"draft": "default", "polish": "default"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_every_example_app_traces_on_tiny(tmp_path, name):
+    out = tmp_path / "t.jsonl"
+    r = run_cli("trace", f"{APPS}/{name}.py:graph", "--data", f"{APPS}/data/{name}.jsonl", "--model", "tiny",
+                "--output", str(out), "--max-tokens", "12")
+    assert r.returncode == 0, r.stderr[-2000:]
+    expected = EXAMPLES[name]
+    for t in _read(out):
+        assert t["status"] == "ok", t["error"]
+        nodes = {n["id"]: n for n in t["nodes"]}
+        llm_node_calls = [n for n in t["nodes"] if n["name"] in expected]
+        assert len(t["llm_calls"]) >= 1
+        calls_per_node = {}
+        for c in t["llm_calls"]:
+            assert nodes[c["node_id"]]["name"] == c["node"]
+            assert c["policy"] == expected[c["node"]], (c["node"], c["policy"])
+            assert len(c["response_ids"]) == len(c["response_logprobs"]) > 0
+            calls_per_node[c["node_id"]] = calls_per_node.get(c["node_id"], 0) + 1
+        assert set(calls_per_node) <= {n["id"] for n in llm_node_calls}

@@ -37,6 +37,9 @@ def _mixed_graph():
     def writer(s):
         return {"out": ["".join(c.content for c in llm.stream(f"write {s['tid']}"))]}
 
+    async def streamer(s):
+        return {"out": ["".join([c.content async for c in llm.astream(f"astream {s['tid']}")])]}
+
     def raw(s):
         r = openai.OpenAI(max_retries=0).chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": f"raw {s['tid']}"}])
         return {"out": [r.choices[0].message.content]}
@@ -56,26 +59,27 @@ def _mixed_graph():
     inner.add_edge(START, "search")
 
     g = StateGraph(S)
-    for name, fn in dict(plan=plan, critic=critic, writer=writer, raw=raw, araw=araw, worker=worker).items():
+    for name, fn in dict(plan=plan, critic=critic, writer=writer, streamer=streamer, raw=raw, araw=araw, worker=worker).items():
         g.add_node(name, fn)
     g.add_node("research", inner.compile())
     g.add_edge(START, "plan")
     g.add_edge("plan", "critic")
     g.add_edge("critic", "writer")
-    g.add_edge("writer", "raw")
+    g.add_edge("writer", "streamer")
+    g.add_edge("streamer", "raw")
     g.add_edge("raw", "araw")
     g.add_conditional_edges("araw", fan, ["worker"])
     g.add_edge("worker", "research")
     g.add_edge("research", END)
     return trainable(
         g.compile(),
-        roles={"plan": "planner", "critic": "planner", "writer": "worker", "raw": "worker", "araw": "worker",
+        roles={"plan": "planner", "critic": "planner", "writer": "worker", "streamer": "worker", "raw": "worker", "araw": "worker",
                "worker": "worker", "research:search": "searcher"},
         policies={"planner": "tiny", "worker": "tiny", "searcher": "tiny"},
     )
 
 
-EXPECTED = {"plan": "planner", "critic": "planner", "writer": "worker", "raw": "worker", "araw": "worker",
+EXPECTED = {"plan": "planner", "critic": "planner", "writer": "worker", "streamer": "worker", "raw": "worker", "araw": "worker",
             "worker": "worker", "research:search": "searcher"}
 
 
@@ -87,7 +91,7 @@ def test_64_concurrent_rollouts_attribute_every_call(fake_session):
     for t in trajs:
         assert t.status == "ok", t.error
         nodes = {n.id: n for n in t.nodes}
-        assert len(t.llm_calls) == 9  # 6 single nodes + 3 Send branches (+ search counted in 6)
+        assert len(t.llm_calls) == 10  # 7 single nodes (subgraph's search included) + 3 Send branches
         for call in t.llm_calls:
             assert call.node_id in nodes, "call filed under a node of another rollout"
             assert nodes[call.node_id].name == call.node
