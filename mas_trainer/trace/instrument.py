@@ -107,19 +107,32 @@ def _finish(span: trace.Span, result: Any) -> None:
     span.end()
 
 
+def _begin(kwargs: dict[str, Any]) -> tuple[trace.Span | None, dict[str, Any]]:
+    """The call's span and its kwargs with trace headers; (None, kwargs) outside a graph, or
+    when an outer wrapped method (parse calling create) already added them."""
+    call = current_call()
+    if call is None or "traceparent" in (kwargs.get("extra_headers") or {}):
+        return None, kwargs
+    span = _start_span(call, kwargs)
+    return span, _with_headers(kwargs, _headers_for(call, span))
+
+
+def _fail(span: trace.Span, exc: BaseException) -> None:
+    span.record_exception(exc)
+    span.set_status(trace.StatusCode.ERROR, str(exc))
+    span.end()
+
+
 def _wrap_sync(method: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(method)
     def create(self: Any, *args: Any, **kwargs: Any) -> Any:
-        call = current_call()
-        if call is None or "traceparent" in (kwargs.get("extra_headers") or {}):
+        span, kwargs = _begin(kwargs)
+        if span is None:
             return method(self, *args, **kwargs)
-        span = _start_span(call, kwargs)
         try:
-            result = method(self, *args, **_with_headers(kwargs, _headers_for(call, span)))
+            result = method(self, *args, **kwargs)
         except BaseException as exc:
-            span.record_exception(exc)
-            span.set_status(trace.StatusCode.ERROR, str(exc))
-            span.end()
+            _fail(span, exc)
             raise
         _finish(span, result)
         return result
@@ -131,16 +144,13 @@ def _wrap_sync(method: Callable[..., Any]) -> Callable[..., Any]:
 def _wrap_async(method: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(method)
     async def create(self: Any, *args: Any, **kwargs: Any) -> Any:
-        call = current_call()
-        if call is None or "traceparent" in (kwargs.get("extra_headers") or {}):
+        span, kwargs = _begin(kwargs)
+        if span is None:
             return await method(self, *args, **kwargs)
-        span = _start_span(call, kwargs)
         try:
-            result = await method(self, *args, **_with_headers(kwargs, _headers_for(call, span)))
+            result = await method(self, *args, **kwargs)
         except BaseException as exc:
-            span.record_exception(exc)
-            span.set_status(trace.StatusCode.ERROR, str(exc))
-            span.end()
+            _fail(span, exc)
             raise
         _finish(span, result)
         return result
