@@ -7,6 +7,7 @@ user's own OTel set-up exports; any exporter can still be attached to it.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 
 from opentelemetry import trace
@@ -32,7 +33,7 @@ def configure(exporter: str | None = None) -> TracerProvider:
         raise ValueError(f"unknown OTel exporter {exporter!r}; choose one of {', '.join(EXPORTERS)}")
     provider = TracerProvider()
     if exporter == "console":
-        provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
+        provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter(out=sys.stdout)))
     elif exporter == "otlp":
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter

@@ -3,12 +3,12 @@ import pytest
 from mas_trainer.trace import otel
 
 
-def test_console_exporter_prints_spans(capfd):
+def test_console_exporter_prints_spans(capsys):
     otel.configure("console")
     try:
         span = otel.get_tracer().start_span("node planner", attributes={"mas.kind": "node"})
         span.end()
-        assert '"name": "node planner"' in capfd.readouterr().out
+        assert '"name": "node planner"' in capsys.readouterr().out
     finally:
         otel.configure("none")
 
