@@ -8,6 +8,7 @@ for every node call, which role it plays and which policy serves it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Callable, Iterable, Mapping
 
 from mas_trainer.errors import UserError
@@ -147,14 +148,34 @@ class ResolvedSpec:
         A node inside a subgraph that is not listed itself inherits the mapping of the
         nearest enclosing node that is.
         """
-        by_node = {q: k for k, q in self.qualified.items()}
+        route = self._routes.get(node_path)
+        if route is None:
+            route = self._routes[node_path] = self._route(node_path)
+        return route
+
+    @cached_property
+    def _routes(self) -> dict[str, Route]:
+        return {}  # asked once per node call and once per LLM call: memoised
+
+    @cached_property
+    def _by_node(self) -> dict[str, str]:
+        # a key in roles/frozen wins over the same node named again in role_names
+        keys = [*self.spec.role_names, *self.spec.frozen, *self.spec.roles]
+        return {self.qualified[k]: k for k in keys}
+
+    @cached_property
+    def _role_names(self) -> dict[str, str]:
+        return {self.qualified[k]: role for k, role in self.spec.role_names.items()}
+
+    def _route(self, node_path: str) -> Route:
+        by_node = self._by_node
         parts = node_path.split(":")
         for depth in range(len(parts), 0, -1):
             q = ":".join(parts[:depth])
             key = by_node.get(q)
             if key is None:
                 continue
-            role = self.spec.role_names.get(key, key)
+            role = self._role_names.get(q, key)
             if key in self.spec.frozen:
                 return Route(role, FROZEN_POLICY, False)
             if key in self.spec.roles:

@@ -13,6 +13,7 @@ import threading
 from opentelemetry import trace
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
+from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
 
 __all__ = ["configure", "get_tracer", "add_span_processor", "EXPORTERS"]
 
@@ -20,6 +21,26 @@ EXPORTERS = ("none", "console", "otlp")
 _lock = threading.Lock()
 _provider: TracerProvider | None = None
 _tracer: trace.Tracer | None = None
+
+
+class _RecordWhileExported(Sampler):
+    """Record spans only while something consumes them.
+
+    With no exporter or processor attached, spans are non-recording: they still carry ids
+    (node call and LLM call ids, `traceparent`) but skip the SDK's attribute and event
+    bookkeeping, which would otherwise be most of the tracing overhead per call.
+    """
+
+    def __init__(self) -> None:
+        self.recording = False
+
+    def should_sample(self, parent_context, trace_id, name, kind=None, attributes=None, links=None, trace_state=None):  # type: ignore[no-untyped-def]
+        if self.recording:
+            return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes)
+        return SamplingResult(Decision.DROP)
+
+    def get_description(self) -> str:
+        return "RecordWhileExported"
 
 
 def configure(exporter: str | None = None) -> TracerProvider:
@@ -31,7 +52,9 @@ def configure(exporter: str | None = None) -> TracerProvider:
     exporter = (exporter or os.environ.get("MAS_TRAINER_OTEL_EXPORTER") or "none").lower()
     if exporter not in EXPORTERS:
         raise ValueError(f"unknown OTel exporter {exporter!r}; choose one of {', '.join(EXPORTERS)}")
-    provider = TracerProvider()
+    sampler = _RecordWhileExported()
+    sampler.recording = exporter != "none"
+    provider = TracerProvider(sampler=sampler)
     if exporter == "console":
         provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter(out=sys.stdout)))
     elif exporter == "otlp":
@@ -64,4 +87,8 @@ def get_tracer() -> trace.Tracer:
 
 
 def add_span_processor(processor: SpanProcessor) -> None:
-    _get_provider().add_span_processor(processor)
+    """Attach any processor/exporter; spans are recorded from then on."""
+    provider = _get_provider()
+    provider.add_span_processor(processor)
+    if isinstance(provider.sampler, _RecordWhileExported):
+        provider.sampler.recording = True
