@@ -7,7 +7,7 @@ for every node call, which role it plays and which policy serves it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, Callable, Iterable, Mapping
 
@@ -53,6 +53,8 @@ class TrainSpec:
     frozen: frozenset[str] = frozenset()
     default_policy: str | None = None
     reward: Callable[..., Any] | None = None
+    role_rewards: Any = None  # callable or role -> callable: (task, role's calls, trajectory) -> float | None
+    turn_rewards: Any = None  # callable or role -> callable: (task, llm call, trajectory) -> float | None
     extras: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -65,6 +67,8 @@ class TrainSpec:
         frozen: Iterable[str] = (),
         default_policy: str | None = None,
         reward: Callable[..., Any] | None = None,
+        role_rewards: Any = None,
+        turn_rewards: Any = None,
         **extras: Any,
     ) -> "TrainSpec":
         roles = dict(roles or {})
@@ -90,7 +94,7 @@ class TrainSpec:
             raise SpecError(f"node(s) {', '.join(both)} are both trained (roles=) and frozen (frozen=); pick one")
         if reward is not None and not callable(reward):
             raise SpecError(f"reward must be a callable (task, final_state, trajectory) -> float, got {reward!r}")
-        return cls(roles, pols, dict(role_names or {}), frozen, default_policy, reward, extras)
+        return cls(roles, pols, dict(role_names or {}), frozen, default_policy, reward, role_rewards, turn_rewards, extras)
 
     @classmethod
     def one_policy_per_graph(cls, base_model: str = "default") -> "TrainSpec":
@@ -100,7 +104,7 @@ class TrainSpec:
     def with_base_model(self, model: str) -> "TrainSpec":
         """`--model` overrides the base model of every policy."""
         pols = {n: PolicySpec(n, model, p.trainable) for n, p in self.policies.items()}
-        return TrainSpec(self.roles, pols, self.role_names, self.frozen, self.default_policy, self.reward, self.extras)
+        return replace(self, policies=pols)
 
     def resolve(self, node_names: Iterable[str]) -> "ResolvedSpec":
         """Check every name against the graph's nodes; raise SpecError listing the valid ones."""

@@ -32,6 +32,8 @@ def trainable(
     roles: Mapping[str, str] | None = None,
     policies: Mapping[str, str] | None = None,
     reward: Callable[..., Any] | None = None,
+    role_rewards: Any = None,
+    turn_rewards: Any = None,
     frozen: list[str] | tuple[str, ...] = (),
     role_names: Mapping[str, str] | None = None,
     default_policy: str | None = None,
@@ -43,13 +45,17 @@ def trainable(
     name when unique). policies: policy name -> base model (``"default"`` is the bundled
     model, or a local path / HF id; default: every policy in `roles` on ``"default"``).
     reward: trajectory-level reward ``(task, final_state, trajectory) -> float | None``.
+    role_rewards / turn_rewards: one callable, or role -> callable, called as
+    ``(task, role's calls, trajectory)`` / ``(task, llm_call, trajectory)``; None means
+    "not applicable". An allocator (config ``reward.allocator``) mixes the three levels.
     frozen: nodes served by the base model and never trained. role_names: node -> role,
     to group several nodes into one logical agent. default_policy: the policy of LLM
     calls made by nodes not listed (default: frozen). Works as ``@trainable(...)`` or
     ``trainable(graph, ...)`` on a `StateGraph`, a compiled graph, or a function returning either.
     """
     spec = TrainSpec.build(
-        roles, policies, role_names=role_names, frozen=frozen, default_policy=default_policy, reward=reward, **extras
+        roles, policies, role_names=role_names, frozen=frozen, default_policy=default_policy, reward=reward,
+        role_rewards=role_rewards, turn_rewards=turn_rewards, **extras,
     )
 
     def mark(obj: Any) -> Any:

@@ -54,8 +54,14 @@ class Engine(Protocol):
 
     model_name: str
 
-    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[Generation]:
-        """Return `params.n` generations for one prompt."""
+    async def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, turn_id: str | None = None
+    ) -> list[Generation]:
+        """Return `params.n` generations for one prompt.
+
+        `turn_id` names the LLM call (choice i > 0 is `f"{turn_id}-{i}"`): an engine that
+        trains later (a worker group) keeps the turn's tokens under it; others ignore it.
+        """
         ...
 
     def close(self) -> None: ...

@@ -91,7 +91,9 @@ class FakeEngine:
         time.sleep(self.latency_s)
         return [self._one(prompt_ids, params, i) for i in range(params.n)]
 
-    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[Generation]:
+    async def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, turn_id: str | None = None
+    ) -> list[Generation]:
         """`params.n` identical-shaped choices after `latency_s` (non-blocking sleep)."""
         if self.closed:
             raise RuntimeError(f"engine {self.model_name!r} is closed")

@@ -124,7 +124,9 @@ class TorchEngine:
         """The model; read freely, but change it only through `run_exclusive`."""
         return self._model
 
-    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[Generation]:
+    async def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, turn_id: str | None = None
+    ) -> list[Generation]:
         """`params.n` choices for one prompt; cancelling the await frees the rows."""
         if params.json_schema is not None and self._schema_key(params.json_schema) not in self._grammars:
             await asyncio.to_thread(self._grammar_for, params.json_schema)

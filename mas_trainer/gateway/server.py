@@ -8,12 +8,14 @@ the controller can join them to the rollout's node calls.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from collections import defaultdict
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -55,10 +57,27 @@ class Gateway:
         self.max_string_length = max_string_length
         self.max_items = max_items
         self.api_key = api_key
+        # Training sets this to the step's seed: requests that name no seed then get one
+        # derived from (seed, rollout, node, k-th call of that node), so a rollout whose
+        # calls come in a fixed order samples the same tokens when the step is re-run.
+        self.seed_requests: int | None = None
+        self._call_counts: dict[tuple[str, str], int] = defaultdict(int)
         self.app = self._build_app()
 
     def add_policy(self, name: str, backend: PolicyBackend) -> None:
         self.backends[name] = backend
+
+    def reseed(self, seed: int | None) -> None:
+        """Seed the requests of the next batch of rollouts (None: leave them unseeded)."""
+        self.seed_requests = seed
+        self._call_counts.clear()
+
+    def _request_seed(self, decision: RouteDecision) -> int:
+        key = (decision.rollout_id or "", decision.node or decision.role)
+        k = self._call_counts[key]
+        self._call_counts[key] = k + 1
+        digest = hashlib.blake2b(f"{self.seed_requests}|{key[0]}|{key[1]}|{k}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
     # --- one request -----------------------------------------------------------------------
     def _params(self, req: ChatRequest) -> SamplingParams:
@@ -86,10 +105,12 @@ class Gateway:
         tools = req.active_tools()
         prompt_ids = backend.chat.render(messages, tools)
         start = time.time()
-        gens = await backend.engine.generate(prompt_ids, params)
-        end = time.time()
         span_ctx = trace.get_current_span(ctx).get_span_context()
         call_id = format(span_ctx.span_id, "016x") if span_ctx.is_valid else uuid.uuid4().hex[:16]
+        if params.seed is None and self.seed_requests is not None and decision.rollout_id:
+            params = replace(params, seed=self._request_seed(decision))
+        gens = await backend.engine.generate(prompt_ids, params, turn_id=call_id)
+        end = time.time()
         choices = []
         for i, gen in enumerate(gens):
             content, tool_calls = backend.chat.parse(gen.text, tools)

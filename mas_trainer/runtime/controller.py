@@ -91,16 +91,22 @@ class Controller:
         tasks: Iterable[dict[str, Any]],
         *,
         n: int = 1,
+        ids: list[str] | None = None,
         on_done: Callable[[Trajectory], None] | None = None,
     ) -> list[Trajectory]:
-        """Run every task `n` times, at most `max_in_flight` rollouts at once, in task order."""
-        sem = asyncio.Semaphore(self.max_in_flight)
+        """Run every task `n` times, at most `max_in_flight` rollouts at once, in task order.
 
-        async def one(task: dict[str, Any]) -> Trajectory:
+        `ids` (one per rollout, task-major) makes rollout ids reproducible, e.g. for training."""
+        sem = asyncio.Semaphore(self.max_in_flight)
+        jobs = [t for t in tasks for _ in range(n)]
+        if ids is not None and len(ids) != len(jobs):
+            raise ValueError(f"{len(ids)} rollout ids for {len(jobs)} rollouts")
+
+        async def one(task: dict[str, Any], rollout_id: str | None) -> Trajectory:
             async with sem:
-                traj = await self.rollout(task)
+                traj = await self.rollout(task, rollout_id)
             if on_done is not None:
                 on_done(traj)
             return traj
 
-        return list(await asyncio.gather(*(one(t) for t in tasks for _ in range(n))))
+        return list(await asyncio.gather(*(one(t, ids[i] if ids else None) for i, t in enumerate(jobs))))

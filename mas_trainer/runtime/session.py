@@ -89,21 +89,37 @@ class Session:
             else:
                 os.environ[key] = value
 
-    def load_app(self, ref_or_obj: Any) -> AppRunner:
-        """Import the app (after the gateway is up), then start one engine per policy."""
+    def load_app(self, ref_or_obj: Any, *, start_engines: bool = True, recursion_limit: int = 50) -> AppRunner:
+        """Import the app (after the gateway is up), then start one engine per policy
+        (or leave that to the caller, who attaches backends with `attach`)."""
         from mas_trainer.adapters.langgraph import LangGraphApp
 
         obj = load_object(ref_or_obj) if isinstance(ref_or_obj, str) else ref_or_obj
-        app = LangGraphApp(obj, base_model=self.model)
-        for name, policy in app.spec.policies.items():
-            self.gateway.add_policy(name, self.backend_factory(policy.base_model))
+        app = LangGraphApp(obj, base_model=self.model, recursion_limit=recursion_limit)
+        if start_engines:
+            for name, policy in app.spec.policies.items():
+                self.attach(name, self.backend_factory(policy.base_model))
         fallback = app.spec.spec.default_policy or (FROZEN_POLICY if FROZEN_POLICY in app.spec.policies else None)
         self.gateway.router = Router(app.spec, fallback=fallback)
         self.app = app
         return app
 
-    def run(self, tasks: Iterable[dict[str, Any]], *, n: int = 1, on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
+    def attach(self, policy: str, backend: PolicyBackend) -> None:
+        self.gateway.add_policy(policy, backend)
+
+    async def rollouts(
+        self,
+        tasks: list[dict[str, Any]],
+        *,
+        n: int = 1,
+        ids: list[str] | None = None,
+        on_done: Callable[[Trajectory], None] | None = None,
+    ) -> list[Trajectory]:
+        """Run every task n times on the session's loop (see `run` for the blocking form)."""
         if self.app is None:
             raise RuntimeError("load_app() first")
         controller = Controller(self.app, self.ledger, max_in_flight=self.max_in_flight, timeout_s=self.timeout_s)
-        return self.loop.run_until_complete(controller.run(list(tasks), n=n, on_done=on_done))
+        return await controller.run(tasks, n=n, ids=ids, on_done=on_done)
+
+    def run(self, tasks: Iterable[dict[str, Any]], *, n: int = 1, on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
+        return self.loop.run_until_complete(self.rollouts(list(tasks), n=n, on_done=on_done))

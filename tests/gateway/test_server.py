@@ -18,9 +18,9 @@ class Recording(FakeEngine):
         super().__init__(model_name="fake", latency_s=0.0, reply=reply, **kw)
         self.params = []
 
-    async def generate(self, prompt_ids, params):
+    async def generate(self, prompt_ids, params, *, turn_id=None):
         self.params.append(params)
-        return await super().generate(prompt_ids, params)
+        return await super().generate(prompt_ids, params, turn_id=turn_id)
 
 
 @pytest.fixture

@@ -1,0 +1,171 @@
+"""The `fit` configuration: typed models, loaded from YAML, with dotted `key=value` overrides.
+
+An unknown key is an error naming the valid keys at that level; `mas-trainer fit --help`
+lists every key with its default (`describe_keys`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Mapping, Sequence
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from mas_trainer.algo.advantages import AdvantageConfig
+from mas_trainer.errors import UserError
+from mas_trainer.learners.config import LearnerConfig
+
+__all__ = ["FitConfig", "PolicyConfig", "load_config", "describe_keys", "ConfigError"]
+
+
+class ConfigError(UserError):
+    pass
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RolloutConfig(_Strict):
+    tasks_per_step: int = Field(8, ge=1, description="tasks drawn per training step")
+    n: int = Field(4, ge=1, description="rollouts per task (the group the advantages compare within)")
+    max_in_flight: int = Field(64, ge=1, description="rollouts running at once")
+    timeout_s: float = Field(300.0, gt=0, description="a rollout running longer is stopped (status timeout)")
+    max_tokens: int = Field(64, ge=1, description="max_tokens of requests that set none")
+    recursion_limit: int = Field(50, ge=1, description="LangGraph recursion limit per rollout")
+
+
+class RewardConfig(_Strict):
+    allocator: str = Field("broadcast", description="broadcast | turn_delta | a name registered with register_allocator")
+    weights: dict[str, float] = Field(default_factory=dict, description="level weights {trajectory, role, turn} (default 1 each)")
+    options: dict[str, Any] = Field(default_factory=dict, description="keyword options of the allocator (turn_delta: initial, per_role)")
+    on_failure: float | Literal["drop"] = Field(0.0, description="reward of every call of a failed rollout, or drop it from its group")
+
+
+class PolicyConfig(_Strict):
+    """Per-policy overrides of the shared learner and advantage settings."""
+
+    learner: dict[str, Any] = Field(default_factory=dict, description="LearnerConfig fields for this policy")
+    advantage: dict[str, Any] = Field(default_factory=dict, description="AdvantageConfig fields for this policy")
+
+
+class RuntimeConfig(_Strict):
+    backend: Literal["ray", "local"] = Field("ray", description="ray: one Ray actor per policy; local: worker groups in this process")
+    ray_address: str | None = Field(None, description="join this Ray cluster instead of starting a local one")
+    num_cpus: int | None = Field(None, description="CPUs of the local Ray instance (default: all)")
+    worker_cpus: float = Field(0.0, ge=0, description="CPUs each worker group actor reserves (0 fits any number on one machine)")
+    torch_threads: int | None = Field(None, ge=1, description="torch threads per worker group (default: cores / policies)")
+    max_batch_size: int = Field(8, ge=1, description="engine rows decoded together")
+
+
+class FitConfig(_Strict):
+    seed: int = Field(0, description="seeds data order, sampling and the tiny model")
+    steps: int = Field(20, ge=1, description="training steps")
+    model: str | None = Field(None, description="base model of every policy (tiny | default | PATH); default: as the app says")
+    save_every: int = Field(10, ge=1, description="checkpoint every N steps (and at the end)")
+    eval_every: int = Field(10, ge=1, description="evaluate the held-out split every N steps (and before training)")
+    val_fraction: float = Field(0.0, ge=0, lt=1, description="fraction of --data held out when --val-data is not given")
+    val_n: int = Field(1, ge=1, description="rollouts per held-out task")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    policies: dict[str, PolicyConfig] = Field(default_factory=dict, description="per-policy overrides: policies.NAME.learner.lr=...")
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+
+    def learner_for(self, policy: str) -> LearnerConfig:
+        over = self.policies.get(policy)
+        return LearnerConfig.model_validate({**self.learner.model_dump(), **(over.learner if over else {})})
+
+    def advantage_for(self, policy: str) -> AdvantageConfig:
+        over = self.policies.get(policy)
+        return AdvantageConfig.model_validate({**self.advantage.model_dump(), **(over.advantage if over else {})})
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {key}: {part} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _describe_error(err: ValidationError) -> str:
+    e = err.errors()[0]
+    loc = ".".join(str(p) for p in e["loc"])
+    if e["type"] == "extra_forbidden":
+        section = _section_of(tuple(e["loc"][:-1]))
+        valid = ", ".join(section.model_fields) if section is not None else "see mas-trainer fit --help"
+        return f"unknown config key {loc!r}; valid keys here: {valid}"
+    return f"config key {loc!r}: {e['msg']}"
+
+
+def _section_of(path: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The model a config path points into (None where keys are free, e.g. policy names)."""
+    model: type[BaseModel] = FitConfig
+    parts = [str(p) for p in path]
+    while parts:
+        part = parts.pop(0)
+        if model is FitConfig and part == "policies":
+            if not parts:
+                return None
+            parts.pop(0)
+            model = PolicyConfig
+            continue
+        field = model.model_fields.get(part)
+        ann = field.annotation if field else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return model
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), base: Mapping[str, Any] | None = None) -> FitConfig:
+    """YAML file (optional), then `base` (e.g. CLI flags), then `key=value` overrides (values parsed as YAML)."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{p}: not valid YAML ({str(exc).splitlines()[0]})") from exc
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: the config must be a mapping of keys")
+        tree = loaded
+    for key, value in (base or {}).items():
+        _set_dotted(tree, key, value)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key=value (e.g. learner.lr=1e-5)")
+        key, raw = item.split("=", 1)
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw else "")
+    try:
+        cfg = FitConfig.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_describe_error(exc)) from exc
+    for name in cfg.policies:  # per-policy sections must be valid too
+        try:
+            cfg.learner_for(name), cfg.advantage_for(name)
+        except ValidationError as exc:
+            raise ConfigError(f"policies.{name}: {_describe_error(exc)}") from exc
+    return cfg
+
+
+def describe_keys(model: type[BaseModel] = FitConfig, prefix: str = "") -> list[str]:
+    """Every key with its default and description, one per line, for --help and the docs."""
+    lines = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        key = f"{prefix}{name}"
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            lines.extend(describe_keys(ann, key + "."))
+            continue
+        default = field.get_default(call_default_factory=True)
+        lines.append(f"  {key} = {default!r}  {field.description or ''}".rstrip())
+    return lines

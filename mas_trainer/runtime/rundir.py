@@ -1,0 +1,109 @@
+"""The run directory: config, metrics, trajectories per step, checkpoints, resume state.
+
+```
+RUN_DIR/config.yaml               resolved config
+RUN_DIR/metrics.jsonl             one row per training step (kind "train") and evaluation (kind "val")
+RUN_DIR/trajectories/step_000001.jsonl
+RUN_DIR/checkpoint/policies/NAME/ Hugging Face folder per policy (transformers / vllm serve)
+RUN_DIR/checkpoint/state.json     step, data position, seeds; optimizer_NAME.pt beside it
+RUN_DIR/rewards.png               reward per role over steps
+```
+
+A checkpoint is committed by one rename of a complete folder, so a run killed at any
+moment resumes from the last complete one; rows and trajectory files written after it
+are removed on resume, then written again by the resumed steps: none lost, none twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterable
+
+__all__ = ["RunDir"]
+
+
+class RunDir:
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self.metrics_path = self.root / "metrics.jsonl"
+        self.traj_dir = self.root / "trajectories"
+        self.checkpoint = self.root / "checkpoint"
+        self._staging = self.root / ".checkpoint-staging"
+        self._old = self.root / ".checkpoint-old"
+
+    def create(self, config_yaml: str) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.traj_dir.mkdir(exist_ok=True)
+        (self.root / "config.yaml").write_text(config_yaml)
+
+    def exists(self) -> bool:
+        return self.root.exists() and any(self.root.iterdir())
+
+    # --- records ---------------------------------------------------------------------------
+    def write_trajectories(self, step: int, lines: Iterable[str]) -> Path:
+        path = self.traj_dir / f"step_{step:06d}.jsonl"
+        tmp = path.with_suffix(".tmp")
+        with tmp.open("w") as f:
+            for line in lines:
+                f.write(line + "\n")
+        os.replace(tmp, path)
+        return path
+
+    def append_metrics(self, row: dict[str, Any]) -> None:
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def metrics(self) -> list[dict[str, Any]]:
+        if not self.metrics_path.exists():
+            return []
+        rows = []
+        for line in self.metrics_path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # a row cut by a kill mid-write
+                break
+        return rows
+
+    # --- checkpoints -----------------------------------------------------------------------
+    def staging(self) -> Path:
+        shutil.rmtree(self._staging, ignore_errors=True)
+        (self._staging / "policies").mkdir(parents=True)
+        return self._staging
+
+    def commit(self, state: dict[str, Any]) -> None:
+        """Make the staged folder the checkpoint: state.json last, then one rename."""
+        (self._staging / "state.json").write_text(json.dumps(state, indent=1))
+        shutil.rmtree(self._old, ignore_errors=True)
+        if self.checkpoint.exists():
+            os.replace(self.checkpoint, self._old)
+        os.replace(self._staging, self.checkpoint)
+        shutil.rmtree(self._old, ignore_errors=True)
+
+    def load_state(self) -> dict[str, Any] | None:
+        if not self.checkpoint.exists() and self._old.exists():  # killed between the two renames
+            os.replace(self._old, self.checkpoint)
+        state = self.checkpoint / "state.json"
+        return json.loads(state.read_text()) if state.exists() else None
+
+    def policy_dir(self, policy: str, root: Path | None = None) -> Path:
+        return (root or self.checkpoint) / "policies" / policy
+
+    def optimizer_path(self, policy: str, root: Path | None = None) -> Path:
+        return (root or self.checkpoint) / f"optimizer_{policy}.pt"
+
+    def truncate_to(self, step: int) -> None:
+        """Forget what steps after `step` wrote (they will run again)."""
+        rows = [r for r in self.metrics() if r.get("step", 0) <= step]
+        tmp = self.metrics_path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        os.replace(tmp, self.metrics_path)
+        for path in self.traj_dir.glob("step_*.jsonl"):
+            if int(path.stem.split("_")[1]) > step:
+                path.unlink()
+        for path in self.traj_dir.glob("*.tmp"):
+            path.unlink()
