@@ -87,6 +87,27 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fit(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from mas_trainer.config import load_config
+    from mas_trainer.runtime.trainer import fit
+
+    base = {"model": args.model} if args.model else {}
+    cfg = load_config(args.config, args.overrides, base=base)
+    _check_model(cfg.model)
+    tasks = _load_tasks(argparse.Namespace(input=None, data=args.data))
+    val = _load_tasks(argparse.Namespace(input=None, data=args.val_data)) if args.val_data else None
+    console = Console()
+    rows = fit(args.app, tasks, cfg, args.output, val_tasks=val, resume=args.resume, console=console)
+    vals = [r for r in rows if r.get("kind") == "val"]
+    if vals:
+        first, last = vals[0], vals[-1]
+        console.print(f"held-out reward: step {first['step']} {first['reward/mean']} -> step {last['step']} {last['reward/mean']}")
+    console.print(f"run directory: {args.output} (metrics.jsonl, trajectories/, checkpoint/, rewards.png)")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mas-trainer", description="Train LangGraph multi-agent apps with multi-agent RL.")
     sub = parser.add_subparsers(dest="verb", required=True)
@@ -105,11 +126,36 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=256, help="max_tokens for requests that set none")
     p.add_argument("--otel", choices=["none", "console", "otlp"], default=None, help="also export spans (otlp: OTEL_EXPORTER_OTLP_* env)")
     p.set_defaults(func=cmd_trace)
+
+    from mas_trainer.config import describe_keys
+
+    p = sub.add_parser(
+        "fit", help="train the app's policies with multi-agent RL",
+        description="Run APP on tasks, score rollouts, and update every trainable policy (verl estimators and losses).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="config keys (YAML file and/or key=value overrides) with their defaults:\n" + "\n".join(describe_keys()),
+    )
+    p.add_argument("app", metavar="APP", help="path/to/file.py:attr or package.module:attr")
+    p.add_argument("--data", required=True, help="training tasks: JSON lines (or a .json list)")
+    p.add_argument("--val-data", default=None, help="held-out tasks (default: val_fraction of --data, if set)")
+    p.add_argument("--config", default=None, help="YAML config file")
+    p.add_argument("--model", default=None, help="base model of every policy: tiny | default | PATH")
+    p.add_argument("--output", default="runs/fit", help="run directory")
+    p.add_argument("--resume", action="store_true", help="continue the run in --output from its last checkpoint")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. learner.lr=1e-5 rollout.n=8")
+    p.set_defaults(func=cmd_fit)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    # key=value overrides may come before or after options; argparse alone cannot mix them
+    args, extra = parser.parse_known_args(argv)
+    if args.verb == "fit":
+        args.overrides = [*args.overrides, *(e for e in extra if "=" in e and not e.startswith("-"))]
+        extra = [e for e in extra if e not in args.overrides]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
     except UserError as exc:

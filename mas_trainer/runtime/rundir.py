@@ -43,8 +43,8 @@ class RunDir:
         return self.root.exists() and any(self.root.iterdir())
 
     # --- records ---------------------------------------------------------------------------
-    def write_trajectories(self, step: int, lines: Iterable[str]) -> Path:
-        path = self.traj_dir / f"step_{step:06d}.jsonl"
+    def write_trajectories(self, step: int, lines: Iterable[str], name: str | None = None) -> Path:
+        path = self.traj_dir / f"{name or f'step_{step:06d}'}.jsonl"
         tmp = path.with_suffix(".tmp")
         with tmp.open("w") as f:
             for line in lines:

@@ -1,0 +1,74 @@
+"""Settings of the embedded learner (config: ``policies.<name>.learner`` or ``learner``).
+
+Names follow verl's actor config where one exists (``clip_ratio_low``, ``loss_agg_mode``,
+``entropy_coeff``, ``kl_penalty``...), so a verl user recognises them; the learner turns
+them into a ``verl.workers.config.ActorConfig`` for verl's policy-loss functions.
+
+Checking ``policy_loss`` against verl's registry needs verl imported (seconds), so it
+happens when the learner is built, not when the config is parsed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+__all__ = ["LearnerConfig", "LOSS_AGG_MODES", "KL_PENALTIES"]
+
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# verl's kl_penalty estimators; a trailing "+" (e.g. "k3+") takes the k2 gradient straight through.
+KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+
+
+class LearnerConfig(BaseModel):
+    """PPO-style update of one policy with verl's losses (embedded torch learner)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2).")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    max_grad_norm: float | None = Field(
+        1.0, gt=0, description="Clip the global gradient norm to this before each step (null: no clipping)."
+    )
+    ppo_epochs: int = Field(1, ge=1, description="Passes over the turns of one update; old log-probs stay the engine's.")
+    mini_batch_size: int = Field(16, ge=1, description="Turns per optimiser step.")
+    micro_batch_size: int = Field(
+        4, ge=1, description="Most turns per forward/backward (gradient accumulation bounds memory)."
+    )
+    micro_batch_tokens: int | None = Field(
+        None, ge=1, description="Also cap a micro-batch at this many padded tokens (rows x longest row); null: no cap."
+    )
+    shuffle: bool = Field(True, description="Shuffle turns (seeded) before cutting mini-batches, each epoch.")
+    policy_loss: str = Field("vanilla", description="verl policy loss name (get_policy_loss_fn): vanilla, gspo, cispo, ...")
+    policy_loss_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra fields of verl's PolicyLossConfig / ActorConfig the loss reads (e.g. dro_beta, tau_pos).",
+    )
+    clip_ratio_low: float = Field(0.2, ge=0, description="PPO ratio clip below: 1 - clip_ratio_low.")
+    clip_ratio_high: float = Field(0.2, ge=0, description="PPO ratio clip above: 1 + clip_ratio_high (0.28 = DAPO clip-higher).")
+    clip_ratio_c: float = Field(3.0, gt=1, description="Dual-clip PPO bound for negative advantages.")
+    loss_agg_mode: Literal[LOSS_AGG_MODES] = Field("token-mean", description="verl agg_loss mode over a mini-batch.")  # type: ignore[valid-type]
+    loss_scale_factor: int | None = Field(
+        None, ge=1, description="Divisor of seq-mean-token-sum-norm (null: longest response of the mini-batch)."
+    )
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL loss to the frozen reference (0: no reference kept).")
+    kl_penalty: str = Field("low_var_kl", description="verl kl_penalty estimator: kl/k1, abs, mse/k2, low_var_kl/k3, '+' suffix.")
+    entropy_coeff: float = Field(0.0, description="Weight of the entropy bonus (subtracted from the loss).")
+    calculate_entropy: bool = Field(
+        False, description="Report the response-token entropy even when entropy_coeff is 0 (costs ~5% of a step)."
+    )
+    bf16: bool | Literal["auto"] = Field(
+        "auto", description="bf16 autocast for forward/backward (auto: on; ~2x faster than fp32 on CPU)."
+    )
+    fused_adamw: bool | Literal["auto"] = Field("auto", description="Fused AdamW kernel (auto: where torch has one).")
+    seed: int = Field(0, description="Seed of the mini-batch shuffle.")
+
+    @field_validator("kl_penalty")
+    @classmethod
+    def _known_kl(cls, value: str) -> str:
+        if value.removesuffix("+") not in KL_PENALTIES:
+            raise ValueError(f"unknown kl_penalty {value!r}; valid: {', '.join(KL_PENALTIES)} (optionally with '+')")
+        return value

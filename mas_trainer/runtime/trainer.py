@@ -1,0 +1,226 @@
+"""`fit`: the training loop, readable in one sitting.
+
+Each step: draw tasks, run each n times through the gateway (worker groups generate and
+keep the tokens), score the trajectories at three levels and allocate one reward per LLM
+call, send each policy's thin records to its worker group, which computes advantages
+(verl) and updates (verl losses) side by side with the others; then write trajectories
+and a metrics row, evaluate and checkpoint on schedule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from mas_trainer.config import ConfigError, FitConfig
+from mas_trainer.gateway import PolicyBackend
+from mas_trainer.rewards import RewardSpec, assign_rewards, is_dropped
+from mas_trainer.runtime.rundir import RunDir
+from mas_trainer.runtime.session import Session
+from mas_trainer.runtime.star import WorkerEngine, WorkerHandle, start_workers
+from mas_trainer.trace.schema import Trajectory
+
+__all__ = ["fit", "summarize"]
+
+
+def _seed(*parts: Any) -> int:
+    return int.from_bytes(hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=4).digest(), "little")
+
+
+def _order(n_tasks: int, seed: int, epoch: int) -> list[int]:
+    return random.Random(_seed(seed, "epoch", epoch)).sample(range(n_tasks), n_tasks)
+
+
+def take_tasks(n_tasks: int, position: int, count: int, seed: int) -> list[int]:
+    """Task indices `position .. position+count` of the endless sequence of shuffled epochs."""
+    out = []
+    for p in range(position, position + count):
+        epoch, i = divmod(p, n_tasks)
+        out.append(_order(n_tasks, seed, epoch)[i])
+    return out
+
+
+def _rollout_reward(t: Trajectory) -> float | None:
+    if is_dropped(t):
+        return None
+    if t.rewards.trajectory is not None:
+        return t.rewards.trajectory
+    turns = list(t.rewards.turns.values())
+    return sum(turns) / len(turns) if turns else None
+
+
+def summarize(trajs: list[Trajectory]) -> dict[str, Any]:
+    """Reward and status figures of a batch of scored trajectories."""
+    row: dict[str, Any] = {"rollouts": len(trajs)}
+    status = defaultdict(int)
+    for t in trajs:
+        status[t.status] += 1
+    row.update({f"rollouts/{k}": v for k, v in sorted(status.items())})
+    row["rollouts/dropped"] = sum(is_dropped(t) for t in trajs)
+    rewards = [r for r in map(_rollout_reward, trajs) if r is not None]
+    row["reward/mean"] = statistics.fmean(rewards) if rewards else None
+    row["reward/std"] = statistics.pstdev(rewards) if len(rewards) > 1 else 0.0
+    by_role: dict[str, list[float]] = defaultdict(list)
+    for t in trajs:
+        for c in t.llm_calls:
+            if c.id in t.rewards.turns:
+                by_role[c.role].append(t.rewards.turns[c.id])
+    for role, vals in sorted(by_role.items()):
+        row[f"reward/role/{role}"] = statistics.fmean(vals)
+    row["tokens/response"] = sum(len(c.response_ids) for t in trajs for c in t.llm_calls)
+    return row
+
+
+class _Fit:
+    def __init__(self, app_ref: Any, tasks: list[dict], cfg: FitConfig, run: RunDir, val_tasks: list[dict], console: Console) -> None:
+        self.app_ref, self.tasks, self.cfg, self.run, self.val_tasks, self.console = app_ref, tasks, cfg, run, val_tasks, console
+        self.rows: list[dict[str, Any]] = []
+
+    # --- one step ------------------------------------------------------------------------
+    async def rollouts(self, session: Session, tasks: list[dict], n: int, ids: list[str], seed: int) -> list[Trajectory]:
+        session.gateway.reseed(seed)
+        trajs = await session.rollouts(tasks, n=n, ids=ids)
+        r = self.cfg.reward
+        for t in trajs:
+            assign_rewards(t, self.reward_spec, allocator=r.allocator, weights=r.weights, on_failure=r.on_failure, options=r.options)
+        return trajs
+
+    async def train_step(self, session: Session, step: int, position: int) -> tuple[dict[str, Any], int]:
+        from mas_trainer.algo.advantages import turn_records
+
+        c = self.cfg
+        idx = take_tasks(len(self.tasks), position, c.rollout.tasks_per_step, c.seed)
+        ids = [f"s{step:06d}-t{i:05d}-r{k}" for i in idx for k in range(c.rollout.n)]
+        t0 = time.perf_counter()
+        trajs = await self.rollouts(session, [self.tasks[i] for i in idx], c.rollout.n, ids, _seed(c.seed, "step", step))
+        t1 = time.perf_counter()
+        records = turn_records(trajs, task_indices=[i for i in idx for _ in range(c.rollout.n)])
+        by_policy: dict[str, list] = defaultdict(list)
+        for rec in records:
+            by_policy[rec.policy].append(rec)
+        trainable = [p for p in self.handles if self.trainable[p]]
+        # every trainable worker group is called (an empty list clears its buffer), all at once
+        results = await asyncio.gather(*(self.handles[p].call("train", by_policy.get(p, [])) for p in trainable))
+        t2 = time.perf_counter()
+        row: dict[str, Any] = {"kind": "train", "step": step, **summarize(trajs)}
+        for p, m in zip(trainable, results):
+            row.update({f"policy/{p}/{k}": v for k, v in m.items() if k not in ("seconds", "tokens_per_s")})
+        row["time/step_s"] = t2 - t0
+        row["time/rollout_s"] = t1 - t0
+        row["time/update_s"] = t2 - t1
+        row["perf/rollouts_per_s"] = len(trajs) / max(t1 - t0, 1e-9)
+        row["perf/tokens_per_s"] = row["tokens/response"] / max(t1 - t0, 1e-9)
+        self.run.write_trajectories(step, (t.to_json() for t in trajs))
+        return row, position + len(idx)
+
+    async def evaluate(self, session: Session, step: int) -> dict[str, Any] | None:
+        if not self.val_tasks:
+            return None
+        n = self.cfg.val_n
+        ids = [f"v{step:06d}-t{i:05d}-r{k}" for i in range(len(self.val_tasks)) for k in range(n)]
+        t0 = time.perf_counter()
+        # the same seed at every evaluation: differences come from the weights, not the dice
+        trajs = await self.rollouts(session, self.val_tasks, n, ids, _seed(self.cfg.seed, "val"))
+        await asyncio.gather(*(h.call("discard") for h in self.handles.values()))
+        self.run.write_trajectories(step, (t.to_json() for t in trajs), name=f"step_{step:06d}_val")
+        return {"kind": "val", "step": step, **summarize(trajs), "time/eval_s": time.perf_counter() - t0}
+
+    async def checkpoint(self, step: int, position: int) -> None:
+        staging = self.run.staging()
+        await asyncio.gather(*(
+            self.handles[p].call("save", str(self.run.policy_dir(p, staging)), str(self.run.optimizer_path(p, staging)))
+            for p in self.handles if self.trainable[p]
+        ))
+        self.run.commit({"step": step, "position": position, "seed": self.cfg.seed, "policies": sorted(self.handles)})
+
+    def record(self, row: dict[str, Any] | None) -> None:
+        if row is None:
+            return
+        self.run.append_metrics(row)
+        self.rows.append(row)
+        from mas_trainer.plots import plot_rewards
+
+        plot_rewards(self.rows, self.run.root / "rewards.png")
+
+    # --- the loop --------------------------------------------------------------------------
+    async def loop(self, session: Session, state: dict | None, progress: Progress) -> None:
+        c = self.cfg
+        for p, h in self.handles.items():
+            if state and self.trainable[p]:
+                await h.call("load_optimizer", str(self.run.optimizer_path(p)))
+        step, position = (state["step"], state["position"]) if state else (0, 0)
+        if state is None:
+            self.record(await self.evaluate(session, 0))
+        bar = progress.add_task("fit", total=c.steps, completed=step)
+        while step < c.steps:
+            step += 1
+            row, position = await self.train_step(session, step, position)
+            self.record(row)
+            roles = "  ".join(f"{k.split('/')[-1]} {v:.3f}" for k, v in row.items() if k.startswith("reward/role/"))
+            progress.update(bar, advance=1, description=(
+                f"step {step}/{c.steps}  reward {row['reward/mean'] if row['reward/mean'] is not None else float('nan'):.3f}"
+                f"  {row['perf/rollouts_per_s']:.2f} rollouts/s  {row['perf/tokens_per_s']:.0f} tok/s  {roles}"))
+            progress.console.log(f"step {step}: reward {row['reward/mean']}, {row['rollouts']} rollouts in {row['time/rollout_s']:.1f} s, update {row['time/update_s']:.1f} s  {roles}")
+            if step % c.eval_every == 0 or step == c.steps:
+                self.record(await self.evaluate(session, step))
+            if step % c.save_every == 0 or step == c.steps:
+                await self.checkpoint(step, position)
+
+    def __call__(self, resume: bool) -> list[dict[str, Any]]:
+        from mas_trainer.engines.chat import HFChatFormat
+        from mas_trainer.engines.models import load_tokenizer
+
+        c, run = self.cfg, self.run
+        state = run.load_state() if resume else None
+        if resume and state is None and run.metrics():
+            raise ConfigError(f"{run.root} has no complete checkpoint to resume from; delete it or use another --output")
+        if not resume and run.metrics_path.exists():
+            raise ConfigError(f"{run.root} already holds a run; pass --resume to continue it or choose another --output")
+        run.create(yaml.safe_dump(c.model_dump(mode="json"), sort_keys=False))
+        run.truncate_to(state["step"] if state else -1)
+        self.rows = run.metrics()
+        with Session(model=c.model, max_in_flight=c.rollout.max_in_flight, timeout_s=c.rollout.timeout_s,
+                     default_max_tokens=c.rollout.max_tokens) as session:
+            app = session.load_app(self.app_ref, start_engines=False, recursion_limit=c.rollout.recursion_limit)
+            spec = app.spec
+            self.trainable = {p: pol.trainable for p, pol in spec.policies.items()}
+            self.reward_spec = RewardSpec(spec.spec.reward, spec.spec.role_rewards, spec.spec.turn_rewards)
+            plan = {}
+            for p, pol in spec.policies.items():
+                model = str(run.policy_dir(p)) if state and pol.trainable else pol.base_model
+                learner = c.learner_for(p).model_dump() if pol.trainable else None
+                plan[p] = (model, learner, c.advantage_for(p).model_dump())
+            self.handles: dict[str, WorkerHandle] = start_workers(plan, c.runtime, seed=c.seed)
+            try:
+                for p, pol in spec.policies.items():
+                    session.attach(p, PolicyBackend(WorkerEngine(self.handles[p]), HFChatFormat(load_tokenizer(pol.base_model))))
+                columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+                with Progress(*columns, console=self.console, transient=False) as progress:
+                    session.loop.run_until_complete(self.loop(session, state, progress))
+            finally:
+                for h in self.handles.values():
+                    h.close()
+        return self.rows
+
+
+def fit(app_ref: Any, tasks: list[dict], cfg: FitConfig, output: str | Path, *, val_tasks: list[dict] | None = None,
+        resume: bool = False, console: Console | None = None) -> list[dict[str, Any]]:
+    """Train the app's policies on `tasks`; returns every metrics row of the run (resumed ones included)."""
+    if not tasks:
+        raise ConfigError("no training tasks")
+    if val_tasks is None and cfg.val_fraction > 0:
+        order = random.Random(_seed(cfg.seed, "split")).sample(range(len(tasks)), len(tasks))
+        k = max(1, round(len(tasks) * cfg.val_fraction))
+        val_tasks = [tasks[i] for i in sorted(order[:k])]
+        tasks = [tasks[i] for i in sorted(order[k:])]
+    return _Fit(app_ref, tasks, cfg, RunDir(output), val_tasks or [], console or Console())(resume)

@@ -1,0 +1,89 @@
+"""Packing turns into right-padded, token-aligned tensors."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from mas_trainer.learners.batch import Turn, pack_turns  # noqa: E402
+
+
+def make_turns():
+    return [
+        Turn("a", [10, 11, 12], [20, 21], [-0.5, -0.6], [1.0, 2.0]),
+        Turn("b", [30], [40, 41, 42, 43], [-1.0, -1.1, -1.2, -1.3], 0.5),
+    ]
+
+
+def test_shapes_and_padding():
+    batch = pack_turns(make_turns(), pad_id=7)
+    assert batch.turn_ids == ["a", "b"]
+    assert batch.input_ids.shape == (2, 5) and batch.input_ids.dtype == torch.long
+    assert batch.input_ids.tolist() == [[10, 11, 12, 20, 21], [30, 40, 41, 42, 43]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
+    assert batch.prompt_lengths == [3, 1] and batch.response_lengths == [2, 4]
+    assert batch.response_start == 1
+    assert batch.num_tokens == 10 and batch.num_response_tokens == 6
+
+    short = pack_turns([Turn("c", [1], [2], [-0.1], 1.0), make_turns()[0]], pad_id=7)
+    assert short.input_ids[0].tolist() == [1, 2, 7, 7, 7]
+    assert short.attention_mask[0].tolist() == [1, 1, 0, 0, 0]
+    assert short.response_mask[0].tolist() == [0, 1, 0, 0, 0]
+
+
+def test_token_aligned_values():
+    """Every per-token value sits in the column of the token it describes."""
+    batch = pack_turns(make_turns())
+    assert batch.response_mask.tolist() == [[0, 0, 0, 1, 1], [0, 1, 1, 1, 1]]
+    assert batch.old_log_prob[0].tolist() == pytest.approx([0, 0, 0, -0.5, -0.6])
+    assert batch.old_log_prob[1].tolist() == pytest.approx([0, -1.0, -1.1, -1.2, -1.3])
+    assert batch.advantages.tolist() == [[0, 0, 0, 1, 2], [0, 0.5, 0.5, 0.5, 0.5]]
+    # Where the mask is 1, input_ids holds exactly the response ids, in order.
+    for b, turn in enumerate(make_turns()):
+        picked = batch.input_ids[b][batch.response_mask[b].bool()].tolist()
+        assert picked == list(turn.response_ids)
+    # Column 0 is never a response token, so the shifted logits at t-1 always exist.
+    assert batch.response_mask[:, 0].sum() == 0
+
+
+def test_response_values_round_trip():
+    batch = pack_turns(make_turns())
+    back = batch.response_values(batch.old_log_prob)
+    assert [v.tolist() for v in back] == [pytest.approx([-0.5, -0.6]), pytest.approx([-1.0, -1.1, -1.2, -1.3])]
+
+
+def test_reference_only_when_every_turn_has_it():
+    a, b = make_turns()
+    assert pack_turns([a, b]).ref_log_prob is None
+    a2 = Turn("a", a.prompt_ids, a.response_ids, a.old_logprobs, a.advantages, ref_logprobs=[-0.7, -0.8])
+    assert pack_turns([a2, b]).ref_log_prob is None
+    b2 = Turn("b", b.prompt_ids, b.response_ids, b.old_logprobs, b.advantages, ref_logprobs=[-2.0] * 4)
+    ref = pack_turns([a2, b2]).ref_log_prob
+    assert ref.tolist() == [pytest.approx([0, 0, 0, -0.7, -0.8]), pytest.approx([0, -2, -2, -2, -2])]
+
+
+def test_tensor_inputs_accepted():
+    turn = Turn("t", [1, 2], [3, 4], torch.tensor([-0.1, -0.2]), torch.tensor([0.3, 0.4]))
+    batch = pack_turns([turn])
+    assert batch.advantages[0].tolist() == pytest.approx([0, 0, 0.3, 0.4])
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(prompt_ids=[], response_ids=[1], old_logprobs=[0.0], advantages=0.0), "empty prompt"),
+        (dict(prompt_ids=[1], response_ids=[], old_logprobs=[], advantages=0.0), "empty response"),
+        (dict(prompt_ids=[1], response_ids=[2, 3], old_logprobs=[0.0], advantages=0.0), "old_logprobs"),
+        (dict(prompt_ids=[1], response_ids=[2, 3], old_logprobs=[0.0, 0.0], advantages=[1.0]), "advantages"),
+        (dict(prompt_ids=[1], response_ids=[2], old_logprobs=[0.0], advantages=1.0, ref_logprobs=[]), "ref_logprobs"),
+    ],
+)
+def test_turn_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Turn("x", **kwargs)
+
+
+def test_empty_batch_refused():
+    with pytest.raises(ValueError):
+        pack_turns([])
