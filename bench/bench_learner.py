@@ -9,15 +9,17 @@ forward, log_softmax + gather over response tokens, -(logp * adv).mean(), backwa
     python bench/bench_learner.py [--model default|tiny|PATH] [--reps 3] [--fp32]
 
 Prints one line per measurement and a final JSON line; the goal is learner/raw >= 0.9.
-Also reported: the raw step with torch's default (unfused) AdamW, and the learner's
-first-pass ``ppo_kl`` when old log-probs come from an fp32 forward (as the engine's do):
-the bf16/fp32 numerics mismatch PPO sees on its first pass.
+Rounds interleave raw and learner steps so load from other processes hits both alike.
+Also reported: the learner's first-pass ``ppo_kl`` when old log-probs come from an fp32 forward (as the engine's do):
+the bf16/fp32 numerics mismatch PPO sees on its first pass. ``--default-adamw`` adds
+the raw step with torch's default (single-tensor) AdamW, for context.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -48,15 +50,20 @@ def raw_step(model, optimizer, ids, adv, prompt: int, bf16: bool) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def timed(fn, reps: int) -> float:
-    """Median seconds of `fn()` over `reps` runs after one warm-up run."""
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
+def timed(fns: dict, reps: int) -> dict[str, list[float]]:
+    """Seconds of each function in each of `reps` rounds, after one warm-up round.
+
+    Rounds interleave the functions, so a change in machine load hits all of them alike.
+    """
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -66,6 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--response", type=int, default=128)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--default-adamw", action="store_true", help="also time the raw step with torch's default AdamW")
     parser.add_argument("--fp32", action="store_true", help="no bf16 autocast (default: bf16, the learner's CPU default)")
     args = parser.parse_args(argv)
     bf16 = not args.fp32
@@ -96,7 +104,6 @@ def main(argv: list[str] | None = None) -> dict:
     learner = TorchLearner(model, config)
     fused = bool(learner.optimizer.defaults.get("fused"))
     raw_same = torch.optim.AdamW(model.parameters(), lr=1e-7, fused=fused or None)
-    raw_plain = torch.optim.AdamW(model.parameters(), lr=1e-7)
 
     first = learner.update(turns)
     results = {
@@ -105,22 +112,31 @@ def main(argv: list[str] | None = None) -> dict:
         "bf16": bf16,
         "fused_adamw": fused,
         "first_pass_ppo_kl_vs_fp32_old_logprobs": first["ppo_kl"],
+        "first_pass_pg_clipfrac": first["pg_clipfrac"],
     }
-    for name, fn in [
-        ("raw", lambda: raw_step(model, raw_same, ids, adv, args.prompt, bf16)),
-        ("learner", lambda: learner.update(turns)),
-        ("raw_default_adamw", lambda: raw_step(model, raw_plain, ids, adv, args.prompt, bf16)),
-    ]:
-        seconds = timed(fn, args.reps)
+    fns = {
+        "raw": lambda: raw_step(model, raw_same, ids, adv, args.prompt, bf16),
+        "learner": lambda: learner.update(turns),
+    }
+    if args.default_adamw:
+        raw_plain = torch.optim.AdamW(model.parameters(), lr=1e-7)
+        fns["raw_default_adamw"] = lambda: raw_step(model, raw_plain, ids, adv, args.prompt, bf16)
+    load_before = os.getloadavg()[0]
+    times = timed(fns, args.reps)
+    for name, runs in times.items():
+        seconds = statistics.median(runs)
         results[f"{name}_s"] = seconds
         results[f"{name}_tokens_per_s"] = tokens / seconds
         print(f"{name:>18}: {seconds:6.2f} s/step  {tokens / seconds:8.1f} tokens/s", flush=True)
     results["ratio_learner_over_raw"] = results["learner_tokens_per_s"] / results["raw_tokens_per_s"]
-    results["ratio_learner_over_raw_default_adamw"] = (
-        results["learner_tokens_per_s"] / results["raw_default_adamw_tokens_per_s"]
-    )
-    print(f"learner/raw = {results['ratio_learner_over_raw']:.2f} (goal >= 0.9); "
-          f"learner/raw with torch's default AdamW = {results['ratio_learner_over_raw_default_adamw']:.2f}")
+    # Each round times raw and learner back to back: the median of their ratios is the
+    # figure least disturbed by other processes on a small machine.
+    per_round = [r / l for r, l in zip(times["raw"], times["learner"])]
+    results["ratio_per_round_median"] = statistics.median(per_round)
+    results["loadavg_1min_before_after"] = [load_before, os.getloadavg()[0]]
+    print(f"learner/raw = {results['ratio_learner_over_raw']:.2f} (median of per-round ratios "
+          f"{results['ratio_per_round_median']:.2f}; goal >= 0.9); 1-min load average "
+          f"{load_before:.1f} -> {os.getloadavg()[0]:.1f} (other processes slow both sides)")
     print(json.dumps(results))
     return results
 

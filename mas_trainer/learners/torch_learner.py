@@ -217,11 +217,12 @@ class TorchLearner:
         """PPO update on ``turns``; returns metrics (means over tokens or steps).
 
         Keys: pg_loss, pg_clipfrac, pg_clipfrac_lower, ppo_kl (and any other metric the
-        verl loss reports, without its ``actor/`` prefix), loss, grad_norm, kl and kl_loss
-        (only with a reference), entropy (only when computed), optimizer_steps,
-        skipped_steps (non-finite gradient norm), turns, tokens (real tokens forwarded and
-        backwarded, all epochs), response_tokens, seconds, tokens_per_s. With no turns
-        nothing changes (no optimiser step, so no weight decay either).
+        verl loss reports, without its ``actor/`` prefix), loss, grad_norm (pre-clip; absent
+        when no step was taken), kl and kl_loss (only with a reference), entropy (only when
+        computed), optimizer_steps (taken), skipped_steps (non-finite gradient norm: no
+        step), turns, tokens (real tokens forwarded and backwarded, all epochs),
+        response_tokens, seconds, tokens_per_s. With no turns nothing changes (no optimiser
+        step, so no weight decay either).
         """
         t0 = time.perf_counter()
         turns = list(turns)
@@ -253,9 +254,10 @@ class TorchLearner:
         self.updates += 1
         seconds = time.perf_counter() - t0
         metrics = {k: sums[k] / weights[k] for k in sums if weights[k] > 0}
+        if grad_norms:
+            metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
         metrics.update(
-            grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
-            optimizer_steps=float(steps),
+            optimizer_steps=float(steps - skipped),
             skipped_steps=float(skipped),
             turns=float(len(turns)),
             tokens=float(sums.pop("_tokens", 0.0)),

@@ -188,6 +188,16 @@ def test_zero_advantages_leave_parameters_unchanged(tiny):
     assert same(before, params(model))
 
 
+def test_non_finite_gradient_skips_the_step(tiny):
+    model, _ = tiny
+    learner = TorchLearner(model, LearnerConfig(lr=1e-2))
+    before = params(model)
+    metrics = learner.update(with_old_logprobs(learner, random_turns(2, advantage=float("nan"))))
+    assert metrics["skipped_steps"] == 1 and metrics["optimizer_steps"] == 0 and "grad_norm" not in metrics
+    assert same(before, params(model))
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_update_changes_exactly_the_policy_with_turns():
     (m1, _), (m2, _) = load_model("tiny", seed=0), load_model("tiny", seed=0)
     l1, l2 = TorchLearner(m1, LearnerConfig(lr=1e-3, weight_decay=0.1)), TorchLearner(m2, LearnerConfig(lr=1e-3, weight_decay=0.1))
