@@ -94,11 +94,11 @@ def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _describe_error(err: ValidationError) -> str:
+def _describe_error(err: ValidationError, root: type[BaseModel] | None = None) -> str:
     e = err.errors()[0]
     loc = ".".join(str(p) for p in e["loc"])
     if e["type"] == "extra_forbidden":
-        section = _section_of(tuple(e["loc"][:-1]))
+        section = root if root is not None and len(e["loc"]) == 1 else _section_of(tuple(e["loc"][:-1]))
         valid = ", ".join(section.model_fields) if section is not None else "see mas-trainer fit --help"
         return f"unknown config key {loc!r}; valid keys here: {valid}"
     return f"config key {loc!r}: {e['msg']}"
@@ -150,10 +150,11 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), b
     except ValidationError as exc:
         raise ConfigError(_describe_error(exc)) from exc
     for name in cfg.policies:  # per-policy sections must be valid too
-        try:
-            cfg.learner_for(name), cfg.advantage_for(name)
-        except ValidationError as exc:
-            raise ConfigError(f"policies.{name}: {_describe_error(exc)}") from exc
+        for part, build, model in (("learner", cfg.learner_for, LearnerConfig), ("advantage", cfg.advantage_for, AdvantageConfig)):
+            try:
+                build(name)
+            except ValidationError as exc:
+                raise ConfigError(f"policies.{name}.{part}: {_describe_error(exc, model)}") from exc
     return cfg
 
 
