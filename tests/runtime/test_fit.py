@@ -24,6 +24,7 @@ TASKS = [json.loads(line) for line in DATA.read_text().splitlines()]
 
 def _cfg(*overrides):
     return load_config(overrides=["runtime.backend=local", "rollout.tasks_per_step=2", "rollout.n=2", "learner.lr=1e-2",
+                                  "rollout.max_tokens=12",
                                   "seed=3", *overrides])
 
 
@@ -93,7 +94,7 @@ def test_config_errors_are_one_line():
 
 def _fit_cli(out, *extra):
     cmd = [sys.executable, "-m", "mas_trainer.cli", "fit", f"{APP}:single", "--data", str(DATA), "--output", str(out),
-           "runtime.backend=local", "rollout.tasks_per_step=2", "rollout.n=2", "rollout.max_in_flight=1",
+           "runtime.backend=local", "rollout.tasks_per_step=2", "rollout.n=2", "rollout.max_in_flight=1", "rollout.max_tokens=12",
            "steps=6", "save_every=2", "eval_every=3", "val_fraction=0.25", "learner.lr=1e-2", "seed=5",
            # bit-exact: fp32 updates, and MKL's conditional numerical reproducibility, without which
            # a fresh process may round the first resumed update differently in the last bit
@@ -180,7 +181,8 @@ def test_ray_star_runtime_trains_two_policies_side_by_side(tmp_path):
     ray = pytest.importorskip("ray")
     try:
         rows = fit(f"{APP}:graph", TASKS[:2], load_config(overrides=[
-            "runtime.backend=ray", "runtime.num_cpus=2", "rollout.tasks_per_step=2", "rollout.n=2", "steps=1", "seed=3"]),
+            "runtime.backend=ray", "runtime.num_cpus=2", "rollout.tasks_per_step=2", "rollout.n=2", "steps=1", "seed=3",
+            "rollout.max_tokens=12"]),
             tmp_path / "run")
     finally:
         ray.shutdown()
