@@ -56,14 +56,14 @@ class AdvantageConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    estimator: str = "grpo"
-    gamma: float = 1.0
-    lam: float = 1.0
-    norm_adv_by_std_in_grpo: bool = True
-    epsilon: float = Field(1e-6, gt=0)
+    estimator: str = Field("grpo", description="verl estimator: grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, gae (needs the critic)")
+    gamma: float = Field(1.0, description="discount (REINFORCE++, GAE)")
+    lam: float = Field(1.0, description="GAE lambda")
+    norm_adv_by_std_in_grpo: bool = Field(True, description="GRPO: divide by the group's std (false: Dr. GRPO)")
+    epsilon: float = Field(1e-6, gt=0, description="added to std in normalisations")
     # Scale each turn's advantages by (T / R) / k: k = that rollout's turns of this policy,
     # T = turns and R = rollouts in the batch. See compute_policy_advantages.
-    rollout_norm: bool = False
+    rollout_norm: bool = Field(False, description="weigh every rollout the same, however many turns it has")
 
 
 @dataclass(frozen=True)
