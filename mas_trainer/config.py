@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from mas_trainer.algo.advantages import AdvantageConfig
 from mas_trainer.errors import UserError
 from mas_trainer.learners.config import LearnerConfig
+from mas_trainer.learners.critic import CriticConfig
 
 __all__ = ["FitConfig", "PolicyConfig", "load_config", "describe_keys", "ConfigError"]
 
@@ -48,6 +49,7 @@ class PolicyConfig(_Strict):
 
     learner: dict[str, Any] = Field(default_factory=dict, description="LearnerConfig fields for this policy")
     advantage: dict[str, Any] = Field(default_factory=dict, description="AdvantageConfig fields for this policy")
+    critic: dict[str, Any] = Field(default_factory=dict, description="CriticConfig fields for this policy (GAE only)")
 
 
 class RuntimeConfig(_Strict):
@@ -71,6 +73,7 @@ class FitConfig(_Strict):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
     policies: dict[str, PolicyConfig] = Field(default_factory=dict, description="per-policy overrides: policies.NAME.learner.lr=...")
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
 
@@ -81,6 +84,10 @@ class FitConfig(_Strict):
     def advantage_for(self, policy: str) -> AdvantageConfig:
         over = self.policies.get(policy)
         return AdvantageConfig.model_validate({**self.advantage.model_dump(), **(over.advantage if over else {})})
+
+    def critic_for(self, policy: str) -> CriticConfig:
+        over = self.policies.get(policy)
+        return CriticConfig.model_validate({**self.critic.model_dump(), **(over.critic if over else {})})
 
 
 def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
@@ -150,7 +157,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), b
     except ValidationError as exc:
         raise ConfigError(_describe_error(exc)) from exc
     for name in cfg.policies:  # per-policy sections must be valid too
-        for part, build, model in (("learner", cfg.learner_for, LearnerConfig), ("advantage", cfg.advantage_for, AdvantageConfig)):
+        for part, build, model in (("learner", cfg.learner_for, LearnerConfig), ("advantage", cfg.advantage_for, AdvantageConfig),
+                                   ("critic", cfg.critic_for, CriticConfig)):
             try:
                 build(name)
             except ValidationError as exc:

@@ -289,8 +289,11 @@ class TorchCritic:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from ``state_dict()`` (the shuffle order continues where it left off)."""
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.module.load_state_dict(state["model"])  # copies into our parameters
+        # Optimizer.load_state_dict keeps tensors already on the right device and dtype
+        # as they are, so without a copy two critics would share (and both advance) the
+        # same AdamW moments after an in-process load.
+        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
         self.updates = int(state["updates"])
         self.optimizer_steps = int(state["optimizer_steps"])
 

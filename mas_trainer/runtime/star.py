@@ -64,17 +64,17 @@ def _torch_threads(n_policies: int, configured: int | None) -> int:
 
 
 def start_workers(
-    policies: dict[str, tuple[str, dict[str, Any] | None, dict[str, Any] | None]],
+    policies: dict[str, tuple[str, dict[str, Any] | None, dict[str, Any] | None, dict[str, Any] | None]],
     runtime: Any,
     *,
     seed: int,
 ) -> dict[str, WorkerHandle]:
-    """policies: name -> (model spec, learner config or None if frozen, advantage config)."""
+    """policies: name -> (model spec, learner config or None if frozen, advantage config, critic config)."""
     threads = _torch_threads(len(policies), runtime.torch_threads)
     handles: dict[str, WorkerHandle] = {}
     if runtime.backend == "local":
-        for name, (model, learner, adv) in policies.items():
-            wg = WorkerGroup(name, model, learner=learner, advantage=adv, seed=seed,
+        for name, (model, learner, adv, critic) in policies.items():
+            wg = WorkerGroup(name, model, learner=learner, advantage=adv, critic=critic, seed=seed,
                              max_batch_size=runtime.max_batch_size, torch_threads=None)
             handles[name] = WorkerHandle(name, wg, remote=False)
         return handles
@@ -90,9 +90,9 @@ def start_workers(
             configure_logging=False,
         )
     actor_cls = ray.remote(WorkerGroup)
-    for name, (model, learner, adv) in policies.items():
+    for name, (model, learner, adv, critic) in policies.items():
         actor = actor_cls.options(num_cpus=runtime.worker_cpus, max_concurrency=1000, name=None).remote(
-            name, model, learner=learner, advantage=adv, seed=seed, max_batch_size=runtime.max_batch_size, torch_threads=threads
+            name, model, learner=learner, advantage=adv, critic=critic, seed=seed, max_batch_size=runtime.max_batch_size, torch_threads=threads
         )
         handles[name] = WorkerHandle(name, actor, remote=True)
     # fail here, not at the first request, if an actor cannot start (e.g. a bad model path)

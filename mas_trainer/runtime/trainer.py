@@ -199,7 +199,7 @@ class _Fit:
             for p, pol in spec.policies.items():
                 model = str(run.policy_dir(p)) if state and pol.trainable else pol.base_model
                 learner = c.learner_for(p).model_dump() if pol.trainable else None
-                plan[p] = (model, learner, c.advantage_for(p).model_dump())
+                plan[p] = (model, learner, c.advantage_for(p).model_dump(), c.critic_for(p).model_dump())
             self.handles: dict[str, WorkerHandle] = start_workers(plan, c.runtime, seed=c.seed)
             try:
                 for p, pol in spec.policies.items():

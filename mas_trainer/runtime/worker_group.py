@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -37,6 +37,7 @@ class WorkerGroup:
         *,
         learner: dict[str, Any] | None,
         advantage: dict[str, Any] | None,
+        critic: dict[str, Any] | None = None,
         seed: int = 0,
         max_batch_size: int = 8,
         torch_threads: int | None = None,
@@ -53,6 +54,7 @@ class WorkerGroup:
         self.engine = TorchEngine(model, self.tokenizer, model_name=policy, max_batch_size=max_batch_size)
         self.buffer: dict[str, BufferedTurn] = {}
         self.learner = None
+        self.critic = None
         self.advantage_config = None
         if learner is not None:  # frozen policies generate only
             from mas_trainer.algo.advantages import AdvantageConfig
@@ -61,6 +63,10 @@ class WorkerGroup:
 
             self.learner = TorchLearner(model, LearnerConfig.model_validate(learner))
             self.advantage_config = AdvantageConfig.model_validate(advantage or {})
+            if self.advantage_config.estimator == "gae":  # GAE bootstraps from a learned value model
+                from mas_trainer.learners.critic import CriticConfig, TorchCritic
+
+                self.critic = TorchCritic(model, CriticConfig.model_validate(critic or {}))
 
     # --- serving ---------------------------------------------------------------------------
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, turn_id: str | None = None) -> list[Generation]:
@@ -88,18 +94,24 @@ class WorkerGroup:
         if not records:
             self.buffer.clear()
             return {"turns": 0.0}
-        batch = compute_policy_advantages(records, self.advantage_config)
-        per_turn = batch.per_turn()
-        turns = []
-        for rec in records:
-            buf = self.buffer[rec.turn_id]
-            turns.append(Turn(id=rec.turn_id, prompt_ids=buf.prompt_ids, response_ids=buf.response_ids,
-                              old_logprobs=buf.logprobs, advantages=per_turn[rec.turn_id].advantages.tolist()))
+        turns = [Turn(id=r.turn_id, prompt_ids=self.buffer[r.turn_id].prompt_ids, response_ids=self.buffer[r.turn_id].response_ids,
+                      old_logprobs=self.buffer[r.turn_id].logprobs, advantages=0.0) for r in records]
         self.buffer.clear()
-        learner = self.learner
-        metrics = await asyncio.wrap_future(self.engine.run_exclusive(lambda _model: learner.update(turns)))
-        adv = batch.advantages[batch.response_mask.bool()]
-        return {**metrics, "turns": float(len(turns)), "adv_mean": float(adv.mean()), "adv_abs_mean": float(adv.abs().mean())}
+        learner, critic = self.learner, self.critic
+
+        def update(_model: Any) -> dict[str, float]:
+            values = critic.values(turns) if critic is not None else None
+            batch = compute_policy_advantages(records, self.advantage_config, values=values)
+            per_turn = batch.per_turn()
+            trained = [replace(t, advantages=per_turn[t.id].advantages.tolist()) for t in turns]
+            metrics = learner.update(trained)
+            if critic is not None:
+                returns = {tid: a.returns.tolist() for tid, a in per_turn.items()}
+                metrics.update({f"critic/{k}": v for k, v in critic.update(trained, returns, values).items()})
+            adv = batch.advantages[batch.response_mask.bool()]
+            return {**metrics, "turns": float(len(turns)), "adv_mean": float(adv.mean()), "adv_abs_mean": float(adv.abs().mean())}
+
+        return await asyncio.wrap_future(self.engine.run_exclusive(update))
 
     # --- checkpoints -----------------------------------------------------------------------
     async def save(self, folder: str, optimizer_path: str | None = None) -> None:
@@ -110,7 +122,10 @@ class WorkerGroup:
             if self.learner is not None:
                 self.learner.save_pretrained(folder, self.tokenizer)
                 if optimizer_path:
-                    torch.save(self.learner.state_dict(), optimizer_path)
+                    state = {"learner": self.learner.state_dict()}
+                    if self.critic is not None:
+                        state["critic"] = self.critic.state_dict()
+                    torch.save(state, optimizer_path)
             else:
                 Path(folder).mkdir(parents=True, exist_ok=True)
                 model.save_pretrained(folder)
@@ -123,7 +138,13 @@ class WorkerGroup:
 
         if self.learner is not None and os.path.exists(path):
             state = torch.load(path, weights_only=False)
-            await asyncio.wrap_future(self.engine.run_exclusive(lambda _m: self.learner.load_state_dict(state)))
+
+            def load(_model: Any) -> None:
+                self.learner.load_state_dict(state["learner"])
+                if self.critic is not None and "critic" in state:
+                    self.critic.load_state_dict(state["critic"])
+
+            await asyncio.wrap_future(self.engine.run_exclusive(load))
 
     def close(self) -> None:
         self.engine.close()

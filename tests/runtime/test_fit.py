@@ -189,3 +189,17 @@ def test_ray_star_runtime_trains_two_policies_side_by_side(tmp_path):
     [train] = [r for r in rows if r["kind"] == "train"]
     assert train["policy/lead/turns"] == 4 and train["policy/crew/turns"] == 8
     assert (tmp_path / "run" / "checkpoint" / "policies" / "crew" / "config.json").exists()
+
+
+def test_gae_with_a_critic_for_one_policy_grpo_for_the_other(tmp_path):
+    cfg = _cfg("steps=2", "save_every=1", "policies.crew.advantage.estimator=gae", "policies.crew.advantage.lam=0.95",
+               "critic.lr=1e-3")
+    rows = fit(f"{APP}:graph", TASKS[:2], cfg, tmp_path / "run")
+    train = [r for r in rows if r["kind"] == "train"]
+    assert "policy/crew/critic/vf_loss" in train[0] and "policy/lead/critic/vf_loss" not in train[0]
+    state = torch.load(tmp_path / "run" / "checkpoint" / "optimizer_crew.pt", weights_only=False)
+    assert set(state) == {"learner", "critic"}
+    # resume restores the critic too
+    rows = fit(f"{APP}:graph", TASKS[:2], _cfg("steps=3", "save_every=1", "policies.crew.advantage.estimator=gae",
+                                                "critic.lr=1e-3"), tmp_path / "run", resume=True)
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3]
