@@ -80,8 +80,12 @@ class TorchEngine:
         batch_wait_ms: float = 5,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
+        bf16_autocast: bool = False,
     ) -> None:
         self.model_name = model_name
+        # bf16 autocast while decoding (CPU: ~1.5x faster). Log-probs then carry bf16 rounding,
+        # like a learner's bf16 forward; off by default so they match an fp32 forward exactly.
+        self.bf16_autocast = bf16_autocast
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_ms / 1000
@@ -317,10 +321,11 @@ class TorchEngine:
             mask[i, width - len(p):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         cache = DynamicCache(config=self._model.config)
-        out = self._model(
-            input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-            past_key_values=cache, use_cache=True, logits_to_keep=1,
-        )
+        with self._autocast():
+            out = self._model(
+                input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                past_key_values=cache, use_cache=True, logits_to_keep=1,
+            )
         index = torch.tensor(which, device=self.device)
         if len(prompts) != len(rows):
             cache.batch_select_indices(index)
@@ -343,13 +348,17 @@ class TorchEngine:
         else:
             self._rows, self._cache, self._mask, self._pos, self._next = fresh
 
+    def _autocast(self) -> Any:
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16_autocast)
+
     def _decode(self) -> None:
         ones = torch.ones((len(self._rows), 1), dtype=torch.long, device=self.device)
         self._mask = torch.cat([self._mask, ones], dim=1)
-        out = self._model(
-            input_ids=self._next[:, None], attention_mask=self._mask, position_ids=self._pos[:, None],
-            past_key_values=self._cache, use_cache=True,
-        )
+        with self._autocast():
+            out = self._model(
+                input_ids=self._next[:, None], attention_mask=self._mask, position_ids=self._pos[:, None],
+                past_key_values=self._cache, use_cache=True,
+            )
         self._pos, self._next = self._pos + 1, None
         self.stats["decode_steps"] += 1
         self.stats["batch_sizes"][len(self._rows)] += 1

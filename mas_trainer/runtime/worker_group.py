@@ -41,6 +41,7 @@ class WorkerGroup:
         seed: int = 0,
         max_batch_size: int = 8,
         torch_threads: int | None = None,
+        bf16: bool = False,
     ) -> None:
         import torch
 
@@ -51,7 +52,7 @@ class WorkerGroup:
             torch.set_num_threads(torch_threads)
         self.policy = policy
         model, self.tokenizer = load_model(model_spec, seed=seed)
-        self.engine = TorchEngine(model, self.tokenizer, model_name=policy, max_batch_size=max_batch_size)
+        self.engine = TorchEngine(model, self.tokenizer, model_name=policy, max_batch_size=max_batch_size, bf16_autocast=bf16)
         self.buffer: dict[str, BufferedTurn] = {}
         self.learner = None
         self.critic = None

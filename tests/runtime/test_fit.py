@@ -98,7 +98,7 @@ def _fit_cli(out, *extra):
            "steps=6", "save_every=2", "eval_every=3", "val_fraction=0.25", "learner.lr=1e-2", "seed=5",
            # bit-exact: fp32 updates, and MKL's conditional numerical reproducibility, without which
            # a fresh process may round the first resumed update differently in the last bit
-           "learner.bf16=false", *extra]
+           "learner.bf16=false", "runtime.engine_bf16=false", *extra]
     return cmd
 
 
