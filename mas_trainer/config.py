@@ -59,6 +59,7 @@ class RuntimeConfig(_Strict):
     worker_cpus: float = Field(0.0, ge=0, description="CPUs each worker group actor reserves (0 fits any number on one machine)")
     torch_threads: int | None = Field(None, ge=1, description="torch threads per worker group (default: cores / policies)")
     max_batch_size: int = Field(8, ge=1, description="engine rows decoded together")
+    batch_wait_ms: float = Field(50.0, ge=0, description="how long an idle engine waits for more requests to fill a batch")
     engine_bf16: bool = Field(True, description="bf16 autocast while generating (faster on CPU; log-probs carry bf16 rounding like the learner's)")
 
 

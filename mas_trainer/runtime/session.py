@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
 from mas_trainer.apps import load_object
@@ -70,6 +71,10 @@ class Session:
         self.app: AppRunner | None = None
         self._saved_env: dict[str, str | None] = {}
         self.loop = _rollout_loop()
+        # Sync nodes run in the loop's default executor (LangGraph's run_in_executor). Its
+        # default size (cores + 4) would cap the LLM calls in flight, and with them the
+        # engine's batch, far below max_in_flight.
+        self.loop.set_default_executor(ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="mas-node"))
 
     def __enter__(self) -> "Session":
         self.server.start()

@@ -75,7 +75,8 @@ def start_workers(
     if runtime.backend == "local":
         for name, (model, learner, adv, critic) in policies.items():
             wg = WorkerGroup(name, model, learner=learner, advantage=adv, critic=critic, seed=seed,
-                             max_batch_size=runtime.max_batch_size, torch_threads=None, bf16=runtime.engine_bf16)
+                             max_batch_size=runtime.max_batch_size, torch_threads=None, bf16=runtime.engine_bf16,
+                             batch_wait_ms=runtime.batch_wait_ms)
             handles[name] = WorkerHandle(name, wg, remote=False)
         return handles
 
@@ -93,7 +94,7 @@ def start_workers(
     for name, (model, learner, adv, critic) in policies.items():
         actor = actor_cls.options(num_cpus=runtime.worker_cpus, max_concurrency=1000, name=None).remote(
             name, model, learner=learner, advantage=adv, critic=critic, seed=seed, max_batch_size=runtime.max_batch_size,
-            torch_threads=threads, bf16=runtime.engine_bf16
+            torch_threads=threads, bf16=runtime.engine_bf16, batch_wait_ms=runtime.batch_wait_ms
         )
         handles[name] = WorkerHandle(name, actor, remote=True)
     # fail here, not at the first request, if an actor cannot start (e.g. a bad model path)

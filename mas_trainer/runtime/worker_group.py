@@ -42,6 +42,7 @@ class WorkerGroup:
         max_batch_size: int = 8,
         torch_threads: int | None = None,
         bf16: bool = False,
+        batch_wait_ms: float = 5.0,
     ) -> None:
         import torch
 
@@ -52,8 +53,10 @@ class WorkerGroup:
             torch.set_num_threads(torch_threads)
         self.policy = policy
         model, self.tokenizer = load_model(model_spec, seed=seed)
-        self.engine = TorchEngine(model, self.tokenizer, model_name=policy, max_batch_size=max_batch_size, bf16_autocast=bf16)
+        self.engine = TorchEngine(model, self.tokenizer, model_name=policy, max_batch_size=max_batch_size, bf16_autocast=bf16,
+                                  batch_wait_ms=batch_wait_ms)
         self.buffer: dict[str, BufferedTurn] = {}
+        self._seen = {"decode_steps": 0, "prefills": 0, "rows": 0}
         self.learner = None
         self.critic = None
         self.advantage_config = None
@@ -112,7 +115,18 @@ class WorkerGroup:
             adv = batch.advantages[batch.response_mask.bool()]
             return {**metrics, "turns": float(len(turns)), "adv_mean": float(adv.mean()), "adv_abs_mean": float(adv.abs().mean())}
 
-        return await asyncio.wrap_future(self.engine.run_exclusive(update))
+        metrics = await asyncio.wrap_future(self.engine.run_exclusive(update))
+        return {**metrics, **self._engine_stats()}
+
+    def _engine_stats(self) -> dict[str, float]:
+        """Decode steps, prefills and mean batch rows since the last update."""
+        st = self.engine.stats
+        rows = sum(size * n for size, n in st["batch_sizes"].items())
+        now = {"decode_steps": st["decode_steps"], "prefills": st["prefills"], "rows": rows}
+        d = {k: now[k] - self._seen[k] for k in now}
+        self._seen = now
+        return {"engine/decode_steps": float(d["decode_steps"]), "engine/prefills": float(d["prefills"]),
+                "engine/mean_batch": d["rows"] / d["decode_steps"] if d["decode_steps"] else 0.0}
 
     # --- checkpoints -----------------------------------------------------------------------
     async def save(self, folder: str, optimizer_path: str | None = None) -> None:
