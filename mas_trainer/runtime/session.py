@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
@@ -20,7 +21,7 @@ from mas_trainer.trace import otel
 from mas_trainer.trace.instrument import instrument_openai
 from mas_trainer.trace.schema import Trajectory
 
-__all__ = ["Session", "torch_backend"]
+__all__ = ["Session", "torch_backend", "lazy_backend"]
 
 
 def torch_backend(base_model: str, *, seed: int = 0, max_batch_size: int = 8) -> PolicyBackend:
@@ -32,6 +33,50 @@ def torch_backend(base_model: str, *, seed: int = 0, max_batch_size: int = 8) ->
     model, tokenizer = load_model(base_model, seed=seed)
     engine = TorchEngine(model, tokenizer, model_name=base_model, max_batch_size=max_batch_size)
     return PolicyBackend(engine, HFChatFormat(tokenizer))
+
+
+class _Lazy:
+    """Builds a backend on first use. The frozen policy serves nodes nobody listed, and most
+    such nodes (tools, routers) never call an LLM: no model is loaded for them unless one does."""
+
+    def __init__(self, factory: Callable[[], PolicyBackend]) -> None:
+        self._factory = factory
+        self._backend: PolicyBackend | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> PolicyBackend:
+        with self._lock:
+            if self._backend is None:
+                self._backend = self._factory()
+            return self._backend
+
+
+class _LazyEngine:
+    def __init__(self, lazy: _Lazy, name: str) -> None:
+        self._lazy, self.model_name = lazy, name
+
+    async def generate(self, prompt_ids: Any, params: Any, *, turn_id: str | None = None) -> Any:
+        return await self._lazy.get().engine.generate(prompt_ids, params, turn_id=turn_id)
+
+    def close(self) -> None:
+        if self._lazy._backend is not None:
+            self._lazy._backend.engine.close()
+
+
+class _LazyChat:
+    def __init__(self, lazy: _Lazy) -> None:
+        self._lazy = lazy
+
+    def render(self, messages: Any, tools: Any = None) -> list[int]:
+        return self._lazy.get().chat.render(messages, tools)
+
+    def parse(self, text: str, tools: Any = None) -> Any:
+        return self._lazy.get().chat.parse(text, tools)
+
+
+def lazy_backend(name: str, factory: Callable[[], PolicyBackend]) -> PolicyBackend:
+    lazy = _Lazy(factory)
+    return PolicyBackend(_LazyEngine(lazy, name), _LazyChat(lazy))
 
 
 _loop: asyncio.AbstractEventLoop | None = None
@@ -103,7 +148,10 @@ class Session:
         app = LangGraphApp(obj, base_model=self.model, recursion_limit=recursion_limit)
         if start_engines:
             for name, policy in app.spec.policies.items():
-                self.attach(name, self.backend_factory(policy.base_model))
+                if policy.trainable:
+                    self.attach(name, self.backend_factory(policy.base_model))
+                else:
+                    self.attach(name, lazy_backend(name, lambda m=policy.base_model: self.backend_factory(m)))
         fallback = app.spec.spec.default_policy or (FROZEN_POLICY if FROZEN_POLICY in app.spec.policies else None)
         self.gateway.router = Router(app.spec, fallback=fallback)
         self.app = app

@@ -26,7 +26,7 @@ from mas_trainer.config import ConfigError, FitConfig
 from mas_trainer.gateway import PolicyBackend
 from mas_trainer.rewards import RewardSpec, assign_rewards, is_dropped
 from mas_trainer.runtime.rundir import RunDir
-from mas_trainer.runtime.session import Session
+from mas_trainer.runtime.session import Session, lazy_backend, torch_backend
 from mas_trainer.runtime.star import WorkerEngine, WorkerHandle, start_workers
 from mas_trainer.trace.schema import Trajectory
 
@@ -108,8 +108,8 @@ class _Fit:
         by_policy: dict[str, list] = defaultdict(list)
         for rec in records:
             by_policy[rec.policy].append(rec)
-        trainable = [p for p in self.handles if self.trainable[p]]
-        # every trainable worker group is called (an empty list clears its buffer), all at once
+        trainable = list(self.handles)  # worker groups exist for trainable policies only
+        # every worker group is called (an empty list clears its buffer), all at once
         results = await asyncio.gather(*(self.handles[p].call("train", by_policy.get(p, [])) for p in trainable))
         t2 = time.perf_counter()
         row: dict[str, Any] = {"kind": "train", "step": step, **summarize(trajs)}
@@ -139,7 +139,7 @@ class _Fit:
         staging = self.run.staging()
         await asyncio.gather(*(
             self.handles[p].call("save", str(self.run.policy_dir(p, staging)), str(self.run.optimizer_path(p, staging)))
-            for p in self.handles if self.trainable[p]
+            for p in self.handles
         ))
         self.run.commit({"step": step, "position": position, "seed": self.cfg.seed, "policies": sorted(self.handles)})
 
@@ -156,7 +156,7 @@ class _Fit:
     async def loop(self, session: Session, state: dict | None, progress: Progress) -> None:
         c = self.cfg
         for p, h in self.handles.items():
-            if state and self.trainable[p]:
+            if state:
                 await h.call("load_optimizer", str(self.run.optimizer_path(p)))
         step, position = (state["step"], state["position"]) if state else (0, 0)
         if state is None:
@@ -193,17 +193,19 @@ class _Fit:
                      default_max_tokens=c.rollout.max_tokens) as session:
             app = session.load_app(self.app_ref, start_engines=False, recursion_limit=c.rollout.recursion_limit)
             spec = app.spec
-            self.trainable = {p: pol.trainable for p, pol in spec.policies.items()}
             self.reward_spec = RewardSpec(spec.spec.reward, spec.spec.role_rewards, spec.spec.turn_rewards)
-            plan = {}
-            for p, pol in spec.policies.items():
-                model = str(run.policy_dir(p)) if state and pol.trainable else pol.base_model
-                learner = c.learner_for(p).model_dump() if pol.trainable else None
-                plan[p] = (model, learner, c.advantage_for(p).model_dump(), c.critic_for(p).model_dump())
+            plan = {
+                p: (str(run.policy_dir(p)) if state else pol.base_model, c.learner_for(p).model_dump(),
+                    c.advantage_for(p).model_dump(), c.critic_for(p).model_dump())
+                for p, pol in spec.policies.items() if pol.trainable
+            }
             self.handles: dict[str, WorkerHandle] = start_workers(plan, c.runtime, seed=c.seed)
             try:
                 for p, pol in spec.policies.items():
-                    session.attach(p, PolicyBackend(WorkerEngine(self.handles[p]), HFChatFormat(load_tokenizer(pol.base_model))))
+                    if pol.trainable:
+                        session.attach(p, PolicyBackend(WorkerEngine(self.handles[p]), HFChatFormat(load_tokenizer(pol.base_model))))
+                    else:  # frozen: the base model in this process, loaded only if a node calls it
+                        session.attach(p, lazy_backend(p, lambda m=pol.base_model: torch_backend(m, seed=c.seed)))
                 columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
                 with Progress(*columns, console=self.console, transient=False) as progress:
                     session.loop.run_until_complete(self.loop(session, state, progress))

@@ -203,3 +203,20 @@ def test_gae_with_a_critic_for_one_policy_grpo_for_the_other(tmp_path):
     rows = fit(f"{APP}:graph", TASKS[:2], _cfg("steps=3", "save_every=1", "policies.crew.advantage.estimator=gae",
                                                 "critic.lr=1e-3"), tmp_path / "run", resume=True)
     assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3]
+
+
+def test_full_separation_and_a_frozen_node(tmp_path):
+    """3 roles on 3 policies all move; a frozen node is served by the base model, never trained."""
+    def graph():
+        from mas_trainer import trainable
+
+        g = load_object(f"{APP}:build")({"a": "tiny", "b": "tiny"}, {"planner": "a", "writer": "b"})
+        return trainable(g, roles={"planner": "a", "writer": "b"}, policies={"a": "tiny", "b": "tiny"}, frozen=["critic"])
+
+    rows = fit(graph, TASKS[:2], _cfg("steps=1"), tmp_path / "run")
+    [train] = [r for r in rows if r["kind"] == "train"]
+    assert train["policy/a/turns"] == 4 and train["policy/b/turns"] == 4 and "policy/frozen/turns" not in train
+    traj = json.loads((tmp_path / "run" / "trajectories" / "step_000001.jsonl").read_text().splitlines()[0])
+    critic = [c for c in traj["llm_calls"] if c["node"] == "critic"]
+    assert critic and all(c["policy"] == "frozen" and not c["trainable"] for c in critic)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoint" / "policies").iterdir()) == ["a", "b"]
