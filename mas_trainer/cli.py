@@ -108,6 +108,38 @@ def cmd_fit(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from mas_trainer.runtime.evaluate import evaluate
+
+    _check_model(args.model)
+    tasks = _load_tasks(argparse.Namespace(input=None, data=args.data))
+    result = evaluate(args.app, tasks, run_dir=args.run, model=args.model, n=args.n, seed=args.seed, max_tokens=args.max_tokens)
+    table = Table(title=f"reward on {len(tasks)} tasks x {args.n} ({'trained: ' + args.run if args.run else 'base models'})")
+    table.add_column("")
+    table.add_column("mean reward", justify="right")
+    table.add_row("overall", f"{result['reward/mean']:.4f}" if result["reward/mean"] is not None else "-")
+    for key, value in result.items():
+        if key.startswith("reward/role/"):
+            table.add_row(f"role {key.split('/', 2)[2]}", f"{value:.4f}")
+    Console(stderr=True).print(table)
+    text = json.dumps(result, indent=1)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from mas_trainer.runtime.evaluate import export
+
+    out = export(args.run_dir, args.out_dir)
+    print(f"exported to {out}: one Hugging Face folder per policy and mas-trainer.json (role -> model)")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mas-trainer", description="Train LangGraph multi-agent apps with multi-agent RL.")
     sub = parser.add_subparsers(dest="verb", required=True)
@@ -144,6 +176,24 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue the run in --output from its last checkpoint")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. learner.lr=1e-5 rollout.n=8")
     p.set_defaults(func=cmd_fit)
+
+    p = sub.add_parser("eval", help="reward of the app on tasks, with the base or a run's trained policies",
+                       description="Run APP on tasks and report the mean reward overall and per role (table on stderr, JSON on stdout).")
+    p.add_argument("app", metavar="APP", help="path/to/file.py:attr or package.module:attr")
+    p.add_argument("--data", required=True, help="tasks: JSON lines (or a .json list)")
+    p.add_argument("--run", default=None, help="a fit run directory: use its trained policies (default: base models)")
+    p.add_argument("--model", default=None, help="base model of policies not trained in --run: tiny | default | PATH")
+    p.add_argument("--n", type=int, default=1, help="rollouts per task")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--max-tokens", type=int, default=64, help="max_tokens for requests that set none")
+    p.add_argument("--output", default=None, help="also write the JSON here")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("export", help="one Hugging Face folder per trained policy, plus role -> model",
+                       description="Copy a run's trained policies out as Hugging Face folders (transformers, vllm serve).")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("out_dir", metavar="OUT_DIR")
+    p.set_defaults(func=cmd_export)
     return parser
 
 

@@ -39,6 +39,19 @@ class RunDir:
         self.traj_dir.mkdir(exist_ok=True)
         (self.root / "config.yaml").write_text(config_yaml)
 
+    def write_app(self, spec: Any) -> None:
+        """app.json: the policy map the run trained (for export and serving)."""
+        s = spec.spec
+        doc = {
+            "nodes": list(spec.nodes),
+            "roles": dict(s.roles),
+            "role_names": dict(s.role_names),
+            "frozen": sorted(s.frozen),
+            "default_policy": s.default_policy,
+            "policies": {p: {"base_model": pol.base_model, "trainable": pol.trainable} for p, pol in spec.policies.items()},
+        }
+        (self.root / "app.json").write_text(json.dumps(doc, indent=1))
+
     def exists(self) -> bool:
         return self.root.exists() and any(self.root.iterdir())
 

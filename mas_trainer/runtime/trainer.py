@@ -193,6 +193,7 @@ class _Fit:
                      default_max_tokens=c.rollout.max_tokens) as session:
             app = session.load_app(self.app_ref, start_engines=False, recursion_limit=c.rollout.recursion_limit)
             spec = app.spec
+            run.write_app(spec)
             self.reward_spec = RewardSpec(spec.spec.reward, spec.spec.role_rewards, spec.spec.turn_rewards)
             plan = {
                 p: (str(run.policy_dir(p)) if state else pol.base_model, c.learner_for(p).model_dump(),
