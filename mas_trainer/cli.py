@@ -140,6 +140,19 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from mas_trainer.serve import serve
+
+    routes = {}
+    for item in args.route:
+        if "=" not in item:
+            raise UsageError(f"--route {item!r} must look like MODEL=POLICY (e.g. gpt-4o-mini=planner)")
+        name, policy = item.split("=", 1)
+        routes[name] = policy
+    serve(args.run_dir, host=args.host, port=args.port, routes=routes, api_key=args.api_key)
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mas-trainer", description="Train LangGraph multi-agent apps with multi-agent RL.")
     sub = parser.add_subparsers(dest="verb", required=True)
@@ -194,6 +207,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("out_dir", metavar="OUT_DIR")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("serve", help="serve a run's trained policies behind one OpenAI-compatible endpoint",
+                       description="Serve RUN_DIR's policies; the unedited @trainable app pointed here (OPENAI_BASE_URL) "
+                                   "gets each node's answer from the policy it was trained as.")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require this bearer token (401 otherwise)")
+    p.add_argument("--route", action="append", default=[], metavar="MODEL=POLICY",
+                   help="serve requests that name no node and ask for MODEL with POLICY (repeatable)")
+    p.set_defaults(func=cmd_serve)
     return parser
 
 

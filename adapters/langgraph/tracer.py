@@ -246,12 +246,37 @@ def _resolve_from_langchain_context() -> CallContext | None:
     config = var_child_runnable_config.get()
     if not config:
         return None
+    ns = (config.get("metadata") or {}).get("langgraph_checkpoint_ns")
     manager = config.get("callbacks")
     handlers = getattr(manager, "handlers", None) or (manager if isinstance(manager, list) else [])
     for handler in handlers:
         if isinstance(handler, GraphTracer):
-            return handler.call_context((config.get("metadata") or {}).get("langgraph_checkpoint_ns"))
+            return handler.call_context(ns)
+    if ns and _serving_propagation:
+        # Outside a rollout (the app run as usual against `mas-trainer serve`): name the node
+        # only, so the server can route the call to the policy that node was trained as.
+        path = node_path(ns)
+        return CallContext(rollout_id="", node=path, node_call_id="", role=path)
     return None
+
+
+_serving_propagation = False
+
+
+def enable_serving_propagation() -> None:
+    """Let a decorated app's LLM calls name their node when run outside mas-trainer.
+
+    Called by `@trainable` unless MAS_TRAINER_PROPAGATE=0. The calls then carry W3C
+    `traceparent` and `baggage` (`mas.node`) headers, which any other endpoint ignores.
+    """
+    global _serving_propagation
+    import os
+
+    from mas_trainer.trace.instrument import instrument_openai
+
+    if os.environ.get("MAS_TRAINER_PROPAGATE", "1") != "0":
+        _serving_propagation = True
+        instrument_openai()
 
 
 register_resolver(_resolve_from_langchain_context)

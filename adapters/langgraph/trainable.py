@@ -53,6 +53,9 @@ def trainable(
     calls made by nodes not listed (default: frozen). Works as ``@trainable(...)`` or
     ``trainable(graph, ...)`` on a `StateGraph`, a compiled graph, or a function returning either.
     """
+    from .tracer import enable_serving_propagation
+
+    enable_serving_propagation()
     spec = TrainSpec.build(
         roles, policies, role_names=role_names, frozen=frozen, default_policy=default_policy, reward=reward,
         role_rewards=role_rewards, turn_rewards=turn_rewards, **extras,

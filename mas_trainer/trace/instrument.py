@@ -70,7 +70,8 @@ def _headers_for(call: CallContext, span: trace.Span) -> dict[str, str]:
         (A.BAGGAGE_NODE_CALL, call.node_call_id),
         (A.BAGGAGE_ROLE, call.role),
     ):
-        ctx = baggage.set_baggage(key, value, context=ctx)
+        if value:  # outside a rollout only the node is known
+            ctx = baggage.set_baggage(key, value, context=ctx)
     carrier: dict[str, str] = {}
     propagate.inject(carrier, context=ctx)
     return carrier

@@ -1,0 +1,125 @@
+"""serve: the unedited app, pointed at the endpoint, gets each node's answer from its trained policy."""
+
+import json
+from pathlib import Path
+
+import openai
+import pytest
+
+from mas_trainer.apps import load_object
+from mas_trainer.config import ConfigError, load_config
+from mas_trainer.gateway import GatewayServer
+from mas_trainer.runtime.trainer import fit
+from mas_trainer.serve import build_gateway
+
+APP = '''
+from typing import TypedDict
+from langchain_openai import ChatOpenAI
+from langgraph.graph import END, START, StateGraph
+from mas_trainer import trainable
+
+llm = ChatOpenAI(model="gpt-4o-mini", temperature=0, max_tokens=8, max_retries=0)
+
+class State(TypedDict, total=False):
+    question: str
+    plan: str
+    answer: str
+
+def planner(s):
+    return {"plan": llm.invoke("Plan: " + s["question"]).content}
+
+def writer(s):
+    return {"answer": llm.invoke("Write: " + s["plan"]).content}
+
+g = StateGraph(State)
+g.add_node("planner", planner)
+g.add_node("writer", writer)
+g.add_edge(START, "planner")
+g.add_edge("planner", "writer")
+g.add_edge("writer", END)
+graph = trainable(g.compile(), roles={"planner": "lead", "writer": "crew"}, policies={"lead": "tiny", "crew": "tiny"},
+                  reward=lambda task, state, traj: float(len(state.get("answer", "")) > 0))
+'''
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    (root / "app.py").write_text(APP)
+    run = root / "run"
+    cfg = load_config(overrides=["runtime.backend=local", "steps=2", "rollout.tasks_per_step=2", "rollout.n=2",
+                                 "learner.lr=5e-2", "seed=2"])
+    fit(f"{root / 'app.py'}:graph", [{"question": "Name a fruit."}, {"question": "Say hello."}], cfg, run)
+    return root, run
+
+
+def test_unedited_app_gets_each_node_from_its_trained_policy(trained_run, monkeypatch):
+    root, run = trained_run
+    gateway = build_gateway(run, routes={"gpt-4o-mini": "crew"})
+    decisions = []
+    route = gateway.router.route
+
+    def spy(bag, model, policies):
+        d = route(bag, model, policies)
+        decisions.append((d.node, d.policy))
+        return d
+
+    gateway.router.route = spy
+    with GatewayServer(gateway) as server:
+        monkeypatch.setenv("OPENAI_BASE_URL", server.base_url)
+        monkeypatch.setenv("OPENAI_API_KEY", "x")
+        graph = load_object(f"{root / 'app.py'}:graph")  # imported as its author would run it
+        state = graph.invoke({"question": "Name a fruit."})
+        assert decisions == [("planner", "lead"), ("writer", "crew")]
+        client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0)
+        direct = client.chat.completions.create(model="lead", messages=[{"role": "user", "content": "Plan: Name a fruit."}],
+                                                temperature=0, max_tokens=8)
+        assert state["plan"] == direct.choices[0].message.content
+        direct = client.chat.completions.create(model="crew", messages=[{"role": "user", "content": "Write: " + state["plan"]}],
+                                                temperature=0, max_tokens=8)
+        assert state["answer"] == direct.choices[0].message.content
+        # no node: served by model name as the routes say; unknown names are refused
+        assert client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}]).choices
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="gpt-5", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_api_key_and_bad_runs(trained_run, tmp_path):
+    _, run = trained_run
+    with GatewayServer(build_gateway(run, api_key="k")) as server:
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=server.base_url, api_key="wrong", max_retries=0).models.list()
+        ids = {m.id for m in openai.OpenAI(base_url=server.base_url, api_key="k", max_retries=0).models.list().data}
+        assert {"lead", "crew"} <= ids
+    with pytest.raises(ConfigError, match="has no checkpoint to serve"):
+        build_gateway(tmp_path)
+    with pytest.raises(ConfigError, match="unknown policy 'nope'"):
+        build_gateway(run, routes={"gpt-4o-mini": "nope"})
+    json.loads((Path(run) / "app.json").read_text())
+
+
+def test_serve_cli_runs_until_sigterm(trained_run):
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    _, run = trained_run
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "mas_trainer.cli", "serve", str(run), "--port", str(port),
+                             "--route", "gpt-4o-mini=lead"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert f"127.0.0.1:{port}" in line, line + proc.stderr.read()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        assert client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=4).choices[0].message is not None
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.time() + 30
+        while proc.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+    assert proc.returncode == 0
