@@ -192,4 +192,8 @@ def test_fit_one_step_agentic_search_turn_delta(tmp_path):
     train = [r for r in rows if r["kind"] == "train"]
     assert len(train) == 1 and train[0]["policy/planner/turns"] >= 4 and train[0]["policy/reader/turns"] >= 4
     traj = json.loads((tmp_path / "run" / "trajectories" / "step_000001.jsonl").read_text().splitlines()[0])
-    assert traj["rewards"]["detail"]["allocator"] == "turn_delta"
+    detail = traj["rewards"]["detail"]
+    assert detail["allocator"] == "turn_delta"
+    for call in traj["llm_calls"]:  # scored roles get a turn part (their gain), the planner none
+        parts = detail["calls"][call["id"]]["parts"]
+        assert ("turn" in parts) == (call["role"] != "planner") and "trajectory" in parts, (call["role"], parts)
