@@ -25,6 +25,9 @@ def plot_rewards(rows: list[dict[str, Any]], path: str | Path) -> Path:
         ax.plot(steps, [r.get(f"reward/role/{role}") for r in train], lw=1.2, label=f"role {role}")
     if val:
         ax.plot([r["step"] for r in val], [r.get("reward/mean") for r in val], "o--", color="tab:red", label="held-out mean")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.set_title("reward per role")
