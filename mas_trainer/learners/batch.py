@@ -165,3 +165,12 @@ def pack_turns(turns: Sequence[Turn], *, pad_id: int = 0) -> PackedTurns:
         prompt_lengths=[len(t.prompt_ids) for t in turns],
         response_lengths=[len(t.response_ids) for t in turns],
     )
+
+
+def mini_batches(turns: Sequence[Turn], size: int, *, shuffle: bool, seed: int) -> list[list[Turn]]:
+    """`turns` cut into mini-batches of `size`, in a seeded random order when `shuffle`
+    (the seed includes the update count, so a resumed run continues the same sequence)."""
+    order = list(range(len(turns)))
+    if shuffle:
+        order = torch.randperm(len(turns), generator=torch.Generator().manual_seed(seed)).tolist()
+    return [[turns[j] for j in order[i : i + size]] for i in range(0, len(order), size)]

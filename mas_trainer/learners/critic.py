@@ -38,7 +38,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from mas_trainer.learners.batch import PackedTurns, Turn, pack_turns
+from mas_trainer.learners.batch import PackedTurns, Turn, mini_batches, pack_turns
 from mas_trainer.learners.config import LOSS_AGG_MODES
 
 __all__ = ["CriticConfig", "TorchCritic"]
@@ -177,17 +177,12 @@ class TorchCritic:
                 if len(table[t.id]) != len(t.response_ids):
                     raise ValueError(f"turn {t.id}: {len(table[t.id])} {name} for {len(t.response_ids)} response tokens")
         cfg = self.config
-        order = list(range(len(turns)))
-        if cfg.shuffle:
-            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.updates)
-            order = torch.randperm(len(turns), generator=gen).tolist()
         sums: dict[str, float] = defaultdict(float)
         losses: list[float] = []
         norms: list[float] = []
         steps = skipped = 0
         try:
-            for i in range(0, len(order), cfg.mini_batch_size):
-                mini = [turns[j] for j in order[i : i + cfg.mini_batch_size]]
+            for mini in mini_batches(turns, cfg.mini_batch_size, shuffle=cfg.shuffle, seed=cfg.seed * 1_000_003 + self.updates):
                 loss, norm = self._mini_batch_step(mini, returns, old_values, sums)
                 losses.append(loss)
                 steps += 1

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from mas_trainer.errors import UserError
-from mas_trainer.learners.batch import PackedTurns, Turn, pack_turns
+from mas_trainer.learners.batch import PackedTurns, Turn, mini_batches, pack_turns
 from mas_trainer.learners.config import LearnerConfig
 
 __all__ = ["TorchLearner", "build_actor_config"]
@@ -237,12 +237,8 @@ class TorchLearner:
         grad_norms: list[float] = []
         try:
             for epoch in range(cfg.ppo_epochs):
-                order = list(range(len(turns)))
-                if cfg.shuffle:
-                    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.updates * 1009 + epoch)
-                    order = torch.randperm(len(turns), generator=gen).tolist()
-                for i in range(0, len(order), cfg.mini_batch_size):
-                    mini = [turns[j] for j in order[i : i + cfg.mini_batch_size]]
+                seed = cfg.seed * 1_000_003 + self.updates * 1009 + epoch
+                for mini in mini_batches(turns, cfg.mini_batch_size, shuffle=cfg.shuffle, seed=seed):
                     norm = self._mini_batch_step(mini, sums, weights)
                     steps += 1
                     if norm is None:
