@@ -9,7 +9,6 @@ from langgraph.errors import GraphRecursionError
 from langgraph.pregel import Pregel
 
 from mas_trainer.runtime.controller import RunResult
-from mas_trainer.spec import ResolvedSpec
 
 from .tracer import GraphTracer
 from .trainable import resolve
@@ -37,7 +36,7 @@ class LangGraphApp:
         return {k: v for k, v in task.items() if k in self._input_keys}
 
     async def run(self, task: dict[str, Any], rollout_id: str, *, timeout_s: float | None = None) -> RunResult:
-        tracer = GraphTracer(rollout_id, self.spec, task)
+        tracer = GraphTracer(rollout_id, self.spec)
         config = {
             "callbacks": [tracer],
             "metadata": {"mas_trainer_rollout_id": rollout_id},

@@ -62,14 +62,15 @@ class GraphTracer(BaseCallbackHandler):
     ignore_retriever = True
     ignore_custom_event = True
 
-    def __init__(self, rollout_id: str, spec: ResolvedSpec, task: Any = None) -> None:
+    def __init__(self, rollout_id: str, spec: ResolvedSpec) -> None:
         self.rollout_id = rollout_id
         self.spec = spec
         self._lock = threading.Lock()
         self._nodes: list[_NodeRun] = []
         self._open: dict[str, _NodeRun] = {}  # checkpoint ns -> running node call
         self._opened_by: dict[UUID, _NodeRun] = {}  # the run that opened each node call
-        self._tools: dict[UUID, ToolCall] = {}
+        self._tool_calls: list[ToolCall] = []
+        self._open_tools: dict[UUID, tuple[ToolCall, trace.Span]] = {}
         self._attempts: dict[str, int] = {}
         self.root = get_tracer().start_span(
             "invoke_agent graph",
@@ -182,45 +183,44 @@ class GraphTracer(BaseCallbackHandler):
     def on_tool_start(self, serialized, input_str, *, run_id, parent_run_id=None, metadata=None, inputs=None, **kw):
         node = self.node_for((metadata or {}).get("langgraph_checkpoint_ns"))
         name = kw.get("name") or (serialized or {}).get("name") or "tool"
-        call_id = kw.get("tool_call_id") or str(run_id)
-        with self._lock:
-            self._tools[run_id] = ToolCall(
-                id=str(call_id),
-                node_id=node.record.id if node else None,
-                name=name,
-                input=inputs if inputs is not None else input_str,
-            )
-
-    def on_tool_end(self, output, *, run_id, **kw):
-        with self._lock:
-            tool = self._tools.get(run_id)
-        if tool is not None:
-            tool.output = getattr(output, "content", output)
-            self._tool_span(tool)
-
-    def on_tool_error(self, error, *, run_id, **kw):
-        with self._lock:
-            tool = self._tools.get(run_id)
-        if tool is not None:
-            tool.status, tool.error = "error", f"{type(error).__name__}: {error}"
-            self._tool_span(tool)
-
-    def _tool_span(self, tool: ToolCall) -> None:
-        with self._lock:
-            parent = next((n for n in self._nodes if n.record.id == tool.node_id), None)
+        call = ToolCall(
+            id=str(kw.get("tool_call_id") or run_id),
+            node_id=node.record.id if node else None,
+            name=name,
+            input=inputs if inputs is not None else input_str,
+        )
         span = get_tracer().start_span(
-            f"execute_tool {tool.name}",
-            context=parent.ctx if parent else self._root_ctx,
+            f"execute_tool {name}",
+            context=node.ctx if node else self._root_ctx,
             attributes={
                 A.KIND: "tool",
                 A.ROLLOUT_ID: self.rollout_id,
                 A.GEN_AI_OPERATION: "execute_tool",
-                A.GEN_AI_TOOL_NAME: tool.name,
-                A.GEN_AI_TOOL_CALL_ID: tool.id,
+                A.GEN_AI_TOOL_NAME: name,
+                A.GEN_AI_TOOL_CALL_ID: call.id,
             },
         )
-        if tool.status == "error":
-            span.set_status(StatusCode.ERROR, tool.error or "")
+        with self._lock:
+            self._tool_calls.append(call)
+            self._open_tools[run_id] = (call, span)
+
+    def on_tool_end(self, output, *, run_id, **kw):
+        self._end_tool(run_id, output=getattr(output, "content", output))
+
+    def on_tool_error(self, error, *, run_id, **kw):
+        self._end_tool(run_id, error=error)
+
+    def _end_tool(self, run_id: UUID, *, output: Any = None, error: BaseException | None = None) -> None:
+        with self._lock:
+            entry = self._open_tools.pop(run_id, None)
+        if entry is None:
+            return
+        call, span = entry
+        if error is None:
+            call.output = output
+        else:
+            call.status, call.error = "error", f"{type(error).__name__}: {error}"
+            span.set_status(StatusCode.ERROR, call.error)
         span.end()
 
     # --- results -------------------------------------------------------------------------
@@ -229,7 +229,10 @@ class GraphTracer(BaseCallbackHandler):
         now = time.time()
         with self._lock:
             nodes = list(self._nodes)
-            tools = list(self._tools.values())
+            tools = list(self._tool_calls)
+            still_running = list(self._open_tools)
+        for run_id in still_running:
+            self._end_tool(run_id, error=TimeoutError("cancelled before the tool returned"))
         for node in nodes:
             if node.record.end_time is None:
                 node.record.end_time = now

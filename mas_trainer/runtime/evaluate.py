@@ -10,7 +10,7 @@ from typing import Any
 from mas_trainer.config import ConfigError, RewardConfig, load_config
 from mas_trainer.rewards import RewardSpec, assign_rewards
 from mas_trainer.runtime.rundir import RunDir
-from mas_trainer.runtime.session import Session, torch_backend
+from mas_trainer.runtime.session import Session, lazy_backend, torch_backend
 from mas_trainer.runtime.trainer import summarize
 
 __all__ = ["evaluate", "export"]
@@ -38,7 +38,10 @@ def evaluate(app_ref: Any, tasks: list[dict], *, run_dir: str | Path | None = No
     with Session(model=model, max_in_flight=max_in_flight, default_max_tokens=max_tokens) as session:
         app = session.load_app(app_ref, start_engines=False)
         for p, pol in app.spec.policies.items():
-            session.attach(p, backend(p, pol.base_model))
+            if pol.trainable:
+                session.attach(p, backend(p, pol.base_model))
+            else:  # frozen: the base model, loaded only if a node calls it
+                session.attach(p, lazy_backend(p, lambda m=pol.base_model: torch_backend(m, seed=seed)))
         session.gateway.reseed(seed)
         trajs = session.run(tasks, n=n)
         spec = RewardSpec(app.spec.spec.reward, app.spec.spec.role_rewards, app.spec.spec.turn_rewards)

@@ -64,12 +64,12 @@ def _torch_threads(n_policies: int, configured: int | None) -> int:
 
 
 def start_workers(
-    policies: dict[str, tuple[str, dict[str, Any] | None, dict[str, Any] | None, dict[str, Any] | None]],
+    policies: dict[str, tuple[str, dict[str, Any], dict[str, Any], dict[str, Any]]],
     runtime: Any,
     *,
     seed: int,
 ) -> dict[str, WorkerHandle]:
-    """policies: name -> (model spec, learner config or None if frozen, advantage config, critic config)."""
+    """policies (trainable ones): name -> (model spec, learner, advantage and critic configs)."""
     threads = _torch_threads(len(policies), runtime.torch_threads)
     handles: dict[str, WorkerHandle] = {}
     if runtime.backend == "local":

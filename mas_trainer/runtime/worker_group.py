@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import os
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, Sequence
 
 from mas_trainer.engines.base import Generation, SamplingParams
@@ -28,14 +27,15 @@ class BufferedTurn:
 
 
 class WorkerGroup:
-    """Engine + turn buffer + learner of one policy (a Ray actor, or an object in-process)."""
+    """Engine + turn buffer + learner of one trainable policy (a Ray actor, or an object
+    in-process). Frozen policies need none of this: the controller serves them directly."""
 
     def __init__(
         self,
         policy: str,
         model_spec: str,
         *,
-        learner: dict[str, Any] | None,
+        learner: dict[str, Any],
         advantage: dict[str, Any] | None,
         critic: dict[str, Any] | None = None,
         seed: int = 0,
@@ -46,8 +46,11 @@ class WorkerGroup:
     ) -> None:
         import torch
 
+        from mas_trainer.algo.advantages import AdvantageConfig
         from mas_trainer.engines.models import load_model
         from mas_trainer.engines.torch_engine import TorchEngine
+        from mas_trainer.learners.config import LearnerConfig
+        from mas_trainer.learners.torch_learner import TorchLearner
 
         if torch_threads:
             torch.set_num_threads(torch_threads)
@@ -57,25 +60,18 @@ class WorkerGroup:
                                   batch_wait_ms=batch_wait_ms)
         self.buffer: dict[str, BufferedTurn] = {}
         self._seen = {"decode_steps": 0, "prefills": 0, "rows": 0}
-        self.learner = None
+        self.learner = TorchLearner(model, LearnerConfig.model_validate(learner))
+        self.advantage_config = AdvantageConfig.model_validate(advantage or {})
         self.critic = None
-        self.advantage_config = None
-        if learner is not None:  # frozen policies generate only
-            from mas_trainer.algo.advantages import AdvantageConfig
-            from mas_trainer.learners.config import LearnerConfig
-            from mas_trainer.learners.torch_learner import TorchLearner
+        if self.advantage_config.estimator == "gae":  # GAE bootstraps from a learned value model
+            from mas_trainer.learners.critic import CriticConfig, TorchCritic
 
-            self.learner = TorchLearner(model, LearnerConfig.model_validate(learner))
-            self.advantage_config = AdvantageConfig.model_validate(advantage or {})
-            if self.advantage_config.estimator == "gae":  # GAE bootstraps from a learned value model
-                from mas_trainer.learners.critic import CriticConfig, TorchCritic
-
-                self.critic = TorchCritic(model, CriticConfig.model_validate(critic or {}))
+            self.critic = TorchCritic(model, CriticConfig.model_validate(critic or {}))
 
     # --- serving ---------------------------------------------------------------------------
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, turn_id: str | None = None) -> list[Generation]:
         gens = await self.engine.generate(prompt_ids, params)
-        if turn_id is not None and self.learner is not None:
+        if turn_id is not None:
             for i, g in enumerate(gens):
                 self.buffer[turn_id if i == 0 else f"{turn_id}-{i}"] = BufferedTurn(list(prompt_ids), g.token_ids, g.logprobs)
         return gens
@@ -92,8 +88,6 @@ class WorkerGroup:
         from mas_trainer.algo.advantages import compute_policy_advantages
         from mas_trainer.learners.batch import Turn
 
-        if self.learner is None:
-            raise RuntimeError(f"policy {self.policy} is frozen")
         records = [r for r in records if r.turn_id in self.buffer]
         if not records:
             self.buffer.clear()
@@ -134,24 +128,19 @@ class WorkerGroup:
         def _save(model: Any) -> None:
             import torch
 
-            if self.learner is not None:
-                self.learner.save_pretrained(folder, self.tokenizer)
-                if optimizer_path:
-                    state = {"learner": self.learner.state_dict()}
-                    if self.critic is not None:
-                        state["critic"] = self.critic.state_dict()
-                    torch.save(state, optimizer_path)
-            else:
-                Path(folder).mkdir(parents=True, exist_ok=True)
-                model.save_pretrained(folder)
-                self.tokenizer.save_pretrained(folder)
+            self.learner.save_pretrained(folder, self.tokenizer)
+            if optimizer_path:
+                state = {"learner": self.learner.state_dict()}
+                if self.critic is not None:
+                    state["critic"] = self.critic.state_dict()
+                torch.save(state, optimizer_path)
 
         await asyncio.wrap_future(self.engine.run_exclusive(_save))
 
     async def load_optimizer(self, path: str) -> None:
         import torch
 
-        if self.learner is not None and os.path.exists(path):
+        if os.path.exists(path):
             state = torch.load(path, weights_only=False)
 
             def load(_model: Any) -> None:
