@@ -116,7 +116,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     _check_model(args.model)
     tasks = _load_tasks(argparse.Namespace(input=None, data=args.data))
-    result = evaluate(args.app, tasks, run_dir=args.run, model=args.model, n=args.n, seed=args.seed, max_tokens=args.max_tokens)
+    result = evaluate(args.app, tasks, run_dir=args.run, model=args.model, n=args.n, seed=args.seed, max_tokens=args.max_tokens,
+                      temperature=args.temperature)
     table = Table(title=f"reward on {len(tasks)} tasks x {args.n} ({'trained: ' + args.run if args.run else 'base models'})")
     table.add_column("")
     table.add_column("mean reward", justify="right")
@@ -199,6 +200,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=int, default=1, help="rollouts per task")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens for requests that set none")
+    p.add_argument("--temperature", type=float, default=None, help="temperature of every LLM call (0: greedy; default: the app's own)")
     p.add_argument("--output", default=None, help="also write the JSON here")
     p.set_defaults(func=cmd_eval)
 

@@ -35,6 +35,8 @@ class RolloutConfig(_Strict):
     timeout_s: float = Field(300.0, gt=0, description="a rollout running longer is stopped (status timeout)")
     max_tokens: int = Field(64, ge=1, description="max_tokens of requests that set none")
     recursion_limit: int = Field(50, ge=1, description="LangGraph recursion limit per rollout")
+    val_temperature: float | None = Field(
+        None, ge=0, le=2, description="temperature of every LLM call in held-out evaluations (0: greedy; default: the app's own)")
 
 
 class RewardConfig(_Strict):

@@ -85,6 +85,14 @@ def test_every_verb_has_help():
     assert r.returncode == 0 and "--model" in r.stdout and "--data" in r.stdout
 
 
+def test_docs_list_every_fit_config_key_with_its_default():
+    from mas_trainer.config import describe_keys
+
+    docs = (ROOT / "docs" / "training.md").read_text()
+    missing = [line for line in describe_keys() if line not in docs]
+    assert not missing, f"docs/training.md lacks (regenerate its key list from describe_keys): {missing}"
+
+
 @pytest.mark.model
 def test_trace_on_the_bundled_model(tmp_path):
     out = tmp_path / "traj.jsonl"

@@ -61,15 +61,20 @@ class Gateway:
         # derived from (seed, rollout, node, k-th call of that node), so a rollout whose
         # calls come in a fixed order samples the same tokens when the step is re-run.
         self.seed_requests: int | None = None
+        # Validation may sample differently from training (verl's val_kwargs): when set,
+        # rollout requests use this temperature whatever the app asked for.
+        self.temperature_override: float | None = None
         self._call_counts: dict[tuple[str, str], int] = defaultdict(int)
         self.app = self._build_app()
 
     def add_policy(self, name: str, backend: PolicyBackend) -> None:
         self.backends[name] = backend
 
-    def reseed(self, seed: int | None) -> None:
-        """Seed the requests of the next batch of rollouts (None: leave them unseeded)."""
+    def reseed(self, seed: int | None, *, temperature: float | None = None) -> None:
+        """Seed the requests of the next batch of rollouts (None: leave them unseeded) and
+        set their temperature (None: the one each request asks for)."""
         self.seed_requests = seed
+        self.temperature_override = temperature
         self._call_counts.clear()
 
     def _request_seed(self, decision: RouteDecision) -> int:
@@ -109,6 +114,8 @@ class Gateway:
         call_id = format(span_ctx.span_id, "016x") if span_ctx.is_valid else uuid.uuid4().hex[:16]
         if params.seed is None and self.seed_requests is not None and decision.rollout_id:
             params = replace(params, seed=self._request_seed(decision))
+        if self.temperature_override is not None and decision.rollout_id:
+            params = replace(params, temperature=self.temperature_override)
         gens = await backend.engine.generate(prompt_ids, params, turn_id=call_id)
         end = time.time()
         choices = []

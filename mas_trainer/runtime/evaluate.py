@@ -26,9 +26,11 @@ def _trained_folders(run_dir: str | Path | None) -> dict[str, Path]:
 
 
 def evaluate(app_ref: Any, tasks: list[dict], *, run_dir: str | Path | None = None, model: str | None = None,
-             n: int = 1, seed: int = 0, max_tokens: int = 64, max_in_flight: int = 64) -> dict[str, Any]:
+             n: int = 1, seed: int = 0, max_tokens: int = 64, max_in_flight: int = 64,
+             temperature: float | None = None) -> dict[str, Any]:
     """Mean reward of the app on `tasks`, overall and per role, with the run's trained
-    policies (`run_dir`) or the base models."""
+    policies (`run_dir`) or the base models. `temperature` replaces the one every LLM call
+    asks for (0: greedy)."""
     trained = _trained_folders(run_dir)
     reward_cfg = load_config(Path(run_dir) / "config.yaml").reward if run_dir else RewardConfig()
 
@@ -42,7 +44,7 @@ def evaluate(app_ref: Any, tasks: list[dict], *, run_dir: str | Path | None = No
                 session.attach(p, backend(p, pol.base_model))
             else:  # frozen: the base model, loaded only if a node calls it
                 session.attach(p, lazy_backend(p, lambda m=pol.base_model: torch_backend(m, seed=seed)))
-        session.gateway.reseed(seed)
+        session.gateway.reseed(seed, temperature=temperature)
         trajs = session.run(tasks, n=n)
         spec = RewardSpec(app.spec.spec.reward, app.spec.spec.role_rewards, app.spec.spec.turn_rewards)
         for t in trajs:

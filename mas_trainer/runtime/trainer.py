@@ -87,8 +87,9 @@ class _Fit:
         self.rows: list[dict[str, Any]] = []
 
     # --- one step ------------------------------------------------------------------------
-    async def rollouts(self, session: Session, tasks: list[dict], n: int, ids: list[str], seed: int) -> list[Trajectory]:
-        session.gateway.reseed(seed)
+    async def rollouts(self, session: Session, tasks: list[dict], n: int, ids: list[str], seed: int,
+                       temperature: float | None = None) -> list[Trajectory]:
+        session.gateway.reseed(seed, temperature=temperature)
         trajs = await session.rollouts(tasks, n=n, ids=ids)
         r = self.cfg.reward
         for t in trajs:
@@ -130,7 +131,8 @@ class _Fit:
         ids = [f"v{step:06d}-t{i:05d}-r{k}" for i in range(len(self.val_tasks)) for k in range(n)]
         t0 = time.perf_counter()
         # the same seed at every evaluation: differences come from the weights, not the dice
-        trajs = await self.rollouts(session, self.val_tasks, n, ids, _seed(self.cfg.seed, "val"))
+        trajs = await self.rollouts(session, self.val_tasks, n, ids, _seed(self.cfg.seed, "val"),
+                                    temperature=self.cfg.rollout.val_temperature)
         await asyncio.gather(*(h.call("discard") for h in self.handles.values()))
         self.run.write_trajectories(step, (t.to_json() for t in trajs), name=f"step_{step:06d}_val")
         return {"kind": "val", "step": step, **summarize(trajs), "time/eval_s": time.perf_counter() - t0}
@@ -206,7 +208,9 @@ class _Fit:
                     if pol.trainable:
                         session.attach(p, PolicyBackend(WorkerEngine(self.handles[p]), HFChatFormat(load_tokenizer(pol.base_model))))
                     else:  # frozen: the base model in this process, loaded only if a node calls it
-                        session.attach(p, lazy_backend(p, lambda m=pol.base_model: torch_backend(m, seed=c.seed)))
+                        rt = c.runtime  # batched like the worker groups' engines
+                        session.attach(p, lazy_backend(p, lambda m=pol.base_model: torch_backend(
+                            m, seed=c.seed, max_batch_size=rt.max_batch_size, bf16=rt.engine_bf16, batch_wait_ms=rt.batch_wait_ms)))
                 columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
                 with Progress(*columns, console=self.console, transient=False) as progress:
                     session.loop.run_until_complete(self.loop(session, state, progress))

@@ -197,3 +197,49 @@ def test_fit_one_step_agentic_search_turn_delta(tmp_path):
     for call in traj["llm_calls"]:  # scored roles get a turn part (their gain), the planner none
         parts = detail["calls"][call["id"]]["parts"]
         assert ("turn" in parts) == (call["role"] != "planner") and "trajectory" in parts, (call["role"], parts)
+
+
+def test_fit_answerer_only_greedy_eval_and_report(tmp_path):
+    """The README demo's shape: the answerer trained, the rewriter frozen, held-out
+    evaluations greedy, then `report.py` scores exact match and F1 and plots them."""
+    tasks, held_out = _jsonl(RAG / "train.jsonl")[:4], _jsonl(RAG / "heldout.jsonl")[:3]
+    run = tmp_path / "run"
+    rows = fit(f"{RAG / 'app.py'}:graph_answerer", tasks, _cfg("rollout.val_temperature=0", "eval_every=1"), run,
+               val_tasks=held_out)
+    train = [r for r in rows if r["kind"] == "train"]
+    assert train[0]["policy/answerer/turns"] == 4 and not any(k.startswith("policy/frozen") for k in train[0])
+    assert [p.name for p in (run / "checkpoint" / "policies").iterdir()] == ["answerer"]
+    val = [json.loads(line) for line in (run / "trajectories" / "step_000000_val.jsonl").read_text().splitlines()]
+    assert [[c["policy"] for c in t["llm_calls"]] for t in val] == [["frozen", "answerer"]] * 3
+
+    spec = importlib.util.spec_from_file_location("_rag_report", RAG / "report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    scores = report.report(run)
+    assert sorted(scores) == [0, 1]
+    for step, s in scores.items():
+        predictions = [json.loads(line)["final_state"]["prediction"]
+                       for line in (run / "trajectories" / f"step_{step:06d}_val.jsonl").read_text().splitlines()]
+        want = [f1(p, t["answer"]) for p, t in zip(predictions, held_out)]
+        assert s["n"] == 3 and s["f1"]["mean"] == pytest.approx(sum(want) / 3)
+        assert 0.0 <= s["exact_match"]["mean"] <= s["f1"]["mean"] + 1e-9
+    assert report.main([str(run), "--json", str(tmp_path / "scores.json")]) == 0
+    assert (run / "heldout_em_f1.png").stat().st_size > 0 and json.loads((tmp_path / "scores.json").read_text())["1"]["n"] == 3
+
+
+def test_report_spread_counts_failed_rollouts_as_wrong(tmp_path):
+    spec = importlib.util.spec_from_file_location("_rag_report", RAG / "report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    folder = tmp_path / "trajectories"
+    folder.mkdir()
+    rows = [{"status": "ok", "task": {"answer": "Quellmoor"}, "final_state": {"prediction": "Quellmoor."}},
+            {"status": "ok", "task": {"answer": "flute"}, "final_state": {"prediction": "the oboe"}},
+            {"status": "error", "task": {"answer": "1920"}, "final_state": {"prediction": "1920"}},
+            {"status": "ok", "task": {"answer": "Mirela Vostok"}, "final_state": {"prediction": "Mirela"}}]
+    (folder / "step_000005_val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s = report.report(tmp_path)[5]
+    assert s["exact_match"] == pytest.approx({"mean": 0.25, "std": 0.25 ** 0.5 * 0.75 ** 0.5, "sem": (0.1875 ** 0.5) / 2})
+    assert s["f1"]["mean"] == pytest.approx((1 + 0 + 0 + 2 / 3) / 4)
+    with pytest.raises(SystemExit, match="no held-out evaluations"):
+        report.report(tmp_path / "elsewhere")

@@ -113,6 +113,24 @@ def test_baggage_routes_by_node_and_files_tokens_by_rollout(served):
     assert len(call.response_ids) == len(call.response_logprobs) > 0
 
 
+def test_validation_temperature_overrides_rollout_requests_only(served):
+    server, engines, _ = served
+    gw = server.gateway
+    rollout = {"baggage": "mas.rollout=r2,mas.node=planner,mas.role=planner"}
+    body = {"model": "p", "messages": [{"role": "user", "content": "x"}], "temperature": 0.7}
+    gw.reseed(5, temperature=0.0)
+    try:
+        assert httpx.post(f"{server.base_url}/chat/completions", headers=rollout, json=body).status_code == 200
+        assert engines["p"].params[-1].temperature == 0.0
+        # a request outside any rollout (a user poking the endpoint) keeps its own sampling
+        assert httpx.post(f"{server.base_url}/chat/completions", json=body).status_code == 200
+        assert engines["p"].params[-1].temperature == 0.7
+    finally:
+        gw.reseed(None)
+    assert httpx.post(f"{server.base_url}/chat/completions", headers=rollout, json=body).status_code == 200
+    assert engines["p"].params[-1].temperature == 0.7
+
+
 @pytest.mark.parametrize(
     "body, status, needle",
     [

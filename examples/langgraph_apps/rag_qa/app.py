@@ -50,6 +50,8 @@ SEPARATE_ROLES = {"rewrite": "rewriter", "answer": "answerer"}
 SEPARATE_POLICIES = {"rewriter": "default", "answerer": "default"}
 SHARED_ROLES = {"rewrite": "qa", "answer": "qa"}
 SHARED_POLICIES = {"qa": "default"}
+ANSWERER_ROLES = {"answer": "answerer"}
+ANSWERER_POLICIES = {"answerer": "default"}
 
 rewriter_llm = ChatOpenAI(model="gpt-4o-mini", max_tokens=24)
 answer_llm = ChatOpenAI(model="gpt-4o-mini", max_tokens=16)
@@ -184,6 +186,11 @@ graph = trainable(build_graph(), roles=SEPARATE_ROLES, policies=SEPARATE_POLICIE
 # one shared policy serves both nodes
 graph_shared = trainable(build_graph(), roles=SHARED_ROLES, policies=SHARED_POLICIES,
                          reward=f1_reward, role_rewards={"rewrite": retrieval_hit})
+
+# only the answerer is trained; the rewriter stays the base model (the README's demo: the
+# retriever already finds the passage from the question, so the answer is what there is to learn)
+graph_answerer = trainable(build_graph(), roles=ANSWERER_ROLES, policies=ANSWERER_POLICIES,
+                           frozen=["rewrite"], reward=f1_reward)
 
 
 if __name__ == "__main__":
