@@ -27,6 +27,8 @@ def _load_tasks(args: argparse.Namespace) -> list[dict[str, Any]]:
         if not isinstance(task, dict):
             raise UsageError("--input must be a JSON object, e.g. '{\"question\": \"...\"}'")
         return [task]
+    if str(args.data).startswith(HF_PREFIX):
+        return _load_hf_tasks(args.data)
     path = Path(args.data)
     if not path.is_file():
         raise UsageError(f"data file not found: {path}")
@@ -51,6 +53,32 @@ def _load_tasks(args: argparse.Namespace) -> list[dict[str, Any]]:
         raise UsageError(f"{path}: task {bad[0]} is not a JSON object")
     if not tasks:
         raise UsageError(f"{path}: no tasks")
+    return tasks
+
+
+HF_PREFIX = "hf:"
+
+
+def _load_hf_tasks(spec: str) -> list[dict[str, Any]]:
+    """`hf:NAME[:CONFIG]:SPLIT` (or `hf:NAME`, split train): one task per row of a Hugging
+    Face dataset, from the local cache or a folder when offline (`datasets.load_dataset`)."""
+    parts = spec[len(HF_PREFIX):].split(":")
+    if not parts[0] or len(parts) > 3 or not all(parts):
+        raise UsageError(f"--data {spec!r}: write hf:NAME, hf:NAME:SPLIT or hf:NAME:CONFIG:SPLIT (e.g. hf:hotpot_qa:distractor:validation)")
+    name, config, split = parts[0], (parts[1] if len(parts) == 3 else None), (parts[-1] if len(parts) > 1 else "train")
+    try:
+        import datasets
+    except ImportError as exc:
+        raise UsageError(f"--data {spec!r} needs the `datasets` package: pip install datasets") from exc
+    datasets.disable_progress_bars()
+    try:
+        rows = datasets.load_dataset(name, config, split=split)
+    except Exception as exc:  # noqa: BLE001 - datasets raises many types; the message says what
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"--data {spec!r}: cannot load Hugging Face dataset {name!r} (config {config}, split {split!r}): {first}") from exc
+    tasks = [dict(row) for row in rows]
+    if not tasks:
+        raise UsageError(f"--data {spec!r}: no rows")
     return tasks
 
 
@@ -163,7 +191,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("app", metavar="APP", help="path/to/file.py:attr or package.module:attr (graph, builder or function)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--input", help="one task as a JSON object")
-    src.add_argument("--data", help="tasks file: JSON lines (or a .json list)")
+    src.add_argument("--data", help="tasks: JSON lines, a .json list, or hf:NAME[:CONFIG]:SPLIT (a Hugging Face dataset)")
     p.add_argument("--model", default=None, help="base model of every policy: tiny | default | PATH (default: as the app says)")
     p.add_argument("--output", default="trajectories.jsonl", help="where to write trajectories (JSON lines)")
     p.add_argument("--n", type=int, default=1, help="rollouts per task")
@@ -182,8 +210,8 @@ def _parser() -> argparse.ArgumentParser:
         epilog="config keys (YAML file and/or key=value overrides) with their defaults:\n" + "\n".join(describe_keys()),
     )
     p.add_argument("app", metavar="APP", help="path/to/file.py:attr or package.module:attr")
-    p.add_argument("--data", required=True, help="training tasks: JSON lines (or a .json list)")
-    p.add_argument("--val-data", default=None, help="held-out tasks (default: val_fraction of --data, if set)")
+    p.add_argument("--data", required=True, help="training tasks: JSON lines, a .json list, or hf:NAME[:CONFIG]:SPLIT")
+    p.add_argument("--val-data", default=None, help="held-out tasks, same forms (default: val_fraction of --data, if set)")
     p.add_argument("--config", default=None, help="YAML config file")
     p.add_argument("--model", default=None, help="base model of every policy: tiny | default | PATH")
     p.add_argument("--output", default="runs/fit", help="run directory")
@@ -194,7 +222,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="reward of the app on tasks, with the base or a run's trained policies",
                        description="Run APP on tasks and report the mean reward overall and per role (table on stderr, JSON on stdout).")
     p.add_argument("app", metavar="APP", help="path/to/file.py:attr or package.module:attr")
-    p.add_argument("--data", required=True, help="tasks: JSON lines (or a .json list)")
+    p.add_argument("--data", required=True, help="tasks: JSON lines, a .json list, or hf:NAME[:CONFIG]:SPLIT")
     p.add_argument("--run", default=None, help="a fit run directory: use its trained policies (default: base models)")
     p.add_argument("--model", default=None, help="base model of policies not trained in --run: tiny | default | PATH")
     p.add_argument("--n", type=int, default=1, help="rollouts per task")

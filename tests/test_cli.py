@@ -140,3 +140,31 @@ def test_every_example_app_traces_on_tiny(tmp_path, name):
             assert len(c["response_ids"]) == len(c["response_logprobs"]) > 0
             calls_per_node[c["node_id"]] = calls_per_node.get(c["node_id"], 0) + 1
         assert set(calls_per_node) <= {n["id"] for n in llm_node_calls}
+
+
+def test_tasks_from_a_hugging_face_dataset(tmp_path, monkeypatch):
+    import argparse
+
+    import datasets
+
+    from mas_trainer.cli import _load_tasks
+    from mas_trainer.errors import UserError
+
+    folder = tmp_path / "my_qa"
+    folder.mkdir()
+    rows = {"train": [{"question": "q1", "answer": "a1"}, {"question": "q2", "answer": "a2"}],
+            "validation": [{"question": "q3", "answer": "a3"}]}
+    for split, items in rows.items():
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in items))
+
+    def load(spec):
+        return _load_tasks(argparse.Namespace(input=None, data=spec))
+
+    assert load(f"hf:{folder}:validation") == rows["validation"]
+    assert load(f"hf:{folder}") == rows["train"]
+    with pytest.raises(UserError, match="hf:NAME:CONFIG:SPLIT"):
+        load("hf:a:b:c:d")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # what a machine without the hub sees
+    with pytest.raises(UserError, match="cannot load Hugging Face dataset 'nobody/no-such-dataset'") as err:
+        load("hf:nobody/no-such-dataset:test")
+    assert "\n" not in str(err.value)
