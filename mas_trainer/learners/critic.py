@@ -57,6 +57,9 @@ class CriticConfig(BaseModel):
     max_grad_norm: float | None = Field(
         1.0, gt=0, description="Clip the global gradient norm to this before each step (null: no clipping)."
     )
+    ppo_epochs: int = Field(
+        1, ge=1, description="Passes over the turns of one update; old values stay the pre-update ones (the clip's anchor)."
+    )
     mini_batch_size: int = Field(16, ge=1, description="Turns per optimiser step.")
     micro_batch_size: int = Field(
         4, ge=1, description="Most turns per forward/backward (gradient accumulation bounds memory)."
@@ -156,14 +159,14 @@ class TorchCritic:
         returns: Mapping[str, Sequence[float] | torch.Tensor],
         old_values: Mapping[str, Sequence[float] | torch.Tensor],
     ) -> dict[str, float]:
-        """One pass of clipped value regression toward ``returns``; returns metrics.
+        """``ppo_epochs`` passes of clipped value regression toward ``returns``; returns metrics.
 
         ``returns`` and ``old_values``: turn id -> (response_length,) per turn (the GAE
         returns, and the values the advantages were computed with, i.e. ``values(turns)``
         before this update). Keys: vf_loss (mean over optimiser steps of the mini-batch
         loss), vf_clipfrac and vpred_mean (means over response tokens), grad_norm (pre-clip;
         absent when no step was taken), optimizer_steps, skipped_steps (non-finite norm),
-        turns, tokens (real tokens forwarded), seconds. The caller prefixes them (e.g.
+        turns, tokens (real tokens forwarded, all epochs), seconds. The caller prefixes them (e.g.
         ``critic/``) next to the actor's. With no turns nothing changes.
         """
         t0 = time.perf_counter()
@@ -182,14 +185,16 @@ class TorchCritic:
         norms: list[float] = []
         steps = skipped = 0
         try:
-            for mini in mini_batches(turns, cfg.mini_batch_size, shuffle=cfg.shuffle, seed=cfg.seed * 1_000_003 + self.updates):
-                loss, norm = self._mini_batch_step(mini, returns, old_values, sums)
-                losses.append(loss)
-                steps += 1
-                if norm is None:
-                    skipped += 1
-                else:
-                    norms.append(norm)
+            for epoch in range(cfg.ppo_epochs):
+                seed = cfg.seed * 1_000_003 + self.updates * 1009 + epoch
+                for mini in mini_batches(turns, cfg.mini_batch_size, shuffle=cfg.shuffle, seed=seed):
+                    loss, norm = self._mini_batch_step(mini, returns, old_values, sums)
+                    losses.append(loss)
+                    steps += 1
+                    if norm is None:
+                        skipped += 1
+                    else:
+                        norms.append(norm)
         finally:
             self.optimizer.zero_grad(set_to_none=True)
         self.updates += 1

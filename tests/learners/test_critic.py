@@ -131,6 +131,22 @@ def test_values_move_toward_constant_returns(tiny):
     assert error(values) < 0.3
 
 
+def test_ppo_epochs_pass_over_the_turns_again_against_the_same_old_values(tiny):
+    turns = random_turns(8, seed=6)
+    returns = {t.id: [1.0] * len(t.response_ids) for t in turns}
+    one = TorchCritic(tiny, CriticConfig(lr=3e-3, mini_batch_size=4, micro_batch_size=2, **FP32))
+    three = TorchCritic(tiny, CriticConfig(lr=3e-3, mini_batch_size=4, micro_batch_size=2, ppo_epochs=3, **FP32))
+    old = one.values(turns)
+    m1, m3 = one.update(turns, returns, old), three.update(turns, returns, old)
+    assert (m1["optimizer_steps"], m3["optimizer_steps"]) == (2.0, 6.0) and m3["tokens"] == 3 * m1["tokens"]
+
+    def error(critic):
+        values = critic.values(turns)
+        return sum(abs(v - 1.0) for vs in values.values() for v in vs)
+
+    assert error(three) < error(one)
+
+
 def test_state_dict_round_trip_resumes_exactly(tiny, tmp_path):
     turns = random_turns(4, seed=9)
     cfg = CriticConfig(lr=1e-3, mini_batch_size=2, micro_batch_size=1, **FP32)
