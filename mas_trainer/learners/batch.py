@@ -22,7 +22,7 @@ Prompts are never empty, so column 0 is never a response token.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,3 +174,11 @@ def mini_batches(turns: Sequence[Turn], size: int, *, shuffle: bool, seed: int) 
     if shuffle:
         order = torch.randperm(len(turns), generator=torch.Generator().manual_seed(seed)).tolist()
     return [[turns[j] for j in order[i : i + size]] for i in range(0, len(order), size)]
+
+
+def update_mini_batches(turns: Sequence[Turn], size: int, *, epochs: int, shuffle: bool, seed: int,
+                        update: int) -> Iterator[list[Turn]]:
+    """The mini-batches of one update: `epochs` passes over `turns`, each reshuffled with a
+    seed derived from (seed, update count, epoch), so a resumed run draws the same order."""
+    for epoch in range(epochs):
+        yield from mini_batches(turns, size, shuffle=shuffle, seed=seed * 1_000_003 + update * 1009 + epoch)

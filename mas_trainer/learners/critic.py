@@ -38,7 +38,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from mas_trainer.learners.batch import PackedTurns, Turn, mini_batches, pack_turns
+from mas_trainer.learners.batch import PackedTurns, Turn, pack_turns, update_mini_batches
 from mas_trainer.learners.config import LOSS_AGG_MODES
 
 __all__ = ["CriticConfig", "TorchCritic"]
@@ -185,16 +185,15 @@ class TorchCritic:
         norms: list[float] = []
         steps = skipped = 0
         try:
-            for epoch in range(cfg.ppo_epochs):
-                seed = cfg.seed * 1_000_003 + self.updates * 1009 + epoch
-                for mini in mini_batches(turns, cfg.mini_batch_size, shuffle=cfg.shuffle, seed=seed):
-                    loss, norm = self._mini_batch_step(mini, returns, old_values, sums)
-                    losses.append(loss)
-                    steps += 1
-                    if norm is None:
-                        skipped += 1
-                    else:
-                        norms.append(norm)
+            for mini in update_mini_batches(turns, cfg.mini_batch_size, epochs=cfg.ppo_epochs, shuffle=cfg.shuffle,
+                                            seed=cfg.seed, update=self.updates):
+                loss, norm = self._mini_batch_step(mini, returns, old_values, sums)
+                losses.append(loss)
+                steps += 1
+                if norm is None:
+                    skipped += 1
+                else:
+                    norms.append(norm)
         finally:
             self.optimizer.zero_grad(set_to_none=True)
         self.updates += 1

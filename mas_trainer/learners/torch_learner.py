@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from mas_trainer.errors import UserError
-from mas_trainer.learners.batch import PackedTurns, Turn, mini_batches, pack_turns
+from mas_trainer.learners.batch import PackedTurns, Turn, pack_turns, update_mini_batches
 from mas_trainer.learners.config import LearnerConfig
 
 __all__ = ["TorchLearner", "build_actor_config"]
@@ -236,15 +236,14 @@ class TorchLearner:
         steps = skipped = 0
         grad_norms: list[float] = []
         try:
-            for epoch in range(cfg.ppo_epochs):
-                seed = cfg.seed * 1_000_003 + self.updates * 1009 + epoch
-                for mini in mini_batches(turns, cfg.mini_batch_size, shuffle=cfg.shuffle, seed=seed):
-                    norm = self._mini_batch_step(mini, sums, weights)
-                    steps += 1
-                    if norm is None:
-                        skipped += 1
-                    else:
-                        grad_norms.append(norm)
+            for mini in update_mini_batches(turns, cfg.mini_batch_size, epochs=cfg.ppo_epochs, shuffle=cfg.shuffle,
+                                            seed=cfg.seed, update=self.updates):
+                norm = self._mini_batch_step(mini, sums, weights)
+                steps += 1
+                if norm is None:
+                    skipped += 1
+                else:
+                    grad_norms.append(norm)
         finally:
             self.optimizer.zero_grad(set_to_none=True)
         self.updates += 1

@@ -15,6 +15,7 @@ import random
 import statistics
 import time
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -203,14 +204,15 @@ class _Fit:
                 for p, pol in spec.policies.items() if pol.trainable
             }
             self.handles: dict[str, WorkerHandle] = start_workers(plan, c.runtime, seed=c.seed)
+            rt = c.runtime  # the frozen engine batches like the worker groups' engines
+            frozen_backend = partial(torch_backend, seed=c.seed, max_batch_size=rt.max_batch_size, bf16=rt.engine_bf16,
+                                     batch_wait_ms=rt.batch_wait_ms)
             try:
                 for p, pol in spec.policies.items():
                     if pol.trainable:
                         session.attach(p, PolicyBackend(WorkerEngine(self.handles[p]), HFChatFormat(load_tokenizer(pol.base_model))))
                     else:  # frozen: the base model in this process, loaded only if a node calls it
-                        rt = c.runtime  # batched like the worker groups' engines
-                        session.attach(p, lazy_backend(p, lambda m=pol.base_model: torch_backend(
-                            m, seed=c.seed, max_batch_size=rt.max_batch_size, bf16=rt.engine_bf16, batch_wait_ms=rt.batch_wait_ms)))
+                        session.attach(p, lazy_backend(p, lambda m=pol.base_model: frozen_backend(m)))
                 columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
                 with Progress(*columns, console=self.console, transient=False) as progress:
                     session.loop.run_until_complete(self.loop(session, state, progress))

@@ -15,6 +15,7 @@ import argparse
 import json
 import math
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -29,10 +30,8 @@ _VAL = re.compile(r"step_(\d+)_val\.jsonl$")
 
 def spread(values: list[float]) -> dict[str, float]:
     """Mean, population standard deviation and standard error of the mean."""
-    n = len(values)
-    mean = sum(values) / n
-    std = math.sqrt(sum((v - mean) ** 2 for v in values) / n)
-    return {"mean": mean, "std": std, "sem": std / math.sqrt(n) if n > 1 else 0.0}
+    std = statistics.pstdev(values)
+    return {"mean": statistics.fmean(values), "std": std, "sem": std / math.sqrt(len(values))}
 
 
 def score_file(path: Path) -> dict[str, object]:
