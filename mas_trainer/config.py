@@ -16,6 +16,7 @@ from mas_trainer.algo.advantages import AdvantageConfig
 from mas_trainer.errors import UserError
 from mas_trainer.learners.config import LearnerConfig
 from mas_trainer.learners.critic import CriticConfig
+from mas_trainer.runtime.plan import Resources
 
 __all__ = ["FitConfig", "PolicyConfig", "load_config", "describe_keys", "ConfigError"]
 
@@ -52,10 +53,17 @@ class PolicyConfig(_Strict):
     learner: dict[str, Any] = Field(default_factory=dict, description="LearnerConfig fields for this policy")
     advantage: dict[str, Any] = Field(default_factory=dict, description="AdvantageConfig fields for this policy")
     critic: dict[str, Any] = Field(default_factory=dict, description="CriticConfig fields for this policy (GAE only)")
+    resources: dict[str, Any] = Field(default_factory=dict, description="Resources fields for this policy's worker group (verl learner)")
 
 
 class RuntimeConfig(_Strict):
-    backend: Literal["ray", "local"] = Field("ray", description="ray: one Ray actor per policy; local: worker groups in this process")
+    learner: Literal["auto", "verl", "torch"] = Field(
+        "auto", description="verl: verl's FSDP2 training workers, a Ray worker group per policy; torch: the embedded "
+        "learner, one process per policy; auto: verl where there are GPUs, torch on CPU only (faster there, see docs)")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where engines and learners run (auto: cuda if torch sees a GPU)")
+    resources: Resources = Field(default_factory=Resources)
+    share_gpus: bool = Field(False, description="verl learner on GPUs: every policy's worker group on one pool of GPUs (rollout and update take turns) instead of disjoint pools")
+    backend: Literal["ray", "local"] = Field("ray", description="torch learner: ray = one Ray actor per policy; local = worker groups in this process")
     ray_address: str | None = Field(None, description="join this Ray cluster instead of starting a local one")
     num_cpus: int | None = Field(None, description="CPUs of the local Ray instance (default: all)")
     worker_cpus: float = Field(0.0, ge=0, description="CPUs each worker group actor reserves (0 fits any number on one machine)")
@@ -88,6 +96,10 @@ class FitConfig(_Strict):
     def advantage_for(self, policy: str) -> AdvantageConfig:
         over = self.policies.get(policy)
         return AdvantageConfig.model_validate({**self.advantage.model_dump(), **(over.advantage if over else {})})
+
+    def resources_for(self, policy: str) -> Resources:
+        over = self.policies.get(policy)
+        return Resources.model_validate({**self.runtime.resources.model_dump(), **(over.resources if over else {})})
 
     def critic_for(self, policy: str) -> CriticConfig:
         over = self.policies.get(policy)
@@ -162,12 +174,28 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), b
         raise ConfigError(_describe_error(exc)) from exc
     for name in cfg.policies:  # per-policy sections must be valid too
         for part, build, model in (("learner", cfg.learner_for, LearnerConfig), ("advantage", cfg.advantage_for, AdvantageConfig),
-                                   ("critic", cfg.critic_for, CriticConfig)):
+                                   ("critic", cfg.critic_for, CriticConfig), ("resources", cfg.resources_for, Resources)):
             try:
                 build(name)
             except ValidationError as exc:
                 raise ConfigError(f"policies.{name}.{part}: {_describe_error(exc, model)}") from exc
+    _check_learner(cfg)
     return cfg
+
+
+def _check_learner(cfg: FitConfig) -> None:
+    """What the learner choice requires, checked before anything starts."""
+    rt = cfg.runtime
+    if rt.learner == "verl":
+        if rt.backend == "local":
+            raise ConfigError("runtime.learner=verl runs worker groups on Ray; drop runtime.backend=local (or use runtime.learner=torch)")
+        for name in ["", *cfg.policies]:
+            world = cfg.resources_for(name).world_size if name else rt.resources.world_size
+            mini = cfg.learner_for(name).mini_batch_size if name else cfg.learner.mini_batch_size
+            if mini % world:
+                where = f"policies.{name}.learner.mini_batch_size" if name else "learner.mini_batch_size"
+                raise ConfigError(f"{where}={mini} must be a multiple of the worker group's world size {world} "
+                                  "(resources.nodes x resources.procs_per_node): each rank takes an equal share")
 
 
 def describe_keys(model: type[BaseModel] = FitConfig, prefix: str = "") -> list[str]:

@@ -33,6 +33,7 @@ __all__ = [
     "load_tokenizer",
     "describe",
     "model_dir_for",
+    "materialize",
     "cache_dir",
     "default_model_dir",
     "tokenizer_dir",
@@ -161,6 +162,26 @@ def default_model_dir() -> Path:
         tok.save_pretrained(tmp)
 
     return _publish(build, cache_dir() / _DEFAULT_NAME)
+
+
+def materialize(spec: str, *, seed: int = 0) -> Path:
+    """A Hugging Face folder holding `spec`'s weights, for loaders that read only folders
+    (verl's training worker): `tiny` is built with `seed` and cached once per seed."""
+    folder = model_dir_for(spec)
+    if folder is not None:
+        return folder
+    if spec != "tiny":
+        raise _not_found(spec)
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir())  # before _publish: its lock is not reentrant
+
+    def build(tmp: Path) -> None:
+        build_tiny(tok, seed=seed).save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+
+    return _publish(build, cache_dir() / f"tiny-seed{seed}")
 
 
 def _is_local(spec: str) -> bool:

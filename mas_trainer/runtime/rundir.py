@@ -5,7 +5,8 @@ RUN_DIR/config.yaml               resolved config
 RUN_DIR/metrics.jsonl             one row per training step (kind "train") and evaluation (kind "val")
 RUN_DIR/trajectories/step_000001.jsonl
 RUN_DIR/checkpoint/policies/NAME/ Hugging Face folder per policy (transformers / vllm serve)
-RUN_DIR/checkpoint/state.json     step, data position, seeds; optimizer_NAME.pt beside it
+RUN_DIR/checkpoint/learner/NAME/  the learner's resume state (optimizer, RNG; verl: sharded model too)
+RUN_DIR/checkpoint/state.json     step, data position, seeds
 RUN_DIR/rewards.png               reward per role over steps
 ```
 
@@ -106,8 +107,9 @@ class RunDir:
     def policy_dir(self, policy: str, root: Path | None = None) -> Path:
         return (root or self.checkpoint) / "policies" / policy
 
-    def optimizer_path(self, policy: str, root: Path | None = None) -> Path:
-        return (root or self.checkpoint) / f"optimizer_{policy}.pt"
+    def learner_dir(self, policy: str, root: Path | None = None) -> Path:
+        """The learner's own resume state of a policy (optimizer, RNG, verl's shards)."""
+        return (root or self.checkpoint) / "learner" / policy
 
     def truncate_to(self, step: int) -> None:
         """Forget what steps after `step` wrote (they will run again)."""

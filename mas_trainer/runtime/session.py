@@ -25,13 +25,14 @@ __all__ = ["Session", "torch_backend", "lazy_backend"]
 
 
 def torch_backend(base_model: str, *, seed: int = 0, max_batch_size: int = 8, bf16: bool = False,
-                  batch_wait_ms: float = 5.0) -> PolicyBackend:
+                  batch_wait_ms: float = 5.0, device: str = "cpu") -> PolicyBackend:
     """The embedded engine for one policy: its own copy of the base model's weights."""
     from mas_trainer.engines.chat import HFChatFormat
     from mas_trainer.engines.models import load_model
     from mas_trainer.engines.torch_engine import TorchEngine
 
     model, tokenizer = load_model(base_model, seed=seed)
+    model = model.to(device)
     engine = TorchEngine(model, tokenizer, model_name=base_model, max_batch_size=max_batch_size, bf16_autocast=bf16,
                          batch_wait_ms=batch_wait_ms)
     return PolicyBackend(engine, HFChatFormat(tokenizer))

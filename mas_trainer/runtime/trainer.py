@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import random
 import statistics
 import time
@@ -28,10 +29,13 @@ from mas_trainer.gateway import PolicyBackend
 from mas_trainer.rewards import RewardSpec, assign_rewards, is_dropped
 from mas_trainer.runtime.rundir import RunDir
 from mas_trainer.runtime.session import Session, lazy_backend, torch_backend
-from mas_trainer.runtime.star import WorkerEngine, WorkerHandle, start_workers
+from mas_trainer.runtime.plan import WorkerPlan
+from mas_trainer.runtime.star import WorkerEngine, resolve_device, start_workers
 from mas_trainer.trace.schema import Trajectory
 
 __all__ = ["fit", "summarize"]
+
+log = logging.getLogger("mas_trainer.runtime.trainer")
 
 
 def _seed(*parts: Any) -> int:
@@ -141,7 +145,7 @@ class _Fit:
     async def checkpoint(self, step: int, position: int) -> None:
         staging = self.run.staging()
         await asyncio.gather(*(
-            self.handles[p].call("save", str(self.run.policy_dir(p, staging)), str(self.run.optimizer_path(p, staging)))
+            self.handles[p].call("save", str(self.run.policy_dir(p, staging)), str(self.run.learner_dir(p, staging)))
             for p in self.handles
         ))
         self.run.commit({"step": step, "position": position, "seed": self.cfg.seed, "policies": sorted(self.handles)})
@@ -158,9 +162,8 @@ class _Fit:
     # --- the loop --------------------------------------------------------------------------
     async def loop(self, session: Session, state: dict | None, progress: Progress) -> None:
         c = self.cfg
-        for p, h in self.handles.items():
-            if state:
-                await h.call("load_optimizer", str(self.run.optimizer_path(p)))
+        if state:
+            await asyncio.gather(*(h.call("load", str(self.run.learner_dir(p))) for p, h in self.handles.items()))
         step, position = (state["step"], state["position"]) if state else (0, 0)
         if state is None:
             self.record(await self.evaluate(session, 0))
@@ -198,15 +201,22 @@ class _Fit:
             spec = app.spec
             run.write_app(spec)
             self.reward_spec = RewardSpec(spec.spec.reward, spec.spec.role_rewards, spec.spec.turn_rewards)
-            plan = {
-                p: (str(run.policy_dir(p)) if state else pol.base_model, c.learner_for(p).model_dump(),
-                    c.advantage_for(p).model_dump(), c.critic_for(p).model_dump())
+            rt = c.runtime
+            device = resolve_device(rt.device)
+            learner = rt.learner if rt.learner != "auto" else ("verl" if device == "cuda" and rt.backend == "ray" else "torch")
+            plans = {
+                p: WorkerPlan(policy=p, model=str(run.policy_dir(p)) if state else pol.base_model, reference=pol.base_model,
+                              learner=c.learner_for(p).model_dump(), advantage=c.advantage_for(p).model_dump(),
+                              critic=c.critic_for(p).model_dump(), seed=c.seed, device=device,
+                              resources=c.resources_for(p), max_batch_size=rt.max_batch_size, batch_wait_ms=rt.batch_wait_ms,
+                              engine_bf16=rt.engine_bf16, torch_threads=rt.torch_threads)
                 for p, pol in spec.policies.items() if pol.trainable
             }
-            self.handles: dict[str, WorkerHandle] = start_workers(plan, c.runtime, seed=c.seed)
-            rt = c.runtime  # the frozen engine batches like the worker groups' engines
+            log.info("learner %s on %s for %s", learner, device, ", ".join(plans) or "no trainable policy")
+            self.handles = start_workers(plans, rt.model_copy(update={"learner": learner}))
+            # the frozen engine batches like the worker groups' engines
             frozen_backend = partial(torch_backend, seed=c.seed, max_batch_size=rt.max_batch_size, bf16=rt.engine_bf16,
-                                     batch_wait_ms=rt.batch_wait_ms)
+                                     batch_wait_ms=rt.batch_wait_ms, device=device)
             try:
                 for p, pol in spec.policies.items():
                     if pol.trainable:

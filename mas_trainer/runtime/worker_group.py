@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from mas_trainer.engines.base import Generation, SamplingParams
+from mas_trainer.runtime.plan import WorkerPlan
 
 __all__ = ["WorkerGroup", "BufferedTurn"]
 
@@ -30,20 +31,7 @@ class WorkerGroup:
     """Engine + turn buffer + learner of one trainable policy (a Ray actor, or an object
     in-process). Frozen policies need none of this: the controller serves them directly."""
 
-    def __init__(
-        self,
-        policy: str,
-        model_spec: str,
-        *,
-        learner: dict[str, Any],
-        advantage: dict[str, Any] | None,
-        critic: dict[str, Any] | None = None,
-        seed: int = 0,
-        max_batch_size: int = 8,
-        torch_threads: int | None = None,
-        bf16: bool = False,
-        batch_wait_ms: float = 5.0,
-    ) -> None:
+    def __init__(self, plan: WorkerPlan) -> None:
         import torch
 
         from mas_trainer.algo.advantages import AdvantageConfig
@@ -52,21 +40,26 @@ class WorkerGroup:
         from mas_trainer.learners.config import LearnerConfig
         from mas_trainer.learners.torch_learner import TorchLearner
 
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
-        self.policy = policy
-        model, self.tokenizer = load_model(model_spec, seed=seed)
-        self.engine = TorchEngine(model, self.tokenizer, model_name=policy, max_batch_size=max_batch_size, bf16_autocast=bf16,
-                                  batch_wait_ms=batch_wait_ms)
+        if plan.torch_threads:
+            torch.set_num_threads(plan.torch_threads)
+        self.policy = plan.policy
+        model, self.tokenizer = load_model(plan.model, seed=plan.seed)
+        model = model.to(plan.device)
+        self.engine = TorchEngine(model, self.tokenizer, model_name=plan.policy, max_batch_size=plan.max_batch_size,
+                                  bf16_autocast=plan.engine_bf16, batch_wait_ms=plan.batch_wait_ms)
         self.buffer: dict[str, BufferedTurn] = {}
         self._seen = {"decode_steps": 0, "prefills": 0, "rows": 0}
-        self.learner = TorchLearner(model, LearnerConfig.model_validate(learner))
-        self.advantage_config = AdvantageConfig.model_validate(advantage or {})
+        learner = LearnerConfig.model_validate(plan.learner)
+        reference = None
+        if learner.kl_coef > 0 and plan.reference is not None:  # resumed: the reference stays the base model
+            reference = load_model(plan.reference, seed=plan.seed)[0].to(plan.device)
+        self.learner = TorchLearner(model, learner, reference=reference)
+        self.advantage_config = AdvantageConfig.model_validate(plan.advantage)
         self.critic = None
         if self.advantage_config.estimator == "gae":  # GAE bootstraps from a learned value model
             from mas_trainer.learners.critic import CriticConfig, TorchCritic
 
-            self.critic = TorchCritic(model, CriticConfig.model_validate(critic or {}))
+            self.critic = TorchCritic(model, CriticConfig.model_validate(plan.critic))
 
     # --- serving ---------------------------------------------------------------------------
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, turn_id: str | None = None) -> list[Generation]:
@@ -123,32 +116,32 @@ class WorkerGroup:
                 "engine/mean_batch": d["rows"] / d["decode_steps"] if d["decode_steps"] else 0.0}
 
     # --- checkpoints -----------------------------------------------------------------------
-    async def save(self, folder: str, optimizer_path: str | None = None) -> None:
-        """Hugging Face folder of the current weights (+ optimizer state for resume)."""
+    async def save(self, folder: str, learner_dir: str) -> None:
+        """Hugging Face folder of the current weights; optimizer and counters in `learner_dir`."""
         def _save(model: Any) -> None:
             import torch
 
             self.learner.save_pretrained(folder, self.tokenizer)
-            if optimizer_path:
-                state = {"learner": self.learner.state_dict()}
-                if self.critic is not None:
-                    state["critic"] = self.critic.state_dict()
-                torch.save(state, optimizer_path)
+            state = {"learner": self.learner.state_dict()}
+            if self.critic is not None:
+                state["critic"] = self.critic.state_dict()
+            os.makedirs(learner_dir, exist_ok=True)
+            torch.save(state, os.path.join(learner_dir, "optimizer.pt"))
 
         await asyncio.wrap_future(self.engine.run_exclusive(_save))
 
-    async def load_optimizer(self, path: str) -> None:
+    async def load(self, learner_dir: str) -> None:
+        """Resume the optimizer and counters (the weights came with the plan's model folder)."""
         import torch
 
-        if os.path.exists(path):
-            state = torch.load(path, weights_only=False)
+        state = torch.load(os.path.join(learner_dir, "optimizer.pt"), weights_only=False)
 
-            def load(_model: Any) -> None:
-                self.learner.load_state_dict(state["learner"])
-                if self.critic is not None and "critic" in state:
-                    self.critic.load_state_dict(state["critic"])
+        def load(_model: Any) -> None:
+            self.learner.load_state_dict(state["learner"])
+            if self.critic is not None and "critic" in state:
+                self.critic.load_state_dict(state["critic"])
 
-            await asyncio.wrap_future(self.engine.run_exclusive(load))
+        await asyncio.wrap_future(self.engine.run_exclusive(load))
 
     def close(self) -> None:
         self.engine.close()

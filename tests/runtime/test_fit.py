@@ -50,7 +50,7 @@ def test_run_directory_and_partial_sharing(tmp_path):
     assert traj["rewards"]["detail"]["allocator"] == "broadcast"
     for policy in ("lead", "crew"):
         folder = out / "checkpoint" / "policies" / policy
-        assert (folder / "config.json").exists() and (out / "checkpoint" / f"optimizer_{policy}.pt").exists()
+        assert (folder / "config.json").exists() and (out / "checkpoint" / "learner" / policy / "optimizer.pt").exists()
         AutoModelForCausalLM.from_pretrained(folder)  # loadable by transformers
     state = json.loads((out / "checkpoint" / "state.json").read_text())
     assert state["step"] == 2 and state["position"] == 4
@@ -197,7 +197,7 @@ def test_gae_with_a_critic_for_one_policy_grpo_for_the_other(tmp_path):
     rows = fit(f"{APP}:graph", TASKS[:2], cfg, tmp_path / "run")
     train = [r for r in rows if r["kind"] == "train"]
     assert "policy/crew/critic/vf_loss" in train[0] and "policy/lead/critic/vf_loss" not in train[0]
-    state = torch.load(tmp_path / "run" / "checkpoint" / "optimizer_crew.pt", weights_only=False)
+    state = torch.load(tmp_path / "run" / "checkpoint" / "learner" / "crew" / "optimizer.pt", weights_only=False)
     assert set(state) == {"learner", "critic"}
     # resume restores the critic too
     rows = fit(f"{APP}:graph", TASKS[:2], _cfg("steps=3", "save_every=1", "policies.crew.advantage.estimator=gae",

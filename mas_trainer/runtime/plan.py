@@ -1,0 +1,48 @@
+"""What the controller tells a worker group to be: one typed plan per trainable policy.
+
+The plan crosses a process boundary (a Ray actor's constructor), so it carries plain data;
+the configs inside it are the already-validated sections of the `fit` config, dumped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["WorkerPlan", "Resources"]
+
+
+class Resources(BaseModel):
+    """Where one policy's worker group runs (config: `runtime.resources`, per policy
+    `policies.NAME.resources`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    nodes: int = Field(1, ge=1, description="nodes of the policy's resource pool")
+    procs_per_node: int = Field(1, ge=1, description="training processes (ranks) per node; world size = nodes x procs_per_node")
+    gpus_per_proc: float = Field(1.0, gt=0, le=1, description="GPU share of each rank where there are GPUs (1: a GPU each)")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs_per_node
+
+
+class WorkerPlan(BaseModel):
+    """Everything one worker group needs to start (picklable, validated once)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: str
+    model: str = Field(description="model spec the weights start from: tiny | default | folder")
+    reference: str | None = Field(None, description="model of the frozen KL reference (default: `model`)")
+    learner: dict[str, Any]
+    advantage: dict[str, Any]
+    critic: dict[str, Any]
+    seed: int = 0
+    device: Literal["cpu", "cuda"] = "cpu"
+    resources: Resources = Field(default_factory=Resources)
+    max_batch_size: int = 8
+    batch_wait_ms: float = 5.0
+    engine_bf16: bool = False
+    torch_threads: int | None = None

@@ -1,0 +1,310 @@
+"""A trainable policy's worker group as verl runs one: a `RayWorkerGroup` of `PolicyWorker`s.
+
+Each rank composes verl's `TrainingWorker` (FSDP2 shard of the policy, verl's `ppo_loss`),
+as verl's own `ActorRolloutRefWorker` does, plus a frozen reference `TrainingWorker` when
+the KL loss needs one and a value-model `TrainingWorker` for GAE. Rank 0 also hosts the
+policy's engine and the buffer of the turns it generated: the controller sends only thin
+records; rank 0 shares the turns' token ids with the other ranks inside the group (a
+collective, not through the controller), each rank scores and trains on its slice, and after
+the update the full parameters are gathered from the shards (verl's `get_per_tensor_param`,
+the stream its own rollout weight sync uses) straight into rank 0's engine.
+
+On CPU the group runs on gloo through the platform in `learners/verl_cpu.py`; on GPUs the
+same code runs on NCCL, one GPU per rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from verl.single_controller.base import Worker
+from verl.single_controller.base.decorator import Dispatch, register
+
+from mas_trainer.engines.base import Generation, SamplingParams
+from mas_trainer.runtime.plan import WorkerPlan
+
+__all__ = ["PolicyWorker"]
+
+log = logging.getLogger("mas_trainer.runtime.verl_group")
+
+
+class PolicyWorker(Worker):
+    """One rank of a policy's verl worker group (see the module docstring)."""
+
+    def __init__(self, plan: WorkerPlan) -> None:
+        super().__init__()
+        from verl.workers.engine_workers import TrainingWorker
+        from verl.workers.utils.losses import ppo_loss
+
+        from mas_trainer.algo.advantages import AdvantageConfig
+        from mas_trainer.engines.models import materialize
+        from mas_trainer.learners.config import LearnerConfig
+        from mas_trainer.learners.torch_learner import build_actor_config
+        from mas_trainer.learners.verl_learner import training_worker_config
+
+        if plan.torch_threads:
+            torch.set_num_threads(plan.torch_threads)
+        if plan.device == "cpu" and not torch.distributed.is_initialized():
+            # verl's own set-up would ask for "cpu:gloo,cpu:gloo", which torch refuses
+            torch.distributed.init_process_group("gloo", rank=self.rank, world_size=self.world_size)
+        self.plan = plan
+        self.learner = LearnerConfig.model_validate(plan.learner)
+        self.advantage = AdvantageConfig.model_validate(plan.advantage)
+        model_dir = str(materialize(plan.model, seed=plan.seed))
+        bf16 = self.learner.bf16 if isinstance(self.learner.bf16, bool) else True
+        self.actor_config = build_actor_config(self.learner)
+        self.actor = TrainingWorker(training_worker_config(model_dir, self.learner, seed=plan.seed, bf16=bf16))
+        self.actor.reset()
+        self.actor.set_loss_fn(partial(ppo_loss, config=self.actor_config))
+        self.ref = None
+        if self.learner.kl_coef > 0:  # the frozen reference: the base model, forward only
+            self.ref = TrainingWorker(training_worker_config(str(materialize(plan.reference or plan.model, seed=plan.seed)),
+                                                             self.learner, forward_only=True, seed=plan.seed, bf16=bf16))
+            self.ref.reset()
+        self.critic = None
+        if self.advantage.estimator == "gae":
+            self.critic = _build_critic(model_dir, plan)
+        self.updates = 0
+        self.buffer: dict[str, tuple[list[int], list[int], list[float]]] = {}
+        self.engine = None
+        self.tokenizer = None
+        if self.rank == 0:
+            from mas_trainer.engines.models import load_model
+            from mas_trainer.engines.torch_engine import TorchEngine
+
+            model, self.tokenizer = load_model(model_dir)
+            model = model.to(_device(plan.device))
+            self.engine = TorchEngine(model, self.tokenizer, model_name=plan.policy, max_batch_size=plan.max_batch_size,
+                                      bf16_autocast=plan.engine_bf16, batch_wait_ms=plan.batch_wait_ms)
+        self.pad_id = int(_pad_id(model_dir))
+
+    # --- serving (rank 0) ------------------------------------------------------------------
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, turn_id: str | None = None) -> list[Generation]:
+        gens = await self.engine.generate(prompt_ids, params)
+        if turn_id is not None:
+            for i, g in enumerate(gens):
+                self.buffer[turn_id if i == 0 else f"{turn_id}-{i}"] = (list(prompt_ids), g.token_ids, g.logprobs)
+        return gens
+
+    async def discard(self) -> int:
+        n = len(self.buffer)
+        self.buffer.clear()
+        return n
+
+    # --- training (every rank) -------------------------------------------------------------
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def train(self, records: Sequence[Any]) -> dict[str, float] | None:
+        """One PPO update from the controller's thin records; returns metrics on rank 0."""
+        from mas_trainer.learners.batch import Turn
+
+        t0 = time.perf_counter()
+        shared = [None]
+        if self.rank == 0:
+            kept = [r for r in records if r.turn_id in self.buffer]
+            if len(kept) < len(records):
+                log.warning("policy %s: %d of %d records name turns this worker group never generated; skipped",
+                            self.plan.policy, len(records) - len(kept), len(records))
+            shared = [[(r, self.buffer[r.turn_id]) for r in kept]]
+            self.buffer.clear()
+        torch.distributed.broadcast_object_list(shared, src=0)
+        pairs = shared[0]
+        if not pairs:
+            return {"turns": 0.0} if self.rank == 0 else None
+        records = [r for r, _ in pairs]
+        turns = [Turn(id=r.turn_id, prompt_ids=p, response_ids=s, old_logprobs=lp, advantages=0.0) for r, (p, s, lp) in pairs]
+        metrics = self._update(records, turns)
+        self._sync_engine()
+        metrics.update(turns=float(len(turns)), seconds=time.perf_counter() - t0)
+        return metrics if self.rank == 0 else None
+
+    def _slice(self, n: int) -> tuple[int, int, int]:
+        """(padded global size, start, stop) of this rank's rows."""
+        from mas_trainer.learners.verl_learner import padded_size
+
+        size = padded_size(n, self.learner.mini_batch_size)
+        per = size // self.world_size
+        return size, self.rank * per, (self.rank + 1) * per
+
+    def _update(self, records: list[Any], turns: list[Any]) -> dict[str, float]:
+        from verl.utils import tensordict_utils as tu
+        from verl.workers.utils.padding import no_padding_2_padding
+
+        from mas_trainer.algo.advantages import compute_policy_advantages
+        from mas_trainer.learners.verl_learner import response_values, turns_batch
+
+        size, lo, hi = self._slice(len(turns))
+        rows = (turns + [turns[0]] * (size - len(turns)))[lo:hi]
+        real = max(0, min(hi, len(turns)) - lo)
+        local = rows[:real]
+
+        def batch(ts: list[Any], **kw: Any) -> Any:
+            return turns_batch(ts or rows[:1], pad_id=self.pad_id, size=len(rows), **kw)
+
+        def infer(worker: Any, td: Any, key: str) -> list[list[float]]:
+            tu.assign_non_tensor(td, compute_loss=False, calculate_entropy=False)
+            out = worker.infer_batch(td)
+            return response_values(no_padding_2_padding(tu.get(out, key), td), rows)
+
+        # old (and reference) log-probs from the learner's own forward, as verl's trainer does
+        old = infer(self.actor, batch(local), "log_probs")
+        ref = infer(self.ref, batch(local), "log_probs") if self.ref is not None else None
+        values = None
+        if self.critic is not None:
+            mine = infer(self.critic, batch(local), "values")[:real]
+            values = _all_gather(dict(zip([t.id for t in local], mine)))
+        adv = compute_policy_advantages(records, self.advantage, values=values).per_turn()
+        diff = [abs(a - b) for t, o in zip(local, old) for a, b in zip(t.old_logprobs, o)]
+        trained = [replace(t, old_logprobs=o[: len(t.response_ids)], advantages=adv[t.id].advantages.tolist(),
+                           ref_logprobs=(ref[i][: len(t.response_ids)] if ref is not None else None))
+                   for i, (t, o) in enumerate(zip(local, old))]
+        td = batch(trained)
+        if ref is not None:
+            td["ref_log_prob"] = _nested_like(td, [t.ref_logprobs for t in trained], len(rows))
+        cfg = self.learner
+        tu.assign_non_tensor(
+            td, calculate_entropy=self.actor_config.calculate_entropy, global_batch_size=cfg.mini_batch_size,
+            mini_batch_size=cfg.mini_batch_size, epochs=cfg.ppo_epochs,
+            seed=cfg.seed * 1_000_003 + self.updates * 1009, dataloader_kwargs={"shuffle": cfg.shuffle}, compute_loss=True,
+        )
+        out = self.actor.train_mini_batch(td)
+        self.updates += 1
+        metrics = _flatten(tu.get(out, "metrics")) if out is not None else {}
+        mismatch = _all_gather({"sum": sum(diff), "n": len(diff)}, merge=lambda ds: {k: sum(d[k] for d in ds) for k in ds[0]})
+        metrics["logprob_diff"] = mismatch["sum"] / max(1, mismatch["n"])
+        if self.critic is not None:
+            returns = [adv[t.id].returns.tolist() for t in local]
+            ctd = batch(local, returns=returns, values=[values[t.id] for t in local])
+            tu.assign_non_tensor(ctd, global_batch_size=cfg.mini_batch_size, mini_batch_size=cfg.mini_batch_size,
+                                 epochs=self.plan.critic.get("ppo_epochs", 1), seed=cfg.seed + self.updates,
+                                 dataloader_kwargs={"shuffle": cfg.shuffle})
+            cout = self.critic.train_mini_batch(ctd)
+            if cout is not None:
+                metrics.update({f"critic/{k}": v for k, v in _flatten(tu.get(cout, "metrics")).items()})
+        all_adv = torch.cat([a.advantages for a in adv.values()])
+        metrics.update(adv_mean=float(all_adv.mean()), adv_abs_mean=float(all_adv.abs().mean()))
+        return metrics
+
+    def _sync_engine(self) -> None:
+        """Gather the full parameters from the shards into rank 0's engine (every rank joins)."""
+        params, _ = self.actor.engine.get_per_tensor_param()
+        if self.engine is None:
+            for _ in params:  # the all-gathers happen as the stream is read
+                pass
+            return
+
+        def load(model: Any) -> None:
+            own = model.state_dict()
+            with torch.no_grad():
+                for name, tensor in params:
+                    if name in own:
+                        own[name].copy_(tensor.to(own[name].device, own[name].dtype))
+
+        self.engine.run_exclusive(load).result()
+
+    # --- checkpoints (every rank) ----------------------------------------------------------
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def save(self, folder: str, learner_dir: str) -> None:
+        """verl's checkpoint (shards, optimizer, RNG) in `learner_dir`; the Hugging Face
+        folder of the policy, tokenizer included, in `folder`."""
+        self.actor.save_checkpoint(learner_dir)
+        if self.critic is not None:
+            self.critic.save_checkpoint(os.path.join(learner_dir, "critic"))
+        torch.distributed.barrier()
+        if self.rank == 0:
+            hf = Path(learner_dir) / "huggingface"
+            Path(folder).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(hf, folder)
+            self.tokenizer.save_pretrained(folder)
+            (Path(learner_dir) / "mas_trainer.json").write_text(json.dumps({"updates": self.updates}))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def load(self, learner_dir: str) -> None:
+        """Resume: shards, optimizer and RNG from `learner_dir`, then the engine's weights."""
+        self.actor.load_checkpoint(learner_dir, del_local_after_load=False)
+        if self.critic is not None:
+            self.critic.load_checkpoint(os.path.join(learner_dir, "critic"), del_local_after_load=False)
+        self.updates = json.loads((Path(learner_dir) / "mas_trainer.json").read_text())["updates"]
+        self._sync_engine()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
+def _device(name: str) -> torch.device:
+    if name == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _pad_id(model_dir: str) -> int:
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else cfg.eos_token_id
+    return int(pad[0] if isinstance(pad, (list, tuple)) else (pad or 0))
+
+
+def _all_gather(obj: Any, merge: Any = None) -> Any:
+    """Every rank's `obj`, merged (dicts: union) on every rank."""
+    out: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    if merge is not None:
+        return merge(out)
+    merged: dict = {}
+    for part in out:
+        merged.update(part)
+    return merged
+
+
+def _nested_like(td: Any, per_row: list[Any], size: int) -> Any:
+    """A (B, R) right-padded float tensor of per-response-token values (pad rows 0)."""
+    R = td["responses"].shape[1]
+    t = torch.zeros(size, R, dtype=torch.float32)
+    for b, vals in enumerate(per_row):
+        t[b, : len(vals)] = torch.as_tensor(vals, dtype=torch.float32)
+    return t
+
+
+def _flatten(metrics: dict[str, Any]) -> dict[str, float]:
+    """verl's metric lists (one entry per mini-batch / micro-batch) as means, `actor/` dropped."""
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        vals = value if isinstance(value, list) else [value]
+        nums = [float(v.value if hasattr(v, "value") else v) for v in vals if v is not None]
+        if nums:
+            out[key.removeprefix("actor/").removeprefix("critic/")] = sum(nums) / len(nums)
+    return out
+
+
+def _build_critic(model_dir: str, plan: WorkerPlan) -> Any:
+    from verl.workers.config import CriticConfig as VerlCriticConfig  # noqa: F401
+    from verl.workers.engine_workers import TrainingWorker
+    from verl.workers.utils.losses import value_loss
+
+    from mas_trainer.learners.config import LearnerConfig
+    from mas_trainer.learners.verl_learner import training_worker_config
+
+    critic = dict(plan.critic)
+    learner = LearnerConfig.model_validate({**plan.learner, "lr": critic.get("lr", plan.learner.get("lr", 1e-5))})
+    worker = TrainingWorker(training_worker_config(model_dir, learner, model_type="value_model", seed=plan.seed))
+    worker.reset()
+    worker.set_loss_fn(partial(value_loss, config=_value_loss_config(critic)))
+    return worker
+
+
+def _value_loss_config(critic: dict[str, Any]) -> Any:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(cliprange_value=critic.get("cliprange_value", 0.5), loss_agg_mode="token-mean",
+                           loss_scale_factor=None, global_batch_info={})
