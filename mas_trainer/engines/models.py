@@ -34,6 +34,7 @@ __all__ = [
     "describe",
     "model_dir_for",
     "materialize",
+    "save_pretrained",
     "cache_dir",
     "default_model_dir",
     "tokenizer_dir",
@@ -182,6 +183,20 @@ def materialize(spec: str, *, seed: int = 0) -> Path:
         tok.save_pretrained(tmp)
 
     return _publish(build, cache_dir() / f"tiny-seed{seed}")
+
+
+def save_pretrained(model: Any, tokenizer: Any, folder: str | Path) -> Path:
+    """Write `model` (and `tokenizer`) as a Hugging Face folder that `from_pretrained` and
+    `vllm serve` load. A model dequantised from GGUF still carries its quantiser, which
+    makes `save_pretrained` refuse: both traces of it are cleared first."""
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    return Path(folder)
 
 
 def _is_local(spec: str) -> bool:

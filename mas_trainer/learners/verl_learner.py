@@ -67,13 +67,15 @@ def training_worker_config(
         clip_grad=learner.max_grad_norm if learner.max_grad_norm is not None else float("inf"),
         override_optimizer_config={"eps": learner.eps},
     )
-    contents = ["model", "optimizer", "extra", "hf_model"] if not forward_only else ["model"]
+    # verl's own "hf_model" content would write bf16; the Hugging Face folder is written from
+    # the engine's fp32 copy instead (runtime/verl_group.py), so only the resume state is here
+    contents = ["model", "optimizer", "extra"] if not forward_only else ["model"]
     return TrainingWorkerConfig(
         model_type=model_type,
         model_config=model,
         engine_config=engine,
         optimizer_config=optim,
-        checkpoint_config=CheckpointConfig(save_contents=contents, load_contents=[c for c in contents if c != "hf_model"]),
+        checkpoint_config=CheckpointConfig(save_contents=contents, load_contents=contents),
     )
 
 

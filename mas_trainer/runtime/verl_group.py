@@ -213,18 +213,18 @@ class PolicyWorker(Worker):
     # --- checkpoints (every rank) ----------------------------------------------------------
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def save(self, folder: str, learner_dir: str) -> None:
-        """verl's checkpoint (shards, optimizer, RNG) in `learner_dir`; the Hugging Face
-        folder of the policy, tokenizer included, in `folder`."""
+        """verl's checkpoint (shards, optimizer, RNG) in `learner_dir`; the Hugging Face folder
+        of the policy (fp32, tokenizer included) in `folder`, written from rank 0's engine,
+        which holds the full parameters gathered after the last update."""
         self.actor.save_checkpoint(learner_dir)
         if self.critic is not None:
             self.critic.save_checkpoint(os.path.join(learner_dir, "critic"))
-        torch.distributed.barrier()
         if self.rank == 0:
-            hf = Path(learner_dir) / "huggingface"
-            Path(folder).parent.mkdir(parents=True, exist_ok=True)
-            os.replace(hf, folder)
-            self.tokenizer.save_pretrained(folder)
+            from mas_trainer.engines.models import save_pretrained
+
+            self.engine.run_exclusive(lambda model: save_pretrained(model, self.tokenizer, folder)).result()
             (Path(learner_dir) / "mas_trainer.json").write_text(json.dumps({"updates": self.updates}))
+        torch.distributed.barrier()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def load(self, learner_dir: str) -> None:
