@@ -89,12 +89,14 @@ def turns_batch(
     *,
     pad_id: int,
     size: int | None = None,
+    filler: Turn | None = None,
     returns: Sequence[Sequence[float]] | None = None,
     values: Sequence[Sequence[float]] | None = None,
 ) -> Any:
     """A verl training batch (no-padding `TensorDict`) of `turns`, `size` rows in all.
 
-    Rows past `len(turns)` repeat the first turn with an all-zero response mask: they carry
+    Rows past `len(turns)` repeat `filler` (default: the first turn) with an all-zero
+    response mask: they carry
     no loss tokens, so the token-mean loss (`batch_num_tokens` counts mask tokens over all
     ranks) and its gradient are those of the real turns alone. Shapes before unpadding:
     prompts (B, P) left-padded, responses (B, R) right-padded, every per-token field (B, R).
@@ -104,7 +106,7 @@ def turns_batch(
 
     turns = list(turns)
     size = size or len(turns)
-    rows = turns + [turns[0]] * (size - len(turns))
+    rows = turns + [filler or turns[0]] * (size - len(turns))
     P = max(len(t.prompt_ids) for t in rows)
     R = max(len(t.response_ids) for t in rows)
     prompts = torch.full((size, P), pad_id, dtype=torch.long)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import replace
@@ -53,6 +54,10 @@ class PolicyWorker(Worker):
 
         if plan.torch_threads:
             torch.set_num_threads(plan.torch_threads)
+        if plan.device == "cpu":
+            from mas_trainer.learners.verl_cpu import activate
+
+            activate()
         if plan.device == "cpu" and not torch.distributed.is_initialized():
             # verl's own set-up would ask for "cpu:gloo,cpu:gloo", which torch refuses
             torch.distributed.init_process_group("gloo", rank=self.rank, world_size=self.world_size)
@@ -72,7 +77,10 @@ class PolicyWorker(Worker):
             self.ref.reset()
         self.critic = None
         if self.advantage.estimator == "gae":
+            from mas_trainer.learners.critic import CriticConfig
+
             self.critic = _build_critic(model_dir, plan)
+            self.critic_config = CriticConfig.model_validate(plan.critic)
         self.updates = 0
         self.buffer: dict[str, tuple[list[int], list[int], list[float]]] = {}
         self.engine = None
@@ -130,7 +138,10 @@ class PolicyWorker(Worker):
         """(padded global size, start, stop) of this rank's rows."""
         from mas_trainer.learners.verl_learner import padded_size
 
-        size = padded_size(n, self.learner.mini_batch_size)
+        multiple = self.learner.mini_batch_size
+        if self.critic is not None:  # both learners cut the same rows into whole mini-batches
+            multiple = math.lcm(multiple, self.critic_config.mini_batch_size)
+        size = padded_size(n, multiple)
         per = size // self.world_size
         return size, self.rank * per, (self.rank + 1) * per
 
@@ -147,7 +158,7 @@ class PolicyWorker(Worker):
         local = rows[:real]
 
         def batch(ts: list[Any], **kw: Any) -> Any:
-            return turns_batch(ts or rows[:1], pad_id=self.pad_id, size=len(rows), **kw)
+            return turns_batch(ts, pad_id=self.pad_id, size=len(rows), filler=rows[0], **kw)
 
         def infer(worker: Any, td: Any, key: str) -> list[list[float]]:
             tu.assign_non_tensor(td, compute_loss=False, calculate_entropy=False)
@@ -183,9 +194,10 @@ class PolicyWorker(Worker):
         if self.critic is not None:
             returns = [adv[t.id].returns.tolist() for t in local]
             ctd = batch(local, returns=returns, values=[values[t.id] for t in local])
-            tu.assign_non_tensor(ctd, global_batch_size=cfg.mini_batch_size, mini_batch_size=cfg.mini_batch_size,
-                                 epochs=self.plan.critic.get("ppo_epochs", 1), seed=cfg.seed + self.updates,
-                                 dataloader_kwargs={"shuffle": cfg.shuffle})
+            cc = self.critic_config
+            tu.assign_non_tensor(ctd, global_batch_size=cc.mini_batch_size, mini_batch_size=cc.mini_batch_size,
+                                 epochs=cc.ppo_epochs, seed=cc.seed * 1_000_003 + self.updates * 1009,
+                                 dataloader_kwargs={"shuffle": cc.shuffle})
             cout = self.critic.train_mini_batch(ctd)
             if cout is not None:
                 metrics.update({f"critic/{k}": v for k, v in _flatten(tu.get(cout, "metrics")).items()})
@@ -288,23 +300,24 @@ def _flatten(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 def _build_critic(model_dir: str, plan: WorkerPlan) -> Any:
-    from verl.workers.config import CriticConfig as VerlCriticConfig  # noqa: F401
+    """A value-model `TrainingWorker` (verl's value head on the policy's body) with verl's
+    clipped `value_loss`, configured from the policy's `CriticConfig`."""
+    from types import SimpleNamespace
+
     from verl.workers.engine_workers import TrainingWorker
     from verl.workers.utils.losses import value_loss
 
     from mas_trainer.learners.config import LearnerConfig
+    from mas_trainer.learners.critic import CriticConfig
     from mas_trainer.learners.verl_learner import training_worker_config
 
-    critic = dict(plan.critic)
-    learner = LearnerConfig.model_validate({**plan.learner, "lr": critic.get("lr", plan.learner.get("lr", 1e-5))})
-    worker = TrainingWorker(training_worker_config(model_dir, learner, model_type="value_model", seed=plan.seed))
+    c = CriticConfig.model_validate(plan.critic)
+    opt = LearnerConfig(lr=c.lr, max_grad_norm=c.max_grad_norm, mini_batch_size=c.mini_batch_size,
+                        micro_batch_size=c.micro_batch_size)
+    bf16 = c.bf16 if isinstance(c.bf16, bool) else True
+    worker = TrainingWorker(training_worker_config(model_dir, opt, model_type="value_model", seed=plan.seed, bf16=bf16))
     worker.reset()
-    worker.set_loss_fn(partial(value_loss, config=_value_loss_config(critic)))
+    # value_loss reads these three fields of verl's CriticConfig
+    worker.set_loss_fn(partial(value_loss, config=SimpleNamespace(
+        cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode, loss_scale_factor=None)))
     return worker
-
-
-def _value_loss_config(critic: dict[str, Any]) -> Any:
-    from types import SimpleNamespace
-
-    return SimpleNamespace(cliprange_value=critic.get("cliprange_value", 0.5), loss_agg_mode="token-mean",
-                           loss_scale_factor=None, global_batch_info={})

@@ -186,3 +186,17 @@ def test_verl_learner_config_is_checked_before_anything_starts():
         load_config(overrides=["runtime.learner=verl", "runtime.backend=local"])
     cfg = load_config(overrides=["runtime.learner=verl", "policies.crew.resources.procs_per_node=2"])
     assert cfg.resources_for("crew").world_size == 2 and cfg.resources_for("lead").world_size == 1
+
+
+def test_gae_critic_is_a_value_model_training_worker(tmp_path):
+    """GAE for one policy (a value-model TrainingWorker beside the actor), GRPO for the other;
+    one rank of `lead` holds only padding rows (2 turns over 2 ranks x mini-batch 4)."""
+    tasks = [json.loads(line) for line in WORDS_DATA.read_text().splitlines()]
+    cfg = load_config(overrides=[*VERL, "steps=1", "rollout.tasks_per_step=1", "rollout.n=2", "rollout.max_tokens=12",
+                                 "policies.crew.advantage.estimator=gae", "critic.lr=1e-3", "critic.mini_batch_size=2",
+                                 "critic.micro_batch_size=1", "seed=2"])
+    rows = fit(f"{WORDS}:graph", tasks[:1], cfg, tmp_path / "run")
+    [train] = [r for r in rows if r["kind"] == "train"]
+    assert train["policy/lead/turns"] == 2 and train["policy/crew/turns"] == 4
+    assert "policy/crew/critic/vf_loss" in train and "policy/lead/critic/vf_loss" not in train
+    assert (tmp_path / "run" / "checkpoint" / "learner" / "crew" / "critic" / "model_world_size_2_rank_1.pt").exists()
