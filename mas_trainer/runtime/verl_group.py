@@ -186,9 +186,12 @@ class PolicyWorker(Worker):
             mini_batch_size=cfg.mini_batch_size, epochs=cfg.ppo_epochs,
             seed=cfg.seed * 1_000_003 + self.updates * 1009, dataloader_kwargs={"shuffle": cfg.shuffle}, compute_loss=True,
         )
+        t_train = time.perf_counter()
         out = self.actor.train_mini_batch(td)
+        t_train = time.perf_counter() - t_train
         self.updates += 1
         metrics = _flatten(tu.get(out, "metrics")) if out is not None else {}
+        metrics["time/train_mini_batch_s"] = t_train
         mismatch = _all_gather({"sum": sum(diff), "n": len(diff)}, merge=lambda ds: {k: sum(d[k] for d in ds) for k in ds[0]})
         metrics["logprob_diff"] = mismatch["sum"] / max(1, mismatch["n"])
         if self.critic is not None:

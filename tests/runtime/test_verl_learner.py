@@ -148,7 +148,7 @@ def _rows(out):
 
 
 def _comparable(rows):
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/")) and "/perf/" not in k and not k.endswith("/seconds")}
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/")) and "/perf/" not in k and "/time/" not in k and not k.endswith("/seconds")}
             for r in rows]
 
 
