@@ -37,7 +37,7 @@ def make_turns(vocab: int, batch: int, prompt: int, response: int, seed: int = 0
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(10, vocab, (batch, prompt + response), generator=g)
     rewards = torch.rand(batch, generator=g)
-    turns = [Turn(f"t{b}", ids[b, :prompt].tolist(), ids[b, prompt:].tolist(), [-1.0] * response, 0.0) for b in range(batch)]
+    turns = [Turn(f"t{b}", ids[b, :prompt].tolist(), ids[b, prompt:].tolist(), [0.0] * response, 0.0) for b in range(batch)]
     records = [TurnRecord(f"t{b}", f"r{b}", 0, "role", "p", response, float(rewards[b])) for b in range(batch)]
     return turns, records
 
@@ -51,8 +51,10 @@ def time_torch(model_spec: str, turns: list, records: list, reps: int) -> list[f
 
     model, _ = load_model(model_spec)
     adv = compute_policy_advantages(records, AdvantageConfig()).per_turn()
-    trained = [replace(t, advantages=adv[t.id].advantages.tolist()) for t in turns]
     learner = TorchLearner(model, LearnerConfig(lr=1e-7, mini_batch_size=len(turns), micro_batch_size=len(turns), shuffle=False))
+    # old log-probs the engine would have returned (fp32): PPO ratios near 1, as in training
+    old = TorchLearner(model, LearnerConfig(bf16=False)).log_probs(turns)
+    trained = [replace(t, old_logprobs=o.tolist(), advantages=adv[t.id].advantages.tolist()) for t, o in zip(turns, old)]
     learner.update(trained)
     out = []
     for _ in range(reps):

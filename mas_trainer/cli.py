@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -162,7 +164,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from mas_trainer.runtime.evaluate import export
+    from mas_trainer.runtime.export import export
 
     out = export(args.run_dir, args.out_dir)
     print(f"exported to {out}: one Hugging Face folder per policy and mas-trainer.json (role -> model)")
@@ -223,12 +225,15 @@ def _parser() -> argparse.ArgumentParser:
                        description="Run APP on tasks and report the mean reward overall and per role (table on stderr, JSON on stdout).")
     p.add_argument("app", metavar="APP", help="path/to/file.py:attr or package.module:attr")
     p.add_argument("--data", required=True, help="tasks: JSON lines, a .json list, or hf:NAME[:CONFIG]:SPLIT")
-    p.add_argument("--run", default=None, help="a fit run directory: use its trained policies (default: base models)")
-    p.add_argument("--model", default=None, help="base model of policies not trained in --run: tiny | default | PATH")
+    p.add_argument("--run", default=None, help="a fit run directory: its trained policies, engine settings, allocator "
+                                                "and rollout settings (default: base models, fit's defaults)")
+    p.add_argument("--model", default=None, help="base model of policies not trained in --run: tiny | default | PATH "
+                                                  "(default: the run's, else as the app says)")
     p.add_argument("--n", type=int, default=1, help="rollouts per task")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--max-tokens", type=int, default=64, help="max_tokens for requests that set none")
-    p.add_argument("--temperature", type=float, default=None, help="temperature of every LLM call (0: greedy; default: the app's own)")
+    p.add_argument("--max-tokens", type=int, default=None, help="max_tokens for requests that set none (default: the run's rollout.max_tokens, else 64)")
+    p.add_argument("--temperature", type=float, default=None, help="temperature of every LLM call (0: greedy; default: the run's "
+                                                                    "rollout.val_temperature, else the app's own)")
     p.add_argument("--output", default=None, help="also write the JSON here")
     p.set_defaults(func=cmd_eval)
 
@@ -251,6 +256,27 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+LOG_ENV = "MAS_TRAINER_LOG"
+
+
+def _configure_logging(spec: str) -> None:
+    """`MAS_TRAINER_LOG`: a level for all of mas-trainer and/or LOGGER=LEVEL pairs, comma
+    separated (`INFO`, `mas_trainer.gateway=DEBUG`); WARNING by default. The handler sits on
+    the `mas_trainer` logger only: other libraries' logging is left as it was."""
+    top = logging.getLogger("mas_trainer")
+    if not any(getattr(h, "mas_trainer_cli", False) for h in top.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        handler.mas_trainer_cli = True  # type: ignore[attr-defined]
+        top.addHandler(handler)
+    top.setLevel(logging.WARNING)
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, _, level = item.rpartition("=")
+        if level.upper() not in logging.getLevelNamesMapping():
+            raise UsageError(f"{LOG_ENV}={spec!r}: {level!r} is not a level; write e.g. INFO or INFO,mas_trainer.gateway=DEBUG")
+        logging.getLogger(name or "mas_trainer").setLevel(level.upper())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     # key=value overrides may come before or after options; argparse alone cannot mix them
@@ -261,6 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
+        _configure_logging(os.environ.get(LOG_ENV, ""))
         return args.func(args)
     except UserError as exc:
         print(f"mas-trainer {args.verb}: error: {str(exc).splitlines()[0]}", file=sys.stderr)

@@ -1,7 +1,9 @@
 """The `fit` configuration: typed models, loaded from YAML, with dotted `key=value` overrides.
 
 An unknown key is an error naming the valid keys at that level; `mas-trainer fit --help`
-lists every key with its default (`describe_keys`).
+lists every key with its default (`describe_keys`). Every name a later stage looks up
+(allocator and its options, reward weights, advantage estimator, per policy too) is checked
+here, before anything starts. Importing this module does not import torch.
 """
 
 from __future__ import annotations
@@ -12,13 +14,13 @@ from typing import Any, Literal, Mapping, Sequence
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mas_trainer.algo.advantages import AdvantageConfig
+from mas_trainer.algo.config import AdvantageConfig
 from mas_trainer.errors import UserError
-from mas_trainer.learners.config import LearnerConfig
-from mas_trainer.learners.critic import CriticConfig
+from mas_trainer.learners.config import CriticConfig, LearnerConfig
+from mas_trainer.rewards.allocators import LevelWeights, allocator_names, check_allocator
 from mas_trainer.runtime.plan import Resources
 
-__all__ = ["FitConfig", "PolicyConfig", "load_config", "describe_keys", "ConfigError"]
+__all__ = ["FitConfig", "PolicyConfig", "RuntimeConfig", "load_config", "describe_keys", "ConfigError"]
 
 
 class ConfigError(UserError):
@@ -42,7 +44,7 @@ class RolloutConfig(_Strict):
 
 class RewardConfig(_Strict):
     allocator: str = Field("broadcast", description="broadcast | turn_delta | a name registered with register_allocator")
-    weights: dict[str, float] = Field(default_factory=dict, description="level weights {trajectory, role, turn} (default 1 each)")
+    weights: LevelWeights = Field(default_factory=LevelWeights)
     options: dict[str, Any] = Field(default_factory=dict, description="keyword options of the allocator (turn_delta: initial, per_role)")
     on_failure: float | Literal["drop"] = Field(0.0, description="reward of every call of a failed rollout, or drop it from its group")
 
@@ -70,7 +72,8 @@ class RuntimeConfig(_Strict):
     torch_threads: int | None = Field(None, ge=1, description="torch threads per worker group (default: cores / policies)")
     max_batch_size: int = Field(8, ge=1, description="engine rows decoded together")
     batch_wait_ms: float = Field(50.0, ge=0, description="how long an idle engine waits for more requests to fill a batch")
-    engine_bf16: bool = Field(True, description="bf16 autocast while generating (faster on CPU; log-probs carry bf16 rounding like the learner's)")
+    engine_bf16: bool | Literal["auto"] = Field(
+        "auto", description="bf16 autocast while generating (auto: where bf16 is fast: GPUs, CPUs with AVX512-BF16/AMX; log-probs then carry bf16 rounding like the learner's)")
 
 
 class FitConfig(_Strict):
@@ -124,7 +127,7 @@ def _describe_error(err: ValidationError, root: type[BaseModel] | None = None) -
         section = root if root is not None and len(e["loc"]) == 1 else _section_of(tuple(e["loc"][:-1]))
         valid = ", ".join(section.model_fields) if section is not None else "see mas-trainer fit --help"
         return f"unknown config key {loc!r}; valid keys here: {valid}"
-    return f"config key {loc!r}: {e['msg']}"
+    return f"config key {loc!r}: {e['msg'].removeprefix('Value error, ')}"
 
 
 def _section_of(path: tuple[Any, ...]) -> type[BaseModel] | None:
@@ -179,8 +182,22 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), b
                 build(name)
             except ValidationError as exc:
                 raise ConfigError(f"policies.{name}.{part}: {_describe_error(exc, model)}") from exc
+    _check_reward(cfg)
     _check_learner(cfg)
     return cfg
+
+
+def _check_reward(cfg: FitConfig) -> None:
+    """The allocator's options, where the allocator is known now. An allocator the app
+    registers (`@register_allocator` in the app's module) exists only once the app is
+    imported, after the config: `check_allocator` is called again there."""
+    r = cfg.reward
+    if r.allocator not in allocator_names():
+        return
+    try:
+        check_allocator(r.allocator, r.options)
+    except UserError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def _check_learner(cfg: FitConfig) -> None:

@@ -5,11 +5,12 @@ policy that node was trained as: `@trainable` makes the app's OpenAI calls name 
 (W3C baggage), and the gateway routes the node with the run's policy map (`app.json`).
 Calls that name no node are served by `model`: a policy name, or a name mapped with
 `--route NAME=POLICY`; any other model is a 404, never a silent fallback to an untrained model.
+The engines are configured as the run's (`runtime` in its config.yaml), so the policies
+answer as `fit` and `eval --run` measured them.
 """
 
 from __future__ import annotations
 
-import json
 import signal
 import threading
 from pathlib import Path
@@ -17,43 +18,32 @@ from typing import Mapping
 
 from mas_trainer.config import ConfigError
 from mas_trainer.gateway import Gateway, GatewayServer, Router
+from mas_trainer.runtime.backends import policy_backends, run_config, trained_policies
 from mas_trainer.runtime.rundir import RunDir
-from mas_trainer.runtime.session import lazy_backend, torch_backend
-from mas_trainer.spec import FROZEN_POLICY, ResolvedSpec, TrainSpec
+from mas_trainer.spec import ResolvedSpec
 
 __all__ = ["load_run_spec", "build_gateway", "serve"]
 
 
 def load_run_spec(run_dir: str | Path) -> ResolvedSpec:
-    path = Path(run_dir) / "app.json"
-    if not path.exists():
-        raise ConfigError(f"{run_dir} has no app.json (is it a `mas-trainer fit` run directory?)")
-    doc = json.loads(path.read_text())
-    pols = {p: v["base_model"] for p, v in doc["policies"].items() if p != FROZEN_POLICY}
-    spec = TrainSpec.build(doc["roles"], pols, role_names=doc.get("role_names"), frozen=doc.get("frozen", ()),
-                           default_policy=doc.get("default_policy"))
-    return spec.resolve(doc["nodes"])
+    return RunDir(run_dir).app().resolved()
 
 
 def build_gateway(run_dir: str | Path, *, routes: Mapping[str, str] | None = None, api_key: str | None = None,
                   max_tokens: int = 256) -> Gateway:
-    run = RunDir(run_dir)
-    if run.load_state() is None:
-        raise ConfigError(f"{run_dir} has no checkpoint to serve; train it with `mas-trainer fit` first")
+    trained = trained_policies(run_dir)
     spec = load_run_spec(run_dir)
     routes = dict(routes or {})
     unknown = sorted(set(routes.values()) - set(spec.policies))
     if unknown:
         raise ConfigError(f"--route names unknown policy {unknown[0]!r}; policies of this run: {', '.join(sorted(spec.policies))}")
+    untrained = sorted(p for p, pol in spec.policies.items() if pol.trainable and p not in trained)
+    if untrained:
+        raise ConfigError(f"policy {untrained[0]!r} has no checkpoint folder in {RunDir(run_dir).checkpoint / 'policies'}")
+    cfg = run_config(run_dir)
     gateway = Gateway(Router(spec, model_routes=routes), api_key=api_key, default_max_tokens=max_tokens)
-    for name, policy in spec.policies.items():
-        folder = run.policy_dir(name)
-        if policy.trainable:
-            if not folder.exists():
-                raise ConfigError(f"policy {name!r} has no checkpoint folder {folder}")
-            gateway.add_policy(name, torch_backend(str(folder)))
-        else:
-            gateway.add_policy(name, lazy_backend(name, lambda m=policy.base_model: torch_backend(m)))
+    for name, backend in policy_backends(spec.policies, cfg.runtime, seed=cfg.seed, checkpoints=trained).items():
+        gateway.add_policy(name, backend)
     return gateway
 
 

@@ -91,7 +91,7 @@ def test_api_key_and_bad_runs(trained_run, tmp_path):
             openai.OpenAI(base_url=server.base_url, api_key="wrong", max_retries=0).models.list()
         ids = {m.id for m in openai.OpenAI(base_url=server.base_url, api_key="k", max_retries=0).models.list().data}
         assert {"lead", "crew"} <= ids
-    with pytest.raises(ConfigError, match="has no checkpoint to serve"):
+    with pytest.raises(ConfigError, match="has no checkpoint"):
         build_gateway(tmp_path)
     with pytest.raises(ConfigError, match="unknown policy 'nope'"):
         build_gateway(run, routes={"gpt-4o-mini": "nope"})

@@ -22,48 +22,20 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
+from mas_trainer.algo.config import AdvantageConfig
 from mas_trainer.errors import UserError
 from mas_trainer.trace.schema import Trajectory
 
-__all__ = [
-    "AdvantageConfig",
-    "TurnRecord",
-    "TurnAdvantage",
-    "AdvantageBatch",
-    "SUPPORTED_ESTIMATORS",
-    "turn_records",
-    "compute_advantages",
-    "compute_policy_advantages",
-]
-
-# Estimators whose arguments we know and test against verl. Other names registered in
-# verl's ADV_ESTIMATOR_REGISTRY are called as verl's trainer calls them (rewards, mask,
-# config, index); these need inputs a turn record does not carry and are refused.
-SUPPORTED_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae")
-_NEEDS_MORE = {"remax", "gdpo", "optimal_token_baseline", "tir_optimal_token_baseline"}
-
-
-class AdvantageConfig(BaseModel):
-    """How one policy's advantages are computed (config: ``policies.<name>.advantage``)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    estimator: str = Field("grpo", description="verl estimator: grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, gae (needs the critic)")
-    gamma: float = Field(1.0, description="discount (REINFORCE++, GAE)")
-    lam: float = Field(1.0, description="GAE lambda")
-    norm_adv_by_std_in_grpo: bool = Field(True, description="GRPO: divide by the group's std (false: Dr. GRPO)")
-    epsilon: float = Field(1e-6, gt=0, description="added to std in normalisations")
-    # Scale each turn's advantages by (T / R) / k: k = that rollout's turns of this policy,
-    # T = turns and R = rollouts in the batch. See compute_policy_advantages.
-    rollout_norm: bool = Field(False, description="weigh every rollout the same, however many turns it has")
+# AdvantageConfig lives in the torch-free algo.config; it is re-exported here for callers
+# that import it with the computation.
+__all__ = ["AdvantageConfig", "TurnRecord", "TurnAdvantage", "AdvantageBatch", "turn_records", "compute_policy_advantages"]
 
 
 @dataclass(frozen=True)
@@ -205,13 +177,7 @@ def compute_policy_advantages(
     policies = {r.policy for r in records}
     if len(policies) > 1:
         raise ValueError(f"compute_policy_advantages got turns of several policies: {sorted(policies)}")
-    name = cfg.estimator
-    from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY
-
-    if name not in ADV_ESTIMATOR_REGISTRY or name in _NEEDS_MORE:
-        usable = [n for n in ADV_ESTIMATOR_REGISTRY if n not in _NEEDS_MORE]
-        raise UserError(f"advantage estimator {name!r} is not usable here; choose one of {', '.join(usable)}")
-
+    name = cfg.estimator  # usable: AdvantageConfig checked it (check_estimator)
     bs, length = len(records), max(r.response_length for r in records)
     mask = torch.zeros(bs, length, dtype=torch.float32)
     rewards = torch.zeros(bs, length, dtype=torch.float32)
@@ -249,29 +215,4 @@ def _values(records: Sequence[TurnRecord], values: Mapping[str, Any] | None, len
         if v.numel() != r.response_length:
             raise ValueError(f"turn {r.turn_id}: {v.numel()} values for {r.response_length} response tokens")
         out[i, : r.response_length] = v
-    return out
-
-
-def compute_advantages(
-    records: Iterable[TurnRecord],
-    config: AdvantageConfig | Mapping[str, AdvantageConfig] | None = None,
-    values: Mapping[str, Sequence[float] | torch.Tensor] | None = None,
-) -> dict[str, AdvantageBatch]:
-    """Split turns by policy and compute each policy's advantages with its own estimator.
-
-    ``config`` is one :class:`AdvantageConfig` for all policies, or policy -> config
-    (a policy missing from the mapping is an error, so a typo cannot fall back silently).
-    """
-    by_policy: dict[str, list[TurnRecord]] = {}
-    for r in records:
-        by_policy.setdefault(r.policy, []).append(r)
-    out: dict[str, AdvantageBatch] = {}
-    for policy, recs in by_policy.items():
-        if isinstance(config, Mapping):
-            if policy not in config:
-                raise UserError(f"no advantage config for policy {policy!r}; configured: {sorted(config)}")
-            cfg = config[policy]
-        else:
-            cfg = config
-        out[policy] = compute_policy_advantages(recs, cfg, values)
     return out

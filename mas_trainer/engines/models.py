@@ -35,6 +35,7 @@ __all__ = [
     "model_dir_for",
     "materialize",
     "save_pretrained",
+    "bf16_is_fast",
     "cache_dir",
     "default_model_dir",
     "tokenizer_dir",
@@ -183,6 +184,20 @@ def materialize(spec: str, *, seed: int = 0) -> Path:
         tok.save_pretrained(tmp)
 
     return _publish(build, cache_dir() / f"tiny-seed{seed}")
+
+
+def bf16_is_fast(device: "str | torch.device") -> bool:
+    """Whether bf16 compute beats fp32 on `device`: a CUDA GPU with bf16, or a CPU with
+    AVX512-BF16 or AMX. On a CPU without them (AVX2 only) torch emulates bf16 matmuls, about
+    100 times slower than fp32, so "auto" settings stay in fp32 there."""
+    import torch
+
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if kind == "cpu":
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    return False
 
 
 def save_pretrained(model: Any, tokenizer: Any, folder: str | Path) -> Path:

@@ -80,12 +80,17 @@ class TorchEngine:
         batch_wait_ms: float = 5,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
-        bf16_autocast: bool = False,
+        bf16_autocast: bool | str = False,
     ) -> None:
         self.model_name = model_name
         # bf16 autocast while decoding (CPU: ~1.5x faster). Log-probs then carry bf16 rounding,
         # like a learner's bf16 forward; off by default so they match an fp32 forward exactly.
-        self.bf16_autocast = bf16_autocast
+        # "auto": where bf16 is fast on the device (not on AVX2-only CPUs)
+        if bf16_autocast == "auto":
+            from mas_trainer.engines.models import bf16_is_fast
+
+            bf16_autocast = bf16_is_fast(device)
+        self.bf16_autocast = bool(bf16_autocast)
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_ms / 1000

@@ -2,6 +2,7 @@
 
 from .ledger import Ledger
 from .router import Router
+from .sampling import RolloutSampling
 from .server import Gateway, GatewayServer, PolicyBackend
 
-__all__ = ["Gateway", "GatewayServer", "PolicyBackend", "Router", "Ledger"]
+__all__ = ["Gateway", "GatewayServer", "PolicyBackend", "Router", "Ledger", "RolloutSampling"]

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import defaultdict
 
 from mas_trainer.trace.schema import LLMCall
 
 __all__ = ["Ledger"]
+
+log = logging.getLogger(__name__)
 
 
 class Ledger:
@@ -17,14 +20,15 @@ class Ledger:
         self._lock = threading.Lock()
         self._by_rollout: dict[str, list[LLMCall]] = defaultdict(list)
         self._closed: set[str] = set()
-        self.dropped = 0  # calls that arrived after their rollout was collected
 
     def file(self, rollout_id: str, call: LLMCall) -> None:
         with self._lock:
-            if rollout_id in self._closed:
-                self.dropped += 1
+            if rollout_id not in self._closed:
+                self._by_rollout[rollout_id].append(call)
                 return
-            self._by_rollout[rollout_id].append(call)
+        # A call still running when its rollout ended (timeout, error): its trajectory is
+        # already written without it, and nobody trains on it.
+        log.info("llm call %s of rollout %s finished after the rollout was collected; dropped", call.id, rollout_id)
 
     def take(self, rollout_id: str) -> list[LLMCall]:
         """All calls of a finished rollout, in arrival order; later arrivals are dropped."""

@@ -1,7 +1,13 @@
-"""Decides which policy answers a request: by graph baggage first, then by model name."""
+"""Decides which policy answers a request: by graph baggage first, then by model name.
+
+A request served by the fallback policy (no baggage, a model name that is neither a policy
+nor a route) is logged once per model name, at WARNING on `mas_trainer.gateway.router`:
+during training such a call belongs to no rollout, so nobody trains on it.
+"""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -9,6 +15,8 @@ from mas_trainer.spec import ResolvedSpec
 from mas_trainer.trace import attributes as A
 
 __all__ = ["Router", "RouteDecision", "UnknownModel"]
+
+log = logging.getLogger(__name__)
 
 
 class UnknownModel(LookupError):
@@ -39,6 +47,7 @@ class Router:
         self.spec = spec
         self.model_routes = dict(model_routes or {})
         self.fallback = fallback
+        self._fell_back: set[str] = set()  # model names already logged
         self._role_policy: dict[str, tuple[str, bool]] = {}
         if spec is not None:
             for key in list(spec.spec.roles) + list(spec.spec.frozen):
@@ -57,9 +66,15 @@ class Router:
         if role and role in self._role_policy:
             policy, trainable = self._role_policy[role]
             return RouteDecision(policy, role, node, trainable, rollout, call)
-        for policy in (model if model in policies else None, self.model_routes.get(model), self.fallback):
-            if policy is not None:
-                return RouteDecision(policy, role or model, node, False, rollout, call)
+        policy = model if model in policies else self.model_routes.get(model)
+        if policy is None and self.fallback is not None:
+            policy = self.fallback
+            if model not in self._fell_back:
+                self._fell_back.add(model)
+                log.warning("calls with no graph node asking for model %r are served by the fallback policy %r "
+                            "(name a policy, or map the model to one)", model, policy)
+        if policy is not None:
+            return RouteDecision(policy, role or model, node, False, rollout, call)
         names = sorted(policies | set(self.model_routes))
         raise UnknownModel(f"model {model!r} is not served here; available models: {', '.join(names)}")
 

@@ -3,19 +3,22 @@
 Each request is routed (graph baggage, else model name) to its policy's engine; the chosen
 tokens, with their log-probs, go back in the response (vLLM-style `token_ids`,
 `prompt_token_ids`, `logprobs`) and are filed in the ledger under the caller's span id so
-the controller can join them to the rollout's node calls.
+the controller can join them to the rollout's node calls. How rollout requests sample (the
+step's seed, a temperature override) is not the gateway's state: it reads the
+`RolloutSampling` of whoever drives the rollouts (the `Session`).
+
+Refused requests (4xx) are logged at INFO on `mas_trainer.gateway.server`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
+import logging
 import socket
 import threading
 import time
 import uuid
-from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -28,9 +31,12 @@ from mas_trainer.engines.base import ChatFormat, Engine, Generation, SamplingPar
 from mas_trainer.gateway.ledger import Ledger
 from mas_trainer.gateway.protocol import ChatRequest, bound_schema, error_body, json_schema_of
 from mas_trainer.gateway.router import RouteDecision, Router, UnknownModel
+from mas_trainer.gateway.sampling import RolloutSampling
 from mas_trainer.trace.schema import LLMCall
 
 __all__ = ["PolicyBackend", "Gateway", "GatewayServer"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -49,6 +55,7 @@ class Gateway:
         max_string_length: int = 200,
         max_items: int = 16,
         api_key: str | None = None,
+        sampling: RolloutSampling | None = None,
     ) -> None:
         self.router = router or Router()
         self.ledger = ledger or Ledger()
@@ -57,32 +64,12 @@ class Gateway:
         self.max_string_length = max_string_length
         self.max_items = max_items
         self.api_key = api_key
-        # Training sets this to the step's seed: requests that name no seed then get one
-        # derived from (seed, rollout, node, k-th call of that node), so a rollout whose
-        # calls come in a fixed order samples the same tokens when the step is re-run.
-        self.seed_requests: int | None = None
-        # Validation may sample differently from training (verl's val_kwargs): when set,
-        # rollout requests use this temperature whatever the app asked for.
-        self.temperature_override: float | None = None
-        self._call_counts: dict[tuple[str, str], int] = defaultdict(int)
+        # Owned by the session when there is one; a gateway alone (serve) never reseeds it.
+        self.sampling = sampling or RolloutSampling()
         self.app = self._build_app()
 
     def add_policy(self, name: str, backend: PolicyBackend) -> None:
         self.backends[name] = backend
-
-    def reseed(self, seed: int | None, *, temperature: float | None = None) -> None:
-        """Seed the requests of the next batch of rollouts (None: leave them unseeded) and
-        set their temperature (None: the one each request asks for)."""
-        self.seed_requests = seed
-        self.temperature_override = temperature
-        self._call_counts.clear()
-
-    def _request_seed(self, decision: RouteDecision) -> int:
-        key = (decision.rollout_id or "", decision.node or decision.role)
-        k = self._call_counts[key]
-        self._call_counts[key] = k + 1
-        digest = hashlib.blake2b(f"{self.seed_requests}|{key[0]}|{key[1]}|{k}".encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
     # --- one request -----------------------------------------------------------------------
     def _params(self, req: ChatRequest) -> SamplingParams:
@@ -112,10 +99,7 @@ class Gateway:
         start = time.time()
         span_ctx = trace.get_current_span(ctx).get_span_context()
         call_id = format(span_ctx.span_id, "016x") if span_ctx.is_valid else uuid.uuid4().hex[:16]
-        if params.seed is None and self.seed_requests is not None and decision.rollout_id:
-            params = replace(params, seed=self._request_seed(decision))
-        if self.temperature_override is not None and decision.rollout_id:
-            params = replace(params, temperature=self.temperature_override)
+        params = self.sampling.apply(params, decision.rollout_id, decision.node or decision.role)
         gens = await backend.engine.generate(prompt_ids, params, turn_id=call_id)
         end = time.time()
         choices = []
@@ -148,7 +132,7 @@ class Gateway:
 
         @app.exception_handler(RequestValidationError)
         async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-            return JSONResponse(error_body(_describe(exc.errors())), status_code=400)
+            return _refuse(400, error_body(_describe(exc.errors())))
 
         @app.get("/health")
         async def _health() -> dict:
@@ -157,7 +141,7 @@ class Gateway:
         def authorised(request: Request) -> JSONResponse | None:
             # a check in the handlers, not a middleware: BaseHTTPMiddleware costs every call
             if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
-                return JSONResponse(error_body("invalid or missing API key", kind="authentication_error", code="invalid_api_key"), status_code=401)
+                return _refuse(401, error_body("invalid or missing API key", kind="authentication_error", code="invalid_api_key"))
             return None
 
         @app.get("/v1/models")
@@ -174,24 +158,31 @@ class Gateway:
             try:
                 body = await request.json()
             except (json.JSONDecodeError, UnicodeDecodeError):
-                return JSONResponse(error_body("request body is not valid JSON"), status_code=400)
+                return _refuse(400, error_body("request body is not valid JSON"))
             if not isinstance(body, dict):
-                return JSONResponse(error_body("request body must be a JSON object"), status_code=400)
+                return _refuse(400, error_body("request body must be a JSON object"))
             try:
                 req = ChatRequest.model_validate(body)
                 result = await self.complete(req, dict(request.headers))
             except ValidationError as exc:
-                return JSONResponse(error_body(_describe(exc.errors())), status_code=400)
+                return _refuse(400, error_body(_describe(exc.errors())))
             except UnknownModel as exc:
-                return JSONResponse(error_body(str(exc), param="model", code="model_not_found"), status_code=404)
+                return _refuse(404, error_body(str(exc), param="model", code="model_not_found"))
             except ValueError as exc:
-                return JSONResponse(error_body(str(exc)), status_code=400)
+                return _refuse(400, error_body(str(exc)))
             if req.stream:
                 include_usage = bool((req.stream_options or {}).get("include_usage"))
                 return StreamingResponse(_sse(result, include_usage), media_type="text/event-stream")
             return result
 
         return app
+
+
+def _refuse(status: int, body: dict[str, Any]) -> JSONResponse:
+    # The client gets the reason, but apps and their libraries often swallow errors (a
+    # retry, a fallback): the log is where a user sees why calls went unanswered.
+    log.info("refused a request (%d): %s", status, body["error"]["message"])
+    return JSONResponse(body, status_code=status)
 
 
 def _describe(errors: list[dict[str, Any]]) -> str:

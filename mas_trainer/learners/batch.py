@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Turn", "PackedTurns", "pack_turns"]
+__all__ = ["Turn", "PackedTurns", "pack_turns", "micro_batches", "mini_batches", "update_mini_batches"]
 
 
 @dataclass(frozen=True)
@@ -165,6 +165,20 @@ def pack_turns(turns: Sequence[Turn], *, pad_id: int = 0) -> PackedTurns:
         prompt_lengths=[len(t.prompt_ids) for t in turns],
         response_lengths=[len(t.response_ids) for t in turns],
     )
+
+
+def micro_batches(turns: Sequence[Turn], *, max_rows: int, max_tokens: int | None = None) -> list[list[Turn]]:
+    """`turns` split for gradient accumulation (learner and critic alike): longest first, so
+    each micro-batch pads little, at most `max_rows` turns and, when set, `max_tokens` padded
+    tokens (rows x longest row; a single longer turn still gets a micro-batch of its own)."""
+    out: list[list[Turn]] = []
+    for turn in sorted(turns, key=lambda t: t.length, reverse=True):
+        cur = out[-1] if out else None
+        if cur is None or len(cur) >= max_rows or (max_tokens is not None and (len(cur) + 1) * cur[0].length > max_tokens):
+            out.append([turn])
+        else:
+            cur.append(turn)
+    return out
 
 
 def mini_batches(turns: Sequence[Turn], size: int, *, shuffle: bool, seed: int) -> list[list[Turn]]:

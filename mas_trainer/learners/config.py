@@ -1,4 +1,5 @@
-"""Settings of the embedded learner (config: ``policies.<name>.learner`` or ``learner``).
+"""Settings of the embedded learner (config: ``learner``, ``policies.<name>.learner``) and
+critic (``critic``, ``policies.<name>.critic``); torch-free, so the config loads without torch.
 
 Names follow verl's actor config where one exists (``clip_ratio_low``, ``loss_agg_mode``,
 ``entropy_coeff``, ``kl_penalty``...), so a verl user recognises them; the learner turns
@@ -14,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-__all__ = ["LearnerConfig", "LOSS_AGG_MODES", "KL_PENALTIES"]
+__all__ = ["LearnerConfig", "CriticConfig", "LOSS_AGG_MODES", "KL_PENALTIES"]
 
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # verl's kl_penalty estimators; a trailing "+" (e.g. "k3+") takes the k2 gradient straight through.
@@ -61,7 +62,7 @@ class LearnerConfig(BaseModel):
         False, description="Report the response-token entropy even when entropy_coeff is 0 (costs ~5% of a step)."
     )
     bf16: bool | Literal["auto"] = Field(
-        "auto", description="bf16 autocast for forward/backward (auto: on; ~2x faster than fp32 on CPU)."
+        "auto", description="bf16 compute for forward/backward, fp32 weights (auto: where bf16 is fast: GPUs, CPUs with AVX512-BF16/AMX, ~2x faster there; AVX2-only CPUs emulate it ~100x slower)."
     )
     fused_adamw: bool | Literal["auto"] = Field("auto", description="Fused AdamW kernel (auto: where torch has one).")
     seed: int = Field(0, description="Seed of the mini-batch shuffle.")
@@ -72,3 +73,33 @@ class LearnerConfig(BaseModel):
         if value.removesuffix("+") not in KL_PENALTIES:
             raise ValueError(f"unknown kl_penalty {value!r}; valid: {', '.join(KL_PENALTIES)} (optionally with '+')")
         return value
+
+
+class CriticConfig(BaseModel):
+    """Value model of one policy for GAE (config: ``policies.<name>.critic``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate of the value model.")
+    cliprange_value: float = Field(
+        0.5, gt=0, description="PPO value clip: a prediction may move this far from the old value before clipping."
+    )
+    loss_agg_mode: Literal[LOSS_AGG_MODES] = Field("token-mean", description="verl agg_loss mode over a mini-batch.")  # type: ignore[valid-type]
+    max_grad_norm: float | None = Field(
+        1.0, gt=0, description="Clip the global gradient norm to this before each step (null: no clipping)."
+    )
+    ppo_epochs: int = Field(
+        1, ge=1, description="Passes over the turns of one update; old values stay the pre-update ones (the clip's anchor)."
+    )
+    mini_batch_size: int = Field(16, ge=1, description="Turns per optimiser step.")
+    micro_batch_size: int = Field(
+        4, ge=1, description="Most turns per forward/backward (gradient accumulation bounds memory)."
+    )
+    micro_batch_tokens: int | None = Field(
+        None, ge=1, description="Also cap a micro-batch at this many padded tokens (rows x longest row); null: no cap."
+    )
+    bf16: bool | Literal["auto"] = Field(
+        "auto", description="bf16 autocast for the body's forward/backward (auto: where bf16 is fast, as learner.bf16); the head stays fp32."
+    )
+    shuffle: bool = Field(True, description="Shuffle turns (seeded) before cutting mini-batches.")
+    seed: int = Field(0, description="Seed of the mini-batch shuffle.")

@@ -13,8 +13,9 @@ everything *before* token ``t``, which is how verl's critics slice values
 actor's log-prob of response token ``j`` and GAE's ``values`` input lines up token for token.
 
 ``update(turns, returns, old_values)`` runs verl's ``core_algos.compute_value_loss`` with
-the same batching as the actor: mini-batches of ``mini_batch_size`` turns, one AdamW step
-each, split into micro-batches of ``micro_batch_size`` turns whose gradients accumulate.
+the same batching as the actor (the same functions of :mod:`mas_trainer.learners.batch`):
+mini-batches of ``mini_batch_size`` turns, one AdamW step each, split into micro-batches of
+at most ``micro_batch_size`` turns (and ``micro_batch_tokens``) whose gradients accumulate.
 Each micro-batch loss is normalised by the whole mini-batch (its response-token count, turn
 count and longest response, as verl's ``global_batch_info``), so the summed micro losses
 equal the mini-batch loss whatever the split.
@@ -33,42 +34,18 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
-from mas_trainer.learners.batch import PackedTurns, Turn, pack_turns, update_mini_batches
-from mas_trainer.learners.config import LOSS_AGG_MODES
+from mas_trainer.engines.models import bf16_is_fast
 
+from mas_trainer.learners.batch import PackedTurns, Turn, micro_batches, pack_turns, update_mini_batches
+from mas_trainer.learners.config import CriticConfig
+
+# CriticConfig lives in the torch-free learners.config; re-exported for callers that import
+# it with the critic.
 __all__ = ["CriticConfig", "TorchCritic"]
-
-
-class CriticConfig(BaseModel):
-    """Value model of one policy for GAE (config: ``policies.<name>.critic``)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    lr: float = Field(1e-5, gt=0, description="AdamW learning rate of the value model.")
-    cliprange_value: float = Field(
-        0.5, gt=0, description="PPO value clip: a prediction may move this far from the old value before clipping."
-    )
-    loss_agg_mode: Literal[LOSS_AGG_MODES] = Field("token-mean", description="verl agg_loss mode over a mini-batch.")  # type: ignore[valid-type]
-    max_grad_norm: float | None = Field(
-        1.0, gt=0, description="Clip the global gradient norm to this before each step (null: no clipping)."
-    )
-    ppo_epochs: int = Field(
-        1, ge=1, description="Passes over the turns of one update; old values stay the pre-update ones (the clip's anchor)."
-    )
-    mini_batch_size: int = Field(16, ge=1, description="Turns per optimiser step.")
-    micro_batch_size: int = Field(
-        4, ge=1, description="Most turns per forward/backward (gradient accumulation bounds memory)."
-    )
-    bf16: bool | Literal["auto"] = Field(
-        "auto", description="bf16 autocast for the body's forward/backward (auto: on where supported); the head stays fp32."
-    )
-    shuffle: bool = Field(True, description="Shuffle turns (seeded) before cutting mini-batches.")
-    seed: int = Field(0, description="Seed of the mini-batch shuffle.")
 
 
 class _ValueModel(torch.nn.Module):
@@ -101,9 +78,7 @@ class TorchCritic:
         # from_pretrained models come in eval mode; keep it (no dropout), as the actor does,
         # so values() and the forward inside update() agree exactly.
         self.module.eval().requires_grad_(True)
-        self.bf16 = config.bf16 if isinstance(config.bf16, bool) else (
-            self.device.type == "cpu" or (self.device.type == "cuda" and torch.cuda.is_bf16_supported())
-        )
+        self.bf16 = config.bf16 if isinstance(config.bf16, bool) else bf16_is_fast(self.device)
         self._params = list(self.module.parameters())
         fused = self.device.type in ("cpu", "cuda") and all(p.dtype in (torch.float32, torch.bfloat16) for p in self._params)
         self.optimizer = torch.optim.AdamW(self._params, lr=config.lr, fused=fused or None)
@@ -134,10 +109,7 @@ class TorchCritic:
         return self.module.value_head(hidden[:, s - 1 : -1].float()).squeeze(-1)
 
     def _micro_batches(self, turns: Sequence[Turn]) -> list[list[Turn]]:
-        """Longest first, ``micro_batch_size`` turns each, so each micro-batch pads little."""
-        ordered = sorted(turns, key=lambda t: t.length, reverse=True)
-        step = self.config.micro_batch_size
-        return [ordered[i : i + step] for i in range(0, len(ordered), step)]
+        return micro_batches(turns, max_rows=self.config.micro_batch_size, max_tokens=self.config.micro_batch_tokens)
 
     @torch.no_grad()
     def values(self, turns: Sequence[Turn]) -> dict[str, list[float]]:

@@ -23,8 +23,8 @@ How one update runs (``update(turns)``):
 
 The learner updates the very model object its engine generates with, so the next
 generation uses the new weights without any copy: run updates on the engine's worker
-thread (``update_on(engine, turns)`` = ``engine.run_exclusive(...)``), which also keeps
-all torch compute of the process on one thread.
+thread (``engine.run_exclusive(lambda _model: learner.update(turns))``, as the worker group
+does), which also keeps all torch compute of the process on one thread.
 """
 
 from __future__ import annotations
@@ -42,8 +42,10 @@ from typing import Any
 
 import torch
 
+from mas_trainer.engines.models import bf16_is_fast
+
 from mas_trainer.errors import UserError
-from mas_trainer.learners.batch import PackedTurns, Turn, pack_turns, update_mini_batches
+from mas_trainer.learners.batch import PackedTurns, Turn, micro_batches, pack_turns, update_mini_batches
 from mas_trainer.learners.config import LearnerConfig
 
 __all__ = ["TorchLearner", "build_actor_config"]
@@ -128,9 +130,7 @@ class TorchLearner:
         self._policy_loss_fn = core_algos.get_policy_loss_fn(config.policy_loss)
         first = next(model.parameters())
         self.device = first.device
-        self.bf16 = config.bf16 if isinstance(config.bf16, bool) else (
-            self.device.type == "cpu" or (self.device.type == "cuda" and torch.cuda.is_bf16_supported())
-        )
+        self.bf16 = config.bf16 if isinstance(config.bf16, bool) else bf16_is_fast(self.device)
         self._params = [p for p in model.parameters() if p.requires_grad]
         fused = config.fused_adamw if isinstance(config.fused_adamw, bool) else (
             self.device.type in ("cpu", "cuda") and all(p.dtype in (torch.float32, torch.bfloat16) for p in self._params)
@@ -182,18 +182,7 @@ class TorchLearner:
         return log_prob, ent
 
     def _micro_batches(self, turns: Sequence[Turn]) -> list[list[Turn]]:
-        """Longest first, so each micro-batch pads little; bounded by rows and tokens."""
-        cap_rows, cap_tokens = self.config.micro_batch_size, self.config.micro_batch_tokens
-        out: list[list[Turn]] = []
-        for turn in sorted(turns, key=lambda t: t.length, reverse=True):
-            cur = out[-1] if out else None
-            if cur is None or len(cur) >= cap_rows or (
-                cap_tokens is not None and (len(cur) + 1) * cur[0].length > cap_tokens
-            ):
-                out.append([turn])
-            else:
-                cur.append(turn)
-        return out
+        return micro_batches(turns, max_rows=self.config.micro_batch_size, max_tokens=self.config.micro_batch_tokens)
 
     @torch.no_grad()
     def log_probs(self, turns: Sequence[Turn], model: Any = None) -> list[torch.Tensor]:
@@ -361,16 +350,6 @@ class TorchLearner:
             sums[key] += float(value) * weight
             weights[key] += weight
 
-    def update_on(self, engine: Any, turns: Sequence[Turn]) -> Any:
-        """Run ``update(turns)`` on ``engine``'s worker thread, between its batches.
-
-        Returns the engine's concurrent future of the metrics. The engine must generate
-        with this learner's model, so its next batch samples from the updated weights.
-        """
-        if engine.model is not self.model:
-            raise ValueError(f"engine {engine.model_name!r} does not generate with this learner's model")
-        return engine.run_exclusive(lambda _model: self.update(turns))
-
     # ---------------------------------------------------------------- state
 
     def state_dict(self) -> dict[str, Any]:
@@ -388,20 +367,9 @@ class TorchLearner:
         self.optimizer_steps = int(state["optimizer_steps"])
 
     def save_pretrained(self, path: str | Path, tokenizer: Any = None) -> Path:
-        """Write the policy as a Hugging Face folder (safetensors, config, tokenizer).
+        """Write the policy as a Hugging Face folder (safetensors, config, tokenizer) that
+        `from_pretrained` and `vllm serve` load. Call it where the weights are not being
+        changed (e.g. through ``engine.run_exclusive``)."""
+        from mas_trainer.engines.models import save_pretrained
 
-        The folder loads with ``AutoModelForCausalLM.from_pretrained`` and ``vllm serve``.
-        A model dequantised from GGUF still carries its quantiser, which makes
-        ``save_pretrained`` refuse; both traces of it are cleared first. Call it where the
-        weights are not being changed (e.g. through ``engine.run_exclusive``).
-        """
-        path = Path(path)
-        model = self.model
-        if getattr(model, "hf_quantizer", None) is not None:
-            model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(path)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(path)
-        return path
+        return save_pretrained(self.model, tokenizer, path)

@@ -195,4 +195,6 @@ def worker_env() -> dict[str, str]:
         # verl registers its FSDP engine for cuda/npu only; the device it then uses comes
         # from the platform above, so the engine runs on the CPU all the same.
         "VERL_ENGINE_DEVICE": "cuda",
+        # verl announces every optional engine it cannot import, once per rank
+        "PYTHONWARNINGS": "ignore::UserWarning:verl.workers.engine",
     }

@@ -22,11 +22,12 @@ every call gets the fill reward, or the rollout is marked dropped so advantage g
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from mas_trainer.errors import UserError
 from mas_trainer.rewards.levels import LevelValues, RewardSpec, evaluate_levels
@@ -39,6 +40,7 @@ __all__ = [
     "register_allocator",
     "get_allocator",
     "allocator_names",
+    "check_allocator",
     "broadcast",
     "turn_delta",
     "assign_rewards",
@@ -47,13 +49,13 @@ __all__ = [
 
 
 class LevelWeights(BaseModel):
-    """Weights that mix the levels into one call reward (config: ``rewards.weights``)."""
+    """Weights that mix the levels into one call reward (config: ``reward.weights``)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    trajectory: float = 1.0
-    role: float = 1.0
-    turn: float = 1.0
+    trajectory: float = Field(1.0, description="weight of the trajectory reward in every call's reward")
+    role: float = Field(1.0, description="weight of the call's role reward")
+    turn: float = Field(1.0, description="weight of the call's own turn reward")
 
 
 @dataclass
@@ -90,6 +92,20 @@ def get_allocator(name: str) -> Allocator:
 
 def allocator_names() -> list[str]:
     return sorted(_ALLOCATORS)
+
+
+def check_allocator(name: str, options: Mapping[str, Any] | None = None) -> None:
+    """The allocator is registered and takes every option given, or a UserError naming the
+    valid choices: a config is checked before any rollout, not at the first reward."""
+    fn = get_allocator(name)
+    params = list(inspect.signature(fn).parameters.values())[3:]  # after (trajectory, values, weights)
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    valid = [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    unknown = sorted(set(options or {}) - set(valid))
+    if unknown:
+        raise UserError(f"reward.options: allocator {name!r} has no option {unknown[0]!r}; "
+                        f"valid: {', '.join(valid) if valid else 'none (leave reward.options empty)'}")
 
 
 def _part(value: float, weight: float, **extra: Any) -> dict[str, Any]:

@@ -44,5 +44,7 @@ class WorkerPlan(BaseModel):
     resources: Resources = Field(default_factory=Resources)
     max_batch_size: int = 8
     batch_wait_ms: float = 5.0
-    engine_bf16: bool = False
+    engine_bf16: bool | Literal["auto"] = False
     torch_threads: int | None = None
+    offload_between_phases: bool = Field(
+        False, description="GPUs shared with other worker groups: the learner's shards and optimizer leave the GPU after each update")

@@ -2,6 +2,7 @@
 
 ```
 RUN_DIR/config.yaml               resolved config
+RUN_DIR/app.json                  the policy map the run trained (`AppRecord`)
 RUN_DIR/metrics.jsonl             one row per training step (kind "train") and evaluation (kind "val")
 RUN_DIR/trajectories/step_000001.jsonl
 RUN_DIR/checkpoint/policies/NAME/ Hugging Face folder per policy (transformers / vllm serve)
@@ -23,7 +24,42 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterable
 
-__all__ = ["RunDir"]
+from pydantic import BaseModel, ValidationError
+
+from mas_trainer.errors import UserError
+from mas_trainer.spec import FROZEN_POLICY, ResolvedSpec, TrainSpec
+
+__all__ = ["RunDir", "AppRecord", "PolicyRecord"]
+
+
+class PolicyRecord(BaseModel):
+    base_model: str
+    trainable: bool
+
+
+class AppRecord(BaseModel):
+    """`app.json`: the policy map a run trained, written by `fit`, read by `export`, `serve`
+    (which routes the unedited app's nodes with it) and anyone auditing the run."""
+
+    nodes: list[str]
+    roles: dict[str, str]  # node -> policy
+    role_names: dict[str, str] = {}  # node -> role, where several nodes are one role
+    frozen: list[str] = []
+    default_policy: str | None = None
+    policies: dict[str, PolicyRecord]  # the frozen policy included
+
+    @classmethod
+    def from_spec(cls, spec: ResolvedSpec) -> "AppRecord":
+        s = spec.spec
+        return cls(nodes=list(spec.nodes), roles=dict(s.roles), role_names=dict(s.role_names), frozen=sorted(s.frozen),
+                   default_policy=s.default_policy,
+                   policies={p: PolicyRecord(base_model=pol.base_model, trainable=pol.trainable) for p, pol in spec.policies.items()})
+
+    def resolved(self) -> ResolvedSpec:
+        """The spec `fit` resolved against the app's graph, rebuilt without the app."""
+        pols = {p: v.base_model for p, v in self.policies.items() if p != FROZEN_POLICY}
+        spec = TrainSpec.build(self.roles, pols, role_names=self.role_names, frozen=self.frozen, default_policy=self.default_policy)
+        return spec.resolve(self.nodes)
 
 
 class RunDir:
@@ -40,18 +76,17 @@ class RunDir:
         self.traj_dir.mkdir(exist_ok=True)
         (self.root / "config.yaml").write_text(config_yaml)
 
-    def write_app(self, spec: Any) -> None:
-        """app.json: the policy map the run trained (for export and serving)."""
-        s = spec.spec
-        doc = {
-            "nodes": list(spec.nodes),
-            "roles": dict(s.roles),
-            "role_names": dict(s.role_names),
-            "frozen": sorted(s.frozen),
-            "default_policy": s.default_policy,
-            "policies": {p: {"base_model": pol.base_model, "trainable": pol.trainable} for p, pol in spec.policies.items()},
-        }
-        (self.root / "app.json").write_text(json.dumps(doc, indent=1))
+    def write_app(self, spec: ResolvedSpec) -> None:
+        (self.root / "app.json").write_text(AppRecord.from_spec(spec).model_dump_json(indent=1))
+
+    def app(self) -> AppRecord:
+        path = self.root / "app.json"
+        if not path.exists():
+            raise UserError(f"{self.root} has no app.json (is it a `mas-trainer fit` run directory?)")
+        try:
+            return AppRecord.model_validate_json(path.read_text())
+        except ValidationError as exc:
+            raise UserError(f"{path}: not a policy map written by `mas-trainer fit` ({exc.errors()[0]['msg']})") from exc
 
     def exists(self) -> bool:
         return self.root.exists() and any(self.root.iterdir())

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
 
 from mas_trainer.apps import load_object
-from mas_trainer.gateway import Gateway, GatewayServer, Ledger, PolicyBackend, Router
+from mas_trainer.config import RuntimeConfig
+from mas_trainer.gateway import Gateway, GatewayServer, Ledger, PolicyBackend, RolloutSampling, Router
+
+# torch_backend and lazy_backend are imported from here by callers that predate runtime.backends
+from mas_trainer.runtime.backends import EngineSettings, lazy_backend, policy_backends, torch_backend
 from mas_trainer.runtime.controller import AppRunner, Controller
 from mas_trainer.spec import FROZEN_POLICY
 from mas_trainer.trace import otel
@@ -22,64 +26,6 @@ from mas_trainer.trace.instrument import instrument_openai
 from mas_trainer.trace.schema import Trajectory
 
 __all__ = ["Session", "torch_backend", "lazy_backend"]
-
-
-def torch_backend(base_model: str, *, seed: int = 0, max_batch_size: int = 8, bf16: bool = False,
-                  batch_wait_ms: float = 5.0, device: str = "cpu") -> PolicyBackend:
-    """The embedded engine for one policy: its own copy of the base model's weights."""
-    from mas_trainer.engines.chat import HFChatFormat
-    from mas_trainer.engines.models import load_model
-    from mas_trainer.engines.torch_engine import TorchEngine
-
-    model, tokenizer = load_model(base_model, seed=seed)
-    model = model.to(device)
-    engine = TorchEngine(model, tokenizer, model_name=base_model, max_batch_size=max_batch_size, bf16_autocast=bf16,
-                         batch_wait_ms=batch_wait_ms)
-    return PolicyBackend(engine, HFChatFormat(tokenizer))
-
-
-class _Lazy:
-    """Builds a backend on first use. The frozen policy serves nodes nobody listed, and most
-    such nodes (tools, routers) never call an LLM: no model is loaded for them unless one does."""
-
-    def __init__(self, factory: Callable[[], PolicyBackend]) -> None:
-        self._factory = factory
-        self._backend: PolicyBackend | None = None
-        self._lock = threading.Lock()
-
-    def get(self) -> PolicyBackend:
-        with self._lock:
-            if self._backend is None:
-                self._backend = self._factory()
-            return self._backend
-
-
-class _LazyEngine:
-    def __init__(self, lazy: _Lazy, name: str) -> None:
-        self._lazy, self.model_name = lazy, name
-
-    async def generate(self, prompt_ids: Any, params: Any, *, turn_id: str | None = None) -> Any:
-        return await self._lazy.get().engine.generate(prompt_ids, params, turn_id=turn_id)
-
-    def close(self) -> None:
-        if self._lazy._backend is not None:
-            self._lazy._backend.engine.close()
-
-
-class _LazyChat:
-    def __init__(self, lazy: _Lazy) -> None:
-        self._lazy = lazy
-
-    def render(self, messages: Any, tools: Any = None) -> list[int]:
-        return self._lazy.get().chat.render(messages, tools)
-
-    def parse(self, text: str, tools: Any = None) -> Any:
-        return self._lazy.get().chat.parse(text, tools)
-
-
-def lazy_backend(name: str, factory: Callable[[], PolicyBackend]) -> PolicyBackend:
-    lazy = _Lazy(factory)
-    return PolicyBackend(_LazyEngine(lazy, name), _LazyChat(lazy))
 
 
 _loop: asyncio.AbstractEventLoop | None = None
@@ -96,6 +42,10 @@ def _rollout_loop() -> asyncio.AbstractEventLoop:
 
 
 class Session:
+    """`engine` configures the engines `load_app` starts (default: `fit`'s defaults) and
+    `seed` builds their base models; `backend_factory` (model -> backend) replaces the
+    embedded engine, e.g. with fake engines in tests."""
+
     def __init__(
         self,
         *,
@@ -106,15 +56,22 @@ class Session:
         timeout_s: float | None = 300.0,
         otel_exporter: str | None = None,
         default_max_tokens: int = 256,
-        backend_factory: Callable[[str], PolicyBackend] = torch_backend,
+        engine: EngineSettings | None = None,
+        seed: int = 0,
+        backend_factory: Callable[[str], PolicyBackend] | None = None,
     ) -> None:
         self.model = model
         self.max_in_flight = max_in_flight
         self.timeout_s = timeout_s
+        self.engine = engine or RuntimeConfig()
+        self.seed = seed
         self.backend_factory = backend_factory
         self.ledger = Ledger()
+        # The sampling of the current batch of rollouts is the session's: it runs them. The
+        # gateway only reads it, on its own thread.
+        self.sampling = RolloutSampling()
         otel.configure(otel_exporter)
-        self.gateway = Gateway(Router(), self.ledger, default_max_tokens=default_max_tokens)
+        self.gateway = Gateway(Router(), self.ledger, default_max_tokens=default_max_tokens, sampling=self.sampling)
         self.server = GatewayServer(self.gateway, host, port)
         self.app: AppRunner | None = None
         self._saved_env: dict[str, str | None] = {}
@@ -142,19 +99,20 @@ class Session:
             else:
                 os.environ[key] = value
 
-    def load_app(self, ref_or_obj: Any, *, start_engines: bool = True, recursion_limit: int = 50) -> AppRunner:
-        """Import the app (after the gateway is up), then start one engine per policy
-        (or leave that to the caller, who attaches backends with `attach`)."""
+    def load_app(self, ref_or_obj: Any, *, start_engines: bool = True, recursion_limit: int = 50,
+                 checkpoints: Mapping[str, str | Path] | None = None) -> AppRunner:
+        """Import the app (after the gateway is up), then start one engine per policy, on
+        the weights in `checkpoints` (policy -> folder) where given (or leave that to the
+        caller, who attaches backends with `attach`)."""
         from mas_trainer.adapters.langgraph import LangGraphApp
 
         obj = load_object(ref_or_obj) if isinstance(ref_or_obj, str) else ref_or_obj
         app = LangGraphApp(obj, base_model=self.model, recursion_limit=recursion_limit)
         if start_engines:
-            for name, policy in app.spec.policies.items():
-                if policy.trainable:
-                    self.attach(name, self.backend_factory(policy.base_model))
-                else:
-                    self.attach(name, lazy_backend(name, lambda m=policy.base_model: self.backend_factory(m)))
+            backends = policy_backends(app.spec.policies, self.engine, seed=self.seed, checkpoints=checkpoints,
+                                       factory=self.backend_factory)
+            for name, backend in backends.items():
+                self.attach(name, backend)
         fallback = app.spec.spec.default_policy or (FROZEN_POLICY if FROZEN_POLICY in app.spec.policies else None)
         self.gateway.router = Router(app.spec, fallback=fallback)
         self.app = app
@@ -162,6 +120,11 @@ class Session:
 
     def attach(self, policy: str, backend: PolicyBackend) -> None:
         self.gateway.add_policy(policy, backend)
+
+    def reseed(self, seed: int | None, *, temperature: float | None = None) -> None:
+        """Seed the requests of the next batch of rollouts (None: unseeded) and override
+        their temperature (None: each request's own)."""
+        self.sampling.reseed(seed, temperature=temperature)
 
     async def rollouts(
         self,

@@ -24,7 +24,7 @@ from mas_trainer.runtime.plan import WorkerPlan
 
 __all__ = ["WorkerHandle", "WorkerEngine", "start_workers", "resolve_device"]
 
-log = logging.getLogger("mas_trainer.runtime.star")
+log = logging.getLogger(__name__)
 
 
 class WorkerHandle:
@@ -189,7 +189,8 @@ def _start_verl(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, VerlGro
     threads = None if not cpu else max(1, (os.cpu_count() or 1) // max(1, sum(p.resources.world_size for p in plans.values())))
     for name, plan in plans.items():
         colocate = max(1, round(1 / plan.resources.gpus_per_proc)) if not cpu else 1
-        cls = RayClassWithInitArgs(cls=ray.remote(PolicyWorker), plan=plan.model_copy(update={"torch_threads": threads}))
+        plan = plan.model_copy(update={"torch_threads": threads, "offload_between_phases": shared is not None})
+        cls = RayClassWithInitArgs(cls=ray.remote(PolicyWorker), plan=plan)
         group = RayWorkerGroup(resource_pool=shared or pool(plan.resources, colocate), ray_cls_with_init=cls,
                                device_name=plan.device, worker_env=env)
         handles[name] = VerlGroupHandle(name, group)

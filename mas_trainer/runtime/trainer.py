@@ -16,7 +16,6 @@ import random
 import statistics
 import time
 from collections import defaultdict
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,16 +25,17 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from mas_trainer.config import ConfigError, FitConfig
 from mas_trainer.gateway import PolicyBackend
-from mas_trainer.rewards import RewardSpec, assign_rewards, is_dropped
+from mas_trainer.rewards import RewardSpec, assign_rewards, check_allocator, is_dropped
 from mas_trainer.runtime.rundir import RunDir
-from mas_trainer.runtime.session import Session, lazy_backend, torch_backend
+from mas_trainer.runtime.backends import policy_backends
+from mas_trainer.runtime.session import Session
 from mas_trainer.runtime.plan import WorkerPlan
 from mas_trainer.runtime.star import WorkerEngine, resolve_device, start_workers
 from mas_trainer.trace.schema import Trajectory
 
 __all__ = ["fit", "summarize"]
 
-log = logging.getLogger("mas_trainer.runtime.trainer")
+log = logging.getLogger(__name__)
 
 
 def _seed(*parts: Any) -> int:
@@ -94,7 +94,7 @@ class _Fit:
     # --- one step ------------------------------------------------------------------------
     async def rollouts(self, session: Session, tasks: list[dict], n: int, ids: list[str], seed: int,
                        temperature: float | None = None) -> list[Trajectory]:
-        session.gateway.reseed(seed, temperature=temperature)
+        session.reseed(seed, temperature=temperature)
         trajs = await session.rollouts(tasks, n=n, ids=ids)
         r = self.cfg.reward
         for t in trajs:
@@ -198,6 +198,7 @@ class _Fit:
         with Session(model=c.model, max_in_flight=c.rollout.max_in_flight, timeout_s=c.rollout.timeout_s,
                      default_max_tokens=c.rollout.max_tokens) as session:
             app = session.load_app(self.app_ref, start_engines=False, recursion_limit=c.rollout.recursion_limit)
+            check_allocator(c.reward.allocator, c.reward.options)  # one the app registers exists only now
             spec = app.spec
             run.write_app(spec)
             self.reward_spec = RewardSpec(spec.spec.reward, spec.spec.role_rewards, spec.spec.turn_rewards)
@@ -214,15 +215,12 @@ class _Fit:
             }
             log.info("learner %s on %s for %s", learner, device, ", ".join(plans) or "no trainable policy")
             self.handles = start_workers(plans, rt.model_copy(update={"learner": learner}))
-            # the frozen engine batches like the worker groups' engines
-            frozen_backend = partial(torch_backend, seed=c.seed, max_batch_size=rt.max_batch_size, bf16=rt.engine_bf16,
-                                     batch_wait_ms=rt.batch_wait_ms, device=device)
             try:
-                for p, pol in spec.policies.items():
-                    if pol.trainable:
-                        session.attach(p, PolicyBackend(WorkerEngine(self.handles[p]), HFChatFormat(load_tokenizer(pol.base_model))))
-                    else:  # frozen: the base model in this process, loaded only if a node calls it
-                        session.attach(p, lazy_backend(p, lambda m=pol.base_model: frozen_backend(m)))
+                # worker groups serve the trainable policies; frozen ones get engines configured like theirs (runtime.*)
+                served = {p: PolicyBackend(WorkerEngine(h), HFChatFormat(load_tokenizer(spec.policies[p].base_model)))
+                          for p, h in self.handles.items()}
+                for p, backend in policy_backends(spec.policies, rt, seed=c.seed, served=served).items():
+                    session.attach(p, backend)
                 columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
                 with Progress(*columns, console=self.console, transient=False) as progress:
                     session.loop.run_until_complete(self.loop(session, state, progress))

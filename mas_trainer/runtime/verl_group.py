@@ -31,11 +31,13 @@ from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 
 from mas_trainer.engines.base import Generation, SamplingParams
+from mas_trainer.engines.models import bf16_is_fast
 from mas_trainer.runtime.plan import WorkerPlan
+from mas_trainer.runtime.worker_group import engine_stats
 
 __all__ = ["PolicyWorker"]
 
-log = logging.getLogger("mas_trainer.runtime.verl_group")
+log = logging.getLogger(__name__)
 
 
 class PolicyWorker(Worker):
@@ -65,11 +67,13 @@ class PolicyWorker(Worker):
         self.learner = LearnerConfig.model_validate(plan.learner)
         self.advantage = AdvantageConfig.model_validate(plan.advantage)
         model_dir = str(materialize(plan.model, seed=plan.seed))
-        bf16 = self.learner.bf16 if isinstance(self.learner.bf16, bool) else True
+        bf16 = self.learner.bf16 if isinstance(self.learner.bf16, bool) else bf16_is_fast(_device(plan.device))
         self.actor_config = build_actor_config(self.learner)
         self.actor = TrainingWorker(training_worker_config(model_dir, self.learner, seed=plan.seed, bf16=bf16))
         self.actor.reset()
         self.actor.set_loss_fn(partial(ppo_loss, config=self.actor_config))
+        if plan.offload_between_phases:  # the rollouts come first
+            self.actor.to("cpu")
         self.ref = None
         if self.learner.kl_coef > 0:  # the frozen reference: the base model, forward only
             self.ref = TrainingWorker(training_worker_config(str(materialize(plan.reference or plan.model, seed=plan.seed)),
@@ -77,11 +81,12 @@ class PolicyWorker(Worker):
             self.ref.reset()
         self.critic = None
         if self.advantage.estimator == "gae":
-            from mas_trainer.learners.critic import CriticConfig
+            from mas_trainer.learners.config import CriticConfig
 
             self.critic = _build_critic(model_dir, plan)
             self.critic_config = CriticConfig.model_validate(plan.critic)
         self.updates = 0
+        self._seen: dict[str, int] = {}
         self.buffer: dict[str, tuple[list[int], list[int], list[float]]] = {}
         self.engine = None
         self.tokenizer = None
@@ -90,9 +95,9 @@ class PolicyWorker(Worker):
             from mas_trainer.engines.torch_engine import TorchEngine
 
             model, self.tokenizer = load_model(model_dir)
-            model = model.to(_device(plan.device))
             self.engine = TorchEngine(model, self.tokenizer, model_name=plan.policy, max_batch_size=plan.max_batch_size,
-                                      bf16_autocast=plan.engine_bf16, batch_wait_ms=plan.batch_wait_ms)
+                                      bf16_autocast=plan.engine_bf16, batch_wait_ms=plan.batch_wait_ms,
+                                      device=_device(plan.device))
         self.pad_id = int(_pad_id(model_dir))
 
     # --- serving (rank 0) ------------------------------------------------------------------
@@ -129,10 +134,18 @@ class PolicyWorker(Worker):
             return {"turns": 0.0} if self.rank == 0 else None
         records = [r for r, _ in pairs]
         turns = [Turn(id=r.turn_id, prompt_ids=p, response_ids=s, old_logprobs=lp, advantages=0.0) for r, (p, s, lp) in pairs]
+        if self.plan.offload_between_phases:  # shared GPUs: the update's turn, then the rollouts'
+            self.actor.to("device")
         metrics = self._update(records, turns)
         self._sync_engine()
+        if self.plan.offload_between_phases:
+            self.actor.to("cpu")
+            torch.cuda.empty_cache()
         metrics.update(turns=float(len(turns)), seconds=time.perf_counter() - t0)
-        return metrics if self.rank == 0 else None
+        if self.engine is None:
+            return None
+        stats, self._seen = engine_stats(self.engine, self._seen)
+        return {**metrics, **stats}
 
     def _slice(self, n: int) -> tuple[int, int, int]:
         """(padded global size, start, stop) of this rank's rows."""
@@ -311,13 +324,13 @@ def _build_critic(model_dir: str, plan: WorkerPlan) -> Any:
     from verl.workers.utils.losses import value_loss
 
     from mas_trainer.learners.config import LearnerConfig
-    from mas_trainer.learners.critic import CriticConfig
+    from mas_trainer.learners.config import CriticConfig
     from mas_trainer.learners.verl_learner import training_worker_config
 
     c = CriticConfig.model_validate(plan.critic)
     opt = LearnerConfig(lr=c.lr, max_grad_norm=c.max_grad_norm, mini_batch_size=c.mini_batch_size,
                         micro_batch_size=c.micro_batch_size)
-    bf16 = c.bf16 if isinstance(c.bf16, bool) else True
+    bf16 = c.bf16 if isinstance(c.bf16, bool) else bf16_is_fast(_device(plan.device))
     worker = TrainingWorker(training_worker_config(model_dir, opt, model_type="value_model", seed=plan.seed, bf16=bf16))
     worker.reset()
     # value_loss reads these three fields of verl's CriticConfig

@@ -10,6 +10,7 @@ own thread between batches, so the next request already uses the new weights.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
@@ -17,7 +18,20 @@ from typing import Any, Sequence
 from mas_trainer.engines.base import Generation, SamplingParams
 from mas_trainer.runtime.plan import WorkerPlan
 
-__all__ = ["WorkerGroup", "BufferedTurn"]
+__all__ = ["WorkerGroup", "BufferedTurn", "engine_stats"]
+
+log = logging.getLogger(__name__)
+
+
+def engine_stats(engine: Any, seen: dict[str, int]) -> tuple[dict[str, float], dict[str, int]]:
+    """Decode steps, prefills and mean batch rows of `engine` since the counts in `seen`
+    (start with an empty dict); returns the metrics and the counts to pass next time."""
+    st = engine.stats
+    rows = sum(size * n for size, n in st["batch_sizes"].items())
+    now = {"decode_steps": st["decode_steps"], "prefills": st["prefills"], "rows": rows}
+    d = {k: now[k] - seen.get(k, 0) for k in now}
+    return ({"engine/decode_steps": float(d["decode_steps"]), "engine/prefills": float(d["prefills"]),
+             "engine/mean_batch": d["rows"] / d["decode_steps"] if d["decode_steps"] else 0.0}, now)
 
 
 @dataclass
@@ -44,11 +58,10 @@ class WorkerGroup:
             torch.set_num_threads(plan.torch_threads)
         self.policy = plan.policy
         model, self.tokenizer = load_model(plan.model, seed=plan.seed)
-        model = model.to(plan.device)
         self.engine = TorchEngine(model, self.tokenizer, model_name=plan.policy, max_batch_size=plan.max_batch_size,
-                                  bf16_autocast=plan.engine_bf16, batch_wait_ms=plan.batch_wait_ms)
+                                  bf16_autocast=plan.engine_bf16, batch_wait_ms=plan.batch_wait_ms, device=plan.device)
         self.buffer: dict[str, BufferedTurn] = {}
-        self._seen = {"decode_steps": 0, "prefills": 0, "rows": 0}
+        self._seen: dict[str, int] = {}
         learner = LearnerConfig.model_validate(plan.learner)
         reference = None
         if learner.kl_coef > 0 and plan.reference is not None:  # resumed: the reference stays the base model
@@ -81,7 +94,11 @@ class WorkerGroup:
         from mas_trainer.algo.advantages import compute_policy_advantages
         from mas_trainer.learners.batch import Turn
 
-        records = [r for r in records if r.turn_id in self.buffer]
+        kept = [r for r in records if r.turn_id in self.buffer]
+        if len(kept) < len(records):
+            log.warning("policy %s: %d of %d records name turns this worker group never generated; skipped",
+                        self.policy, len(records) - len(kept), len(records))
+        records = kept
         if not records:
             self.buffer.clear()
             return {"turns": 0.0}
@@ -106,14 +123,8 @@ class WorkerGroup:
         return {**metrics, **self._engine_stats()}
 
     def _engine_stats(self) -> dict[str, float]:
-        """Decode steps, prefills and mean batch rows since the last update."""
-        st = self.engine.stats
-        rows = sum(size * n for size, n in st["batch_sizes"].items())
-        now = {"decode_steps": st["decode_steps"], "prefills": st["prefills"], "rows": rows}
-        d = {k: now[k] - self._seen[k] for k in now}
-        self._seen = now
-        return {"engine/decode_steps": float(d["decode_steps"]), "engine/prefills": float(d["prefills"]),
-                "engine/mean_batch": d["rows"] / d["decode_steps"] if d["decode_steps"] else 0.0}
+        metrics, self._seen = engine_stats(self.engine, self._seen)
+        return metrics
 
     # --- checkpoints -----------------------------------------------------------------------
     async def save(self, folder: str, learner_dir: str) -> None:

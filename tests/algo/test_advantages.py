@@ -6,7 +6,9 @@ import torch
 from verl.trainer.config import AlgoConfig
 from verl.trainer.ppo import core_algos
 
-from mas_trainer.algo import AdvantageConfig, TurnRecord, compute_advantages, compute_policy_advantages, turn_records
+from pydantic import ValidationError
+
+from mas_trainer.algo import AdvantageConfig, TurnRecord, compute_policy_advantages, turn_records
 from mas_trainer.errors import UserError
 from mas_trainer.rewards import RewardSpec, assign_rewards
 from mas_trainer.trace.schema import LLMCall, Trajectory
@@ -128,24 +130,23 @@ def test_rollout_norm_weights_each_rollout_equally():
     assert all(v == pytest.approx(14 / 6) for v in per_rollout.values())
 
 
-def test_estimator_is_chosen_per_policy():
-    recs = records("planner_model")[:7] + records("coder_model")[7:]
-    out = compute_advantages(recs, {"planner_model": AdvantageConfig(estimator="grpo"),
-                                    "coder_model": AdvantageConfig(estimator="reinforce_plus_plus")})
-    assert out["planner_model"].estimator == "grpo" and out["coder_model"].estimator == "reinforce_plus_plus"
-    assert out["planner_model"].turn_ids == [r[0] for r in ROWS[:7]]
+def test_a_policy_is_padded_to_its_own_longest_turn():
+    batch = compute_policy_advantages(records("planner_model")[:7], AdvantageConfig(estimator="grpo"))
+    assert batch.policy == "planner_model" and batch.turn_ids == [r[0] for r in ROWS[:7]]
     rewards, mask, index = by_hand(ROWS[:7])
     adv, _ = core_algos.compute_grpo_outcome_advantage(rewards, mask, index)
-    torch.testing.assert_close(out["planner_model"].advantages, adv[:, :5])  # its own padding: longest is 5
-    with pytest.raises(UserError, match="no advantage config for policy 'coder_model'"):
-        compute_advantages(recs, {"planner_model": AdvantageConfig()})
+    torch.testing.assert_close(batch.advantages, adv[:, :5])  # longest of these turns is 5
 
 
-def test_bad_estimator_and_inputs():
-    with pytest.raises(UserError, match="'remax' is not usable here; choose one of .*grpo"):
-        compute_policy_advantages(records(), AdvantageConfig(estimator="remax"))
-    with pytest.raises(UserError, match="'nope'"):
-        compute_policy_advantages(records(), AdvantageConfig(estimator="nope"))
+def test_estimator_is_checked_when_the_config_is_built():
+    with pytest.raises(ValidationError, match="'remax' is not usable here; choose one of .*grpo"):
+        AdvantageConfig(estimator="remax")
+    with pytest.raises(ValidationError, match="'nope'"):
+        AdvantageConfig(estimator="nope")
+    assert AdvantageConfig(estimator="rloo_vectorized").estimator == "rloo_vectorized"  # any other verl estimator
+
+
+def test_bad_inputs():
     with pytest.raises(ValueError, match="several policies"):
         compute_policy_advantages(records("a")[:2] + records("b")[2:])
     with pytest.raises(ValueError, match="response_length 0"):

@@ -1,14 +1,17 @@
 """The gateway speaks enough OpenAI for the official clients, and survives bad requests."""
 
 import json
+import logging
 
 import httpx
 import openai
 import pytest
 
+from mas_trainer.engines.base import SamplingParams
 from mas_trainer.engines.fake import FakeChatFormat, FakeEngine
-from mas_trainer.gateway import Gateway, GatewayServer, Ledger, PolicyBackend, Router
+from mas_trainer.gateway import Gateway, GatewayServer, Ledger, PolicyBackend, RolloutSampling, Router
 from mas_trainer.spec import TrainSpec
+from mas_trainer.trace.schema import LLMCall
 
 
 class Recording(FakeEngine):
@@ -28,7 +31,7 @@ def served():
     spec = TrainSpec.build({"planner": "p", "coder": "q"}).resolve(["planner", "coder"])
     engines = {"p": Recording("from p"), "q": Recording('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')}
     ledger = Ledger()
-    gw = Gateway(Router(spec, model_routes={"gpt-4o-mini": "p"}), ledger, api_key=None)
+    gw = Gateway(Router(spec, model_routes={"gpt-4o-mini": "p"}), ledger, api_key=None, sampling=RolloutSampling())
     for name, eng in engines.items():
         gw.add_policy(name, PolicyBackend(eng, FakeChatFormat()))
     with GatewayServer(gw) as server:
@@ -118,7 +121,7 @@ def test_validation_temperature_overrides_rollout_requests_only(served):
     gw = server.gateway
     rollout = {"baggage": "mas.rollout=r2,mas.node=planner,mas.role=planner"}
     body = {"model": "p", "messages": [{"role": "user", "content": "x"}], "temperature": 0.7}
-    gw.reseed(5, temperature=0.0)
+    gw.sampling.reseed(5, temperature=0.0)  # as the session that owns it does between batches
     try:
         assert httpx.post(f"{server.base_url}/chat/completions", headers=rollout, json=body).status_code == 200
         assert engines["p"].params[-1].temperature == 0.0
@@ -126,9 +129,55 @@ def test_validation_temperature_overrides_rollout_requests_only(served):
         assert httpx.post(f"{server.base_url}/chat/completions", json=body).status_code == 200
         assert engines["p"].params[-1].temperature == 0.7
     finally:
-        gw.reseed(None)
+        gw.sampling.reseed(None)
     assert httpx.post(f"{server.base_url}/chat/completions", headers=rollout, json=body).status_code == 200
     assert engines["p"].params[-1].temperature == 0.7
+
+
+def test_request_seeds_follow_step_rollout_node_and_call_count():
+    sampling = RolloutSampling()
+    plain = SamplingParams()
+    assert sampling.apply(plain, "r1", "planner") == plain  # not reseeded: requests keep their own
+    sampling.reseed(7)
+    first = [sampling.apply(plain, "r1", "planner").seed for _ in range(2)]
+    other = sampling.apply(plain, "r1", "coder").seed
+    assert first[0] != first[1] and other not in first  # k-th call of a node, per node
+    assert sampling.apply(plain, None, "planner") == plain  # outside any rollout
+    assert sampling.apply(SamplingParams(seed=3), "r1", "planner").seed == 3  # the request's own seed wins
+    sampling.reseed(7)  # the step re-run (resume): the same seeds again
+    assert [sampling.apply(plain, "r1", "planner").seed for _ in range(2)] == first
+    sampling.reseed(8)
+    assert sampling.apply(plain, "r1", "planner").seed != first[0]
+
+
+def test_the_session_owns_the_sampling_its_gateway_reads(fake_session):
+    assert fake_session.gateway.sampling is fake_session.sampling
+    fake_session.reseed(3, temperature=0.0)
+    assert fake_session.gateway.sampling.apply(SamplingParams(temperature=0.9), "r", "n").temperature == 0.0
+
+
+def test_refusals_fallbacks_and_drops_are_logged(caplog):
+    caplog.set_level(logging.INFO, logger="mas_trainer.gateway")
+    spec = TrainSpec.build({"planner": "p"}).resolve(["planner"])
+    gw = Gateway(Router(spec, fallback="p"), api_key="k")
+    gw.add_policy("p", PolicyBackend(FakeEngine(latency_s=0.0, reply="ok"), FakeChatFormat()))
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "x"}]}
+    with GatewayServer(gw) as server:
+        assert httpx.post(f"{server.base_url}/chat/completions", json=body).status_code == 401
+        for _ in range(2):
+            r = httpx.post(f"{server.base_url}/chat/completions", json=body, headers={"authorization": "Bearer k"})
+            assert r.status_code == 200
+    by_logger = [(r.name, r.levelname, r.getMessage()) for r in caplog.records]
+    assert ("mas_trainer.gateway.server", "INFO", "refused a request (401): invalid or missing API key") in by_logger
+    fallbacks = [m for name, level, m in by_logger if name == "mas_trainer.gateway.router" and level == "WARNING"]
+    assert len(fallbacks) == 1 and "'gpt-4o-mini'" in fallbacks[0] and "fallback policy 'p'" in fallbacks[0]  # once per model
+
+    ledger = Ledger()
+    ledger.take("r1")
+    ledger.file("r1", LLMCall(id="late", node_id=None, node="planner", role="planner", policy="p", messages=[], output_text="",
+                              prompt_ids=[1], response_ids=[2], response_logprobs=[0.0], finish_reason="stop"))
+    assert ledger.take("r1") == []
+    assert any(r.name == "mas_trainer.gateway.ledger" and "late of rollout r1" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize(

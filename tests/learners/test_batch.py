@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from mas_trainer.learners.batch import Turn, pack_turns  # noqa: E402
+from mas_trainer.learners.batch import Turn, micro_batches, pack_turns  # noqa: E402
 
 
 def make_turns():
@@ -87,3 +87,20 @@ def test_turn_validation(kwargs, message):
 def test_empty_batch_refused():
     with pytest.raises(ValueError):
         pack_turns([])
+
+
+def _turns_of_lengths(lengths):
+    return [Turn(f"t{i}", [1] * (n - 1), [2], [0.0], 0.0) for i, n in enumerate(lengths)]
+
+
+def test_micro_batches_longest_first_within_row_and_token_caps():
+    turns = _turns_of_lengths([4, 9, 2, 7, 7, 3, 12, 5])
+    micros = micro_batches(turns, max_rows=3, max_tokens=23)
+    assert sorted(t.id for m in micros for t in m) == sorted(t.id for t in turns)
+    assert [t.length for m in micros for t in m] == [12, 9, 7, 7, 5, 4, 3, 2]
+    assert [[t.length for t in m] for m in micros] == [[12], [9, 7], [7, 5, 4], [3, 2]]
+    # rows only: plain chunks of the longest-first order
+    assert [[t.length for t in m] for m in micro_batches(turns, max_rows=3)] == [[12, 9, 7], [7, 5, 4], [3, 2]]
+    # a turn longer than the token cap still gets a micro-batch of its own
+    assert [[t.length for t in m] for m in micro_batches(turns, max_rows=8, max_tokens=5)] == [[12], [9], [7], [7], [5], [4], [3], [2]]
+

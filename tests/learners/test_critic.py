@@ -88,6 +88,23 @@ def test_value_of_token_t_is_read_at_position_t_minus_1(tiny):
             torch.testing.assert_close(torch.tensor(values[t.id]), expected, rtol=1e-4, atol=1e-5)
 
 
+def test_micro_batch_tokens_caps_the_critic_like_the_learner(tiny):
+    """The critic splits as the learner does (learners.batch.micro_batches): its own token cap
+    bounds every micro-batch, and values do not depend on the split."""
+    turns = random_turns(6)
+    capped = TorchCritic(tiny, CriticConfig(micro_batch_size=4, micro_batch_tokens=40, **FP32))
+    micros = capped._micro_batches(turns)
+    assert len(micros) > len(TorchCritic(tiny, CriticConfig(micro_batch_size=4, **FP32))._micro_batches(turns))
+    for m in micros:
+        assert len(m) == 1 or len(m) * max(t.length for t in m) <= 40
+    whole = TorchCritic(tiny, CriticConfig(micro_batch_size=6, **FP32))
+    randomise_head(capped)
+    randomise_head(whole)
+    got, want = capped.values(turns), whole.values(turns)
+    for t in turns:
+        torch.testing.assert_close(torch.tensor(got[t.id]), torch.tensor(want[t.id]), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 @pytest.mark.parametrize("micro", [6, 2])
 def test_loss_equals_verl_compute_value_loss(tiny, mode, micro):

@@ -77,7 +77,7 @@ def test_log_probs_equal_a_plain_full_forward(tiny):
 
 def test_engine_logprobs_are_the_old_logprobs_and_updates_reach_the_engine(tiny):
     """The engine's sampled log-probs are exactly what the learner computes (fp32), so the
-    first PPO pass has ratio 1; after `update_on` the engine samples from the new weights."""
+    first PPO pass has ratio 1; after an update on the engine's thread it samples from the new weights."""
     model, tok = tiny
     with TorchEngine(model, tok, model_name="tiny", max_batch_size=4) as engine:
         learner = TorchLearner(engine.model, LearnerConfig(lr=1e-2, shuffle=False, **FP32))
@@ -86,7 +86,7 @@ def test_engine_logprobs_are_the_old_logprobs_and_updates_reach_the_engine(tiny)
         turns = [Turn(f"g{i}", p, g.token_ids, g.logprobs, 1.0) for i, (p, g) in enumerate(zip(prompts, gens))]
         for turn, lp in zip(turns, learner.log_probs(turns)):
             torch.testing.assert_close(lp, torch.tensor(turn.old_logprobs), atol=1e-4, rtol=1e-4)
-        metrics = learner.update_on(engine, turns).result()
+        metrics = engine.run_exclusive(lambda _model: learner.update(turns)).result()
         assert abs(metrics["ppo_kl"]) < 1e-4 and metrics["pg_clipfrac"] == 0
         again = engine.generate_sync(prompts[0], SamplingParams(max_tokens=6, seed=9, ignore_eos=True))[0]
         turn = Turn("new", prompts[0], again.token_ids, again.logprobs, 0.0)

@@ -13,6 +13,7 @@ from mas_trainer.rewards import (
     RewardSpec,
     allocator_names,
     assign_rewards,
+    check_allocator,
     get_allocator,
     is_dropped,
     register_allocator,
@@ -123,6 +124,22 @@ def test_user_allocator_by_name_and_as_callable():
         register_allocator("broadcast")(halves)
     with pytest.raises(UserError, match="gave no reward to llm call c1"):
         assign_rewards(traj(["planner", "coder"]), spec(), allocator=lambda t, v, w: {"c0": 1.0})
+
+
+def test_check_allocator_names_valid_names_and_options():
+    check_allocator("turn_delta", {"initial": 0.5, "per_role": True})
+    with pytest.raises(UserError, match="unknown reward allocator 'turn_detla'; known: broadcast, .*turn_delta"):
+        check_allocator("turn_detla")
+    with pytest.raises(UserError, match="'turn_delta' has no option 'intial'; valid: initial, per_role"):
+        check_allocator("turn_delta", {"intial": 0.5})
+    with pytest.raises(UserError, match="'broadcast' has no option 'initial'; valid: none"):
+        check_allocator("broadcast", {"initial": 0.5})
+
+    @register_allocator("test_any_options")
+    def anything(trajectory, values, weights, **options):
+        return {}
+
+    check_allocator("test_any_options", {"whatever": 1})  # **options: the allocator checks them itself
 
 
 def test_unknown_weight_is_an_error():

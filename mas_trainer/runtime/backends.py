@@ -1,0 +1,150 @@
+"""Which engine answers each policy's calls, built one way for every verb.
+
+`fit` (its frozen policies, next to the worker groups' engines), `eval`, `serve` and `trace`
+all wire policies to engines with `policy_backends`, configured by the `runtime` section of a
+config (`engine_bf16`, `max_batch_size`, `batch_wait_ms`, `device`): a held-out score that
+`fit` reports is the score `eval --run` measures on the same checkpoint, and what `serve`
+answers with. bf16 autocast and the batch a row shares change the sampled tokens, so two
+verbs with differently configured engines would not agree.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Mapping, Protocol
+
+from mas_trainer.config import ConfigError, FitConfig, load_config
+from mas_trainer.gateway import PolicyBackend
+from mas_trainer.runtime.rundir import RunDir
+from mas_trainer.runtime.star import resolve_device
+from mas_trainer.spec import PolicySpec
+
+__all__ = ["EngineSettings", "policy_backends", "torch_backend", "lazy_backend", "run_config", "trained_policies"]
+
+log = logging.getLogger(__name__)
+
+
+class EngineSettings(Protocol):
+    """The engine part of `RuntimeConfig`."""
+
+    max_batch_size: int
+    batch_wait_ms: float
+    engine_bf16: bool | str  # True | False | "auto"
+    device: str  # auto | cpu | cuda
+
+
+def torch_backend(model: str, *, seed: int = 0, max_batch_size: int = 8, bf16: bool | str = False,
+                  batch_wait_ms: float = 5.0, device: str = "cpu") -> PolicyBackend:
+    """The embedded engine on `model` (tiny | default | folder): its own copy of the weights."""
+    from mas_trainer.engines.chat import HFChatFormat
+    from mas_trainer.engines.models import load_model
+    from mas_trainer.engines.torch_engine import TorchEngine
+
+    weights, tokenizer = load_model(model, seed=seed)
+    # the engine places the weights itself: a model moved beforehand would be moved back to its default, the CPU
+    engine = TorchEngine(weights, tokenizer, model_name=model, max_batch_size=max_batch_size, bf16_autocast=bf16,
+                         batch_wait_ms=batch_wait_ms, device=device)
+    return PolicyBackend(engine, HFChatFormat(tokenizer))
+
+
+class _Lazy:
+    """Builds a backend on first use. The frozen policy serves nodes nobody listed, and most
+    such nodes (tools, routers) never call an LLM: no model is loaded for them unless one does."""
+
+    def __init__(self, factory: Callable[[], PolicyBackend]) -> None:
+        self._factory = factory
+        self._backend: PolicyBackend | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> PolicyBackend:
+        with self._lock:
+            if self._backend is None:
+                self._backend = self._factory()
+            return self._backend
+
+
+class _LazyEngine:
+    def __init__(self, lazy: _Lazy, name: str) -> None:
+        self._lazy, self.model_name = lazy, name
+
+    async def generate(self, prompt_ids: Any, params: Any, *, turn_id: str | None = None) -> Any:
+        return await self._lazy.get().engine.generate(prompt_ids, params, turn_id=turn_id)
+
+    def close(self) -> None:
+        if self._lazy._backend is not None:
+            self._lazy._backend.engine.close()
+
+
+class _LazyChat:
+    def __init__(self, lazy: _Lazy) -> None:
+        self._lazy = lazy
+
+    def render(self, messages: Any, tools: Any = None) -> list[int]:
+        return self._lazy.get().chat.render(messages, tools)
+
+    def parse(self, text: str, tools: Any = None) -> Any:
+        return self._lazy.get().chat.parse(text, tools)
+
+
+def lazy_backend(name: str, factory: Callable[[], PolicyBackend]) -> PolicyBackend:
+    lazy = _Lazy(factory)
+    return PolicyBackend(_LazyEngine(lazy, name), _LazyChat(lazy))
+
+
+def policy_backends(
+    policies: Mapping[str, PolicySpec],
+    engine: EngineSettings,
+    *,
+    seed: int = 0,
+    checkpoints: Mapping[str, str | Path] | None = None,
+    served: Mapping[str, PolicyBackend] | None = None,
+    factory: Callable[[str], PolicyBackend] | None = None,
+) -> dict[str, PolicyBackend]:
+    """One backend per policy of an app's spec (`spec.policies`).
+
+    A policy in `served` keeps the backend given there (fit: its worker group's engine).
+    Any other gets the embedded engine, configured by `engine`, on its weights: the folder in
+    `checkpoints` (trained), else its base model built with `seed` (which only `tiny` reads).
+    Trainable policies start now; frozen ones on their first call. `factory` (model -> backend)
+    replaces the embedded engine, e.g. with fake engines in tests.
+    """
+
+    def build(name: str, model: str) -> PolicyBackend:
+        if factory is not None:
+            return factory(model)
+        device = resolve_device(engine.device)
+        log.info("policy %s: engine on %s (%s, bf16 %s, %d rows a batch)", name, model, device, engine.engine_bf16,
+                 engine.max_batch_size)
+        return torch_backend(model, seed=seed, max_batch_size=engine.max_batch_size, bf16=engine.engine_bf16,
+                             batch_wait_ms=engine.batch_wait_ms, device=device)
+
+    served, checkpoints = served or {}, checkpoints or {}
+    out: dict[str, PolicyBackend] = {}
+    for name, policy in policies.items():
+        model = str(checkpoints.get(name, policy.base_model))
+        if name in served:
+            out[name] = served[name]
+        elif policy.trainable:
+            out[name] = build(name, model)
+        else:
+            out[name] = lazy_backend(name, partial(build, name, model))
+    return out
+
+
+def run_config(run_dir: str | Path) -> FitConfig:
+    """The config a `fit` run trained with (its `config.yaml`)."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.exists():
+        raise ConfigError(f"{run_dir} has no config.yaml (is it a `mas-trainer fit` run directory?)")
+    return load_config(path)
+
+
+def trained_policies(run_dir: str | Path) -> dict[str, Path]:
+    """policy -> the Hugging Face folder of its weights in the run's last checkpoint."""
+    run = RunDir(run_dir)
+    if run.load_state() is None:
+        raise ConfigError(f"{run_dir} has no checkpoint; train it with `mas-trainer fit --output {run_dir}` first")
+    return {p.name: p for p in sorted((run.checkpoint / "policies").iterdir()) if p.is_dir()}

@@ -1,0 +1,58 @@
+"""`load_config` checks every name a later stage looks up, and stays light to import."""
+
+import subprocess
+import sys
+
+import pytest
+
+from mas_trainer.config import ConfigError, load_config
+
+
+def test_import_does_not_load_torch_and_common_estimators_do_not_load_verl():
+    code = ("import sys, mas_trainer.config as c; assert 'torch' not in sys.modules, 'torch'; "
+            "c.load_config(overrides=['advantage.estimator=rloo', 'policies.a.advantage.estimator=gae']); "
+            "assert 'verl' not in sys.modules, 'verl'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["advantage.estimator=grpp"], "config key 'advantage.estimator': advantage estimator 'grpp' is not usable here; choose one of .*grpo"),
+        (["policies.coder.advantage.estimator=remax"], "policies.coder.advantage: .*'remax' is not usable here; choose one of .*rloo"),
+        (["reward.weights.trajectroy=0"], "unknown config key 'reward.weights.trajectroy'; valid keys here: trajectory, role, turn"),
+        (["reward.options.initial=1"], "allocator 'broadcast' has no option 'initial'; valid: none"),
+        (["reward.allocator=turn_delta", "reward.options.per_rol=true"], "'turn_delta' has no option 'per_rol'; valid: initial, per_role"),
+        (["reward.on_failure=skip"], "reward.on_failure"),
+    ],
+)
+def test_names_are_checked_when_the_config_loads(overrides, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config(overrides=overrides)
+    assert "\n" not in str(err.value)
+
+
+def test_valid_names_load():
+    cfg = load_config(overrides=["reward.allocator=turn_delta", "reward.options.initial=0.5", "reward.weights.trajectory=0",
+                                 "policies.coder.advantage.estimator=rloo_vectorized"])
+    assert cfg.reward.weights.trajectory == 0 and cfg.reward.weights.turn == 1
+    assert cfg.advantage_for("coder").estimator == "rloo_vectorized"
+
+
+def test_an_allocator_the_app_registers_is_checked_once_it_exists():
+    from mas_trainer.errors import UserError
+    from mas_trainer.rewards import check_allocator
+
+    cfg = load_config(overrides=["reward.allocator=registered_by_the_app"])  # not known before the app is imported
+    with pytest.raises(UserError, match="unknown reward allocator 'registered_by_the_app'; known: broadcast"):
+        check_allocator(cfg.reward.allocator, cfg.reward.options)
+
+
+def test_config_models_are_importable_from_their_old_places():
+    from mas_trainer.algo.advantages import AdvantageConfig
+    from mas_trainer.algo.config import AdvantageConfig as light_advantage
+    from mas_trainer.learners.config import CriticConfig as light_critic
+    from mas_trainer.learners.critic import CriticConfig
+
+    assert AdvantageConfig is light_advantage and CriticConfig is light_critic
