@@ -78,8 +78,8 @@ def time_verl(model_spec: str, world: int, turns: list, records: list, reps: int
                                                               "shuffle": False},
                       advantage={}, critic={}, resources=Resources(procs_per_node=world),
                       torch_threads=max(1, (os.cpu_count() or 1) // world))
-    group = RayWorkerGroup(resource_pool=RayResourcePool(process_on_nodes=[world], use_gpu=False, max_colocate_count=1),
-                           ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(PolicyWorker), plan=plan),
+    pool = RayResourcePool(process_on_nodes=[world], use_gpu=False, max_colocate_count=1)
+    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(PolicyWorker), plan=plan),
                            device_name="cpu", worker_env=worker_env())
     rank0 = group.workers[0]
     payload = {t.id: (list(t.prompt_ids), list(t.response_ids), list(t.old_logprobs)) for t in turns}
@@ -99,6 +99,8 @@ def time_verl(model_spec: str, world: int, turns: list, records: list, reps: int
     ray.get(group.close())
     for w in group.workers:
         ray.kill(w)
+    for pg in pool.pgs:  # the next world size needs these CPUs
+        ray.util.remove_placement_group(pg)
     return whole, inner
 
 

@@ -61,9 +61,10 @@ class VerlGroupHandle:
 
     _RANK0 = ("generate", "discard")
 
-    def __init__(self, policy: str, group: Any) -> None:
+    def __init__(self, policy: str, group: Any, pool: Any = None) -> None:
         self.policy = policy
         self.group = group
+        self.pool = pool  # its placement groups are released on close (none when shared)
 
     async def call(self, method: str, *args: Any) -> Any:
         if method in self._RANK0:
@@ -80,6 +81,8 @@ class VerlGroupHandle:
         finally:
             for w in self.group.workers:
                 ray.kill(w)
+            for pg in (self.pool.pgs or []) if self.pool is not None else []:
+                ray.util.remove_placement_group(pg)
 
 
 class WorkerEngine:
@@ -189,10 +192,10 @@ def _start_verl(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, VerlGro
     threads = None if not cpu else max(1, (os.cpu_count() or 1) // max(1, sum(p.resources.world_size for p in plans.values())))
     for name, plan in plans.items():
         colocate = max(1, round(1 / plan.resources.gpus_per_proc)) if not cpu else 1
+        own = None if shared else pool(plan.resources, colocate)
         plan = plan.model_copy(update={"torch_threads": threads, "offload_between_phases": shared is not None})
         cls = RayClassWithInitArgs(cls=ray.remote(PolicyWorker), plan=plan)
-        group = RayWorkerGroup(resource_pool=shared or pool(plan.resources, colocate), ray_cls_with_init=cls,
-                               device_name=plan.device, worker_env=env)
-        handles[name] = VerlGroupHandle(name, group)
+        group = RayWorkerGroup(resource_pool=shared or own, ray_cls_with_init=cls, device_name=plan.device, worker_env=env)
+        handles[name] = VerlGroupHandle(name, group, own)
         log.info("policy %s: verl worker group of %d rank(s) on %s", name, plan.resources.world_size, plan.device)
     return handles
