@@ -34,7 +34,8 @@ case "${1:-}" in
     }
     export -f fetch; export WORK
     xargs -P 4 -I{} bash -c 'fetch "$@" || echo "no wheel for $@"' _ {} < "$WORK/requirements.txt"
-    .venv/bin/python -c "from mas_trainer.engines.models import tokenizer_dir; import shutil; shutil.copytree(tokenizer_dir(), '$WORK/tokenizer', dirs_exist_ok=True)"
+    # the tokenizer alone (tokenizer_dir() may be the whole converted model's folder)
+    .venv/bin/python -c "from transformers import AutoTokenizer; from mas_trainer.engines.models import tokenizer_dir; AutoTokenizer.from_pretrained(tokenizer_dir()).save_pretrained('$WORK/tokenizer')"
     tar -C "$WORK" -cf "$WORK/all.tar" wheels tokenizer
     split -b 56m -d -a 2 "$WORK/all.tar" "$WORK/part-" && rm "$WORK/all.tar"
     for p in "$WORK"/part-*; do mv "$p" "$p.tar"; done

@@ -109,8 +109,10 @@ class PolicyWorker(Worker):
         return gens
 
     async def discard(self) -> int:
+        """Forget buffered turns (held-out rollouts); engine figures restart from here too."""
         n = len(self.buffer)
         self.buffer.clear()
+        _, self._seen = engine_stats(self.engine, self._seen)
         return n
 
     # --- training (every rank) -------------------------------------------------------------

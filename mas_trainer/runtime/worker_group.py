@@ -83,9 +83,11 @@ class WorkerGroup:
         return gens
 
     def discard(self) -> int:
-        """Forget buffered turns (held-out rollouts, or turns nobody trained on)."""
+        """Forget buffered turns (held-out rollouts, or turns nobody trained on); the engine
+        figures of the next update count from here, so a resumed run reports the same ones."""
         n = len(self.buffer)
         self.buffer.clear()
+        _, self._seen = engine_stats(self.engine, self._seen)
         return n
 
     # --- training --------------------------------------------------------------------------

@@ -45,8 +45,9 @@ def test_fit_held_out_score_is_what_eval_measures_on_the_checkpoint(tmp_path, mo
     depend on the precision; their log-probs do, to the last bit: an fp32 engine fails this."""
     run = tmp_path / "run"
     cfg = load_config(overrides=["runtime.backend=local", "steps=1", "rollout.tasks_per_step=2", "rollout.n=2",
-                                 "rollout.max_tokens=12", "rollout.val_temperature=0", "runtime.max_batch_size=1", "seed=5"])
-    assert cfg.runtime.engine_bf16
+                                 "rollout.max_tokens=12", "rollout.val_temperature=0", "runtime.max_batch_size=1", "seed=5",
+                                 # bf16 whatever the CPU (auto is off where bf16 is emulated): eval must follow the run
+                                 "runtime.engine_bf16=true"])
     rows = fit(APP, TASKS[:4], cfg, run, val_tasks=TASKS[4:])
     held_out = [r for r in rows if r["kind"] == "val"][-1]
     assert held_out["step"] == 1
