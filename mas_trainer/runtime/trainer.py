@@ -87,8 +87,8 @@ def summarize(trajs: list[Trajectory]) -> dict[str, Any]:
 
 
 class _Fit:
-    def __init__(self, app_ref: Any, tasks: list[dict], cfg: FitConfig, run: RunDir, val_tasks: list[dict], console: Console) -> None:
-        self.app_ref, self.tasks, self.cfg, self.run, self.val_tasks, self.console = app_ref, tasks, cfg, run, val_tasks, console
+    def __init__(self, app_ref: Any, tasks: list[dict], cfg: FitConfig, rundir: RunDir, val_tasks: list[dict], console: Console) -> None:
+        self.app_ref, self.tasks, self.cfg, self.rundir, self.val_tasks, self.console = app_ref, tasks, cfg, rundir, val_tasks, console
         self.rows: list[dict[str, Any]] = []
 
     # --- one step ------------------------------------------------------------------------
@@ -126,10 +126,10 @@ class _Fit:
         row["time/update_s"] = t2 - t1
         row["perf/rollouts_per_s"] = len(trajs) / max(t1 - t0, 1e-9)
         row["perf/tokens_per_s"] = row["tokens/response"] / max(t1 - t0, 1e-9)
-        self.run.write_trajectories(step, (t.to_json() for t in trajs))
+        self.rundir.write_trajectories(step, (t.to_json() for t in trajs))
         return row, position + len(idx)
 
-    async def evaluate(self, session: Session, step: int) -> dict[str, Any] | None:
+    async def held_out(self, session: Session, step: int) -> dict[str, Any] | None:
         if not self.val_tasks:
             return None
         n = self.cfg.val_n
@@ -139,34 +139,34 @@ class _Fit:
         trajs = await self.rollouts(session, self.val_tasks, n, ids, _seed(self.cfg.seed, "val"),
                                     temperature=self.cfg.rollout.val_temperature)
         await asyncio.gather(*(h.call("discard") for h in self.handles.values()))
-        self.run.write_trajectories(step, (t.to_json() for t in trajs), name=f"step_{step:06d}_val")
+        self.rundir.write_trajectories(step, (t.to_json() for t in trajs), name=f"step_{step:06d}_val")
         return {"kind": "val", "step": step, **summarize(trajs), "time/eval_s": time.perf_counter() - t0}
 
     async def checkpoint(self, step: int, position: int) -> None:
-        staging = self.run.staging()
+        staging = self.rundir.staging()
         await asyncio.gather(*(
-            self.handles[p].call("save", str(self.run.policy_dir(p, staging)), str(self.run.learner_dir(p, staging)))
+            self.handles[p].call("save", str(self.rundir.policy_dir(p, staging)), str(self.rundir.learner_dir(p, staging)))
             for p in self.handles
         ))
-        self.run.commit({"step": step, "position": position, "seed": self.cfg.seed, "policies": sorted(self.handles)})
+        self.rundir.commit({"step": step, "position": position, "seed": self.cfg.seed, "policies": sorted(self.handles)})
 
     def record(self, row: dict[str, Any] | None) -> None:
         if row is None:
             return
-        self.run.append_metrics(row)
+        self.rundir.append_metrics(row)
         self.rows.append(row)
         from mas_trainer.plots import plot_rewards
 
-        plot_rewards(self.rows, self.run.root / "rewards.png")
+        plot_rewards(self.rows, self.rundir.root / "rewards.png")
 
     # --- the loop --------------------------------------------------------------------------
     async def loop(self, session: Session, state: dict | None, progress: Progress) -> None:
         c = self.cfg
         if state:
-            await asyncio.gather(*(h.call("load", str(self.run.learner_dir(p))) for p, h in self.handles.items()))
+            await asyncio.gather(*(h.call("load", str(self.rundir.learner_dir(p))) for p, h in self.handles.items()))
         step, position = (state["step"], state["position"]) if state else (0, 0)
         if state is None:
-            self.record(await self.evaluate(session, 0))
+            self.record(await self.held_out(session, 0))
         bar = progress.add_task("fit", total=c.steps, completed=step)
         while step < c.steps:
             step += 1
@@ -178,7 +178,7 @@ class _Fit:
                 f"  {row['perf/rollouts_per_s']:.2f} rollouts/s  {row['perf/tokens_per_s']:.0f} tok/s  {roles}"))
             progress.console.log(f"step {step}: reward {row['reward/mean']}, {row['rollouts']} rollouts in {row['time/rollout_s']:.1f} s, update {row['time/update_s']:.1f} s  {roles}")
             if step % c.eval_every == 0 or step == c.steps:
-                self.record(await self.evaluate(session, step))
+                self.record(await self.held_out(session, step))
             if step % c.save_every == 0 or step == c.steps:
                 await self.checkpoint(step, position)
 
@@ -186,7 +186,7 @@ class _Fit:
         from mas_trainer.engines.chat import HFChatFormat
         from mas_trainer.engines.models import load_tokenizer
 
-        c, run = self.cfg, self.run
+        c, run = self.cfg, self.rundir
         state = run.load_state() if resume else None
         if resume and state is None and run.metrics():
             raise ConfigError(f"{run.root} has no complete checkpoint to resume from; delete it or use another --output")
