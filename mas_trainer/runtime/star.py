@@ -1,7 +1,7 @@
 """Starts the worker groups and presents them to the gateway as engines and to the trainer
 as async handles.
 
-Two learners, one protocol (`WorkerHandle.call`: generate, discard, train, save, load, close):
+Two learners, one protocol (`WorkerGroupHandle`: generate, discard, train, save, load, close):
 
 - `verl` (`runtime.learner=verl`): each trainable policy is a verl `RayWorkerGroup` of
   `PolicyWorker`s (`runtime/verl_group.py`) on its own `RayResourcePool`, world size
@@ -17,14 +17,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 from mas_trainer.engines.base import Generation, SamplingParams
 from mas_trainer.runtime.plan import WorkerPlan
 
-__all__ = ["WorkerHandle", "WorkerEngine", "start_workers", "resolve_device"]
+__all__ = ["WorkerGroupHandle", "WorkerHandle", "VerlGroupHandle", "WorkerEngine", "start_workers", "resolve_device"]
 
 log = logging.getLogger(__name__)
+
+
+class WorkerGroupHandle(Protocol):
+    """What the trainer and the gateway need of a policy's worker group, whichever learner:
+    `call("generate", prompt_ids, params, turn_id)`, `call("discard")`, `call("train", records)`,
+    `call("save", hf_folder, learner_dir)`, `call("load", learner_dir)`, and `close()`."""
+
+    policy: str
+
+    async def call(self, method: str, *args: Any) -> Any: ...
+
+    def close(self) -> None: ...
 
 
 class WorkerHandle:
@@ -88,7 +100,7 @@ class VerlGroupHandle:
 class WorkerEngine:
     """The gateway's `Engine` for a policy served by a worker group."""
 
-    def __init__(self, handle: WorkerHandle | VerlGroupHandle) -> None:
+    def __init__(self, handle: WorkerGroupHandle) -> None:
         self.handle = handle
         self.model_name = handle.policy
 
@@ -132,7 +144,7 @@ def _init_ray(runtime: Any, needed_cpus: int, env: dict[str, str]) -> None:
     )
 
 
-def start_workers(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, WorkerHandle | VerlGroupHandle]:
+def start_workers(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, WorkerGroupHandle]:
     """One worker group per trainable policy, as `runtime.learner` and `runtime.backend` say."""
     if runtime.learner == "verl":
         return _start_verl(plans, runtime)
