@@ -76,8 +76,11 @@ class PolicyWorker(Worker):
             self.actor.to("cpu")
         self.ref = None
         if self.learner.kl_coef > 0:  # the frozen reference: the base model, forward only
+            # verl's forward-only engine offloads to pinned memory, which needs an accelerator; on CPU
+            # the reference is an ordinary engine that is never stepped (AdamW allocates no state then)
             self.ref = TrainingWorker(training_worker_config(str(materialize(plan.reference or plan.model, seed=plan.seed)),
-                                                             self.learner, forward_only=True, seed=plan.seed, bf16=bf16))
+                                                             self.learner, forward_only=plan.device != "cpu", seed=plan.seed,
+                                                             bf16=bf16))
             self.ref.reset()
         self.critic = None
         if self.advantage.estimator == "gae":
@@ -194,7 +197,7 @@ class PolicyWorker(Worker):
                    for i, (t, o) in enumerate(zip(local, old))]
         td = batch(trained)
         if ref is not None:
-            td["ref_log_prob"] = _nested_like(td, [t.ref_logprobs for t in trained], len(rows))
+            td["ref_log_prob"] = _response_tensor(td, [t.ref_logprobs for t in trained], len(rows))
         cfg = self.learner
         tu.assign_non_tensor(
             td, calculate_entropy=self.actor_config.calculate_entropy, global_batch_size=cfg.mini_batch_size,
@@ -297,7 +300,7 @@ def _all_gather(obj: Any, merge: Any = None) -> Any:
     return merged
 
 
-def _nested_like(td: Any, per_row: list[Any], size: int) -> Any:
+def _response_tensor(td: Any, per_row: list[Any], size: int) -> Any:
     """A (B, R) right-padded float tensor of per-response-token values (pad rows 0)."""
     R = td["responses"].shape[1]
     t = torch.zeros(size, R, dtype=torch.float32)

@@ -59,7 +59,7 @@ def test_example_app_partial_sharing_trains_both_policies(tmp_path):
     """Each policy a 2-rank verl worker group; both move, apart from each other."""
     out = tmp_path / "run"
     cfg = load_config(overrides=[*VERL, "model=tiny", "steps=1", "rollout.tasks_per_step=1", "rollout.n=2",
-                                 "learner.lr=1e-2", "seed=1"])
+                                 "learner.lr=1e-2", "seed=1", "policies.worker.learner.kl_coef=0.1"])
     rows = fit(_map_reduce, [{"topic": "tides", "num_subtopics": 1}], cfg, out)
     [train] = [r for r in rows if r["kind"] == "train"]
     app = json.loads((out / "app.json").read_text())
@@ -68,6 +68,8 @@ def test_example_app_partial_sharing_trains_both_policies(tmp_path):
     assert train["policy/planner/turns"] == 2 and train["policy/worker/turns"] == 4  # worker + reducer share
     for p in policies:
         assert abs(train[f"policy/{p}/logprob_diff"]) < 0.5  # engine vs learner log-probs of the same tokens
+    # the KL loss to a frozen reference TrainingWorker, for the one policy that asked for it
+    assert "policy/worker/kl_loss" in train and "policy/planner/kl_loss" not in train
     from mas_trainer.engines.models import load_model
 
     base = load_model("tiny", seed=1)[0].state_dict()
