@@ -208,11 +208,14 @@ def _check_learner(cfg: FitConfig) -> None:
             raise ConfigError("runtime.learner=verl runs worker groups on Ray; drop runtime.backend=local (or use runtime.learner=torch)")
         for name in ["", *cfg.policies]:
             world = cfg.resources_for(name).world_size if name else rt.resources.world_size
-            mini = cfg.learner_for(name).mini_batch_size if name else cfg.learner.mini_batch_size
-            if mini % world:
-                where = f"policies.{name}.learner.mini_batch_size" if name else "learner.mini_batch_size"
-                raise ConfigError(f"{where}={mini} must be a multiple of the worker group's world size {world} "
-                                  "(resources.nodes x resources.procs_per_node): each rank takes an equal share")
+            sizes = [("learner", cfg.learner_for(name).mini_batch_size if name else cfg.learner.mini_batch_size)]
+            if (cfg.advantage_for(name) if name else cfg.advantage).estimator == "gae":  # the critic's worker too
+                sizes.append(("critic", cfg.critic_for(name).mini_batch_size if name else cfg.critic.mini_batch_size))
+            for part, mini in sizes:
+                if mini % world:
+                    where = f"policies.{name}.{part}.mini_batch_size" if name else f"{part}.mini_batch_size"
+                    raise ConfigError(f"{where}={mini} must be a multiple of the worker group's world size {world} "
+                                      "(resources.nodes x resources.procs_per_node): each rank takes an equal share")
 
 
 def describe_keys(model: type[BaseModel] = FitConfig, prefix: str = "") -> list[str]:

@@ -184,6 +184,9 @@ def test_kill_9_then_resume_loses_and_duplicates_nothing(tmp_path):
 def test_verl_learner_config_is_checked_before_anything_starts():
     with pytest.raises(ConfigError, match="multiple of the worker group's world size 2"):
         load_config(overrides=["runtime.learner=verl", "runtime.resources.procs_per_node=2", "learner.mini_batch_size=3"])
+    with pytest.raises(ConfigError, match=r"policies.crew.critic.mini_batch_size=3 must be a multiple"):
+        load_config(overrides=[*VERL, "policies.crew.advantage.estimator=gae", "critic.mini_batch_size=3"])
+    load_config(overrides=[*VERL, "critic.mini_batch_size=3"])  # no GAE: no critic worker to split for
     with pytest.raises(ConfigError, match="drop runtime.backend=local"):
         load_config(overrides=["runtime.learner=verl", "runtime.backend=local"])
     cfg = load_config(overrides=["runtime.learner=verl", "policies.crew.resources.procs_per_node=2"])
