@@ -7,6 +7,12 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
+# bubblewrap: the code_gen example's sandbox (examples/langgraph_apps/CODE_GEN.md); without it
+# the sandbox falls back to `unshare`, which does not keep the candidate's writes off the disk
+if ! command -v bwrap >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap) >/dev/null 2>&1 \
+    || echo "setup: bubblewrap not installed; the code_gen sandbox falls back to unshare" >&2
+fi
 stamp=.venv/.mas-trainer-installed
 want=$(cat pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then

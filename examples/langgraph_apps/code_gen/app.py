@@ -1,8 +1,9 @@
 """Reflective code generation: planner -> coder -> verifier -> reflector -> coder ...
 
-Demonstrates: a loop with a node that runs no model (``verifier`` executes the candidate
-against the task's tests in a child process, see ``sandbox.py``), partial sharing (3 roles
--> 2 policies: planner and reflector -> ``planner``, coder -> ``coder``), and rewards at two
+Demonstrates: a loop with a node that runs no model (``verifier`` runs the candidate in a
+sandboxed child process and the task's tests in a separate judge process, so the code cannot
+forge its score, see ``sandbox.py``), partial sharing (3 roles -> 2 policies: planner and
+reflector -> ``planner``, coder -> ``coder``), and rewards at two
 levels: the trajectory-level ``all_passed`` (1.0 / 0.0) and a turn-level score for every
 coder call, the fraction of tests passing after that call, which ``reward.allocator=turn_delta``
 turns into R_i - R_{i-1}: a coder call is credited with how many tests its edit fixed.

@@ -7,7 +7,9 @@ Every task has one shape (one JSON object per line):
                         functions it needs); executed before the candidate
 ``entry_point``         the name of the function to write
 ``tests``               assert snippets, run one by one after the candidate (each may call the
-                        function by name or as ``candidate``); a test passes when it raises nothing
+                        function by name or as ``candidate``); a test passes when it raises nothing.
+                        They run in a judge process apart from the candidate's: arguments and
+                        return values cross as plain data (see ``sandbox.py``)
 ``setup``               optional code run once before the tests (HumanEval: its test module,
                         which defines ``check(candidate)`` and helpers)
 ``canonical_solution``  a reference solution (the whole function); never shown to the model
