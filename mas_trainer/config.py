@@ -18,6 +18,7 @@ from mas_trainer.algo.config import AdvantageConfig
 from mas_trainer.errors import UserError
 from mas_trainer.learners.config import CriticConfig, LearnerConfig
 from mas_trainer.rewards.allocators import LevelWeights, allocator_names, check_allocator
+from mas_trainer.rollout.config import ENGINES, ReplicaConfig
 from mas_trainer.runtime.plan import Resources
 
 __all__ = ["FitConfig", "PolicyConfig", "RuntimeConfig", "load_config", "describe_keys", "ConfigError"]
@@ -56,6 +57,7 @@ class PolicyConfig(_Strict):
     advantage: dict[str, Any] = Field(default_factory=dict, description="AdvantageConfig fields for this policy")
     critic: dict[str, Any] = Field(default_factory=dict, description="CriticConfig fields for this policy (GAE only)")
     resources: dict[str, Any] = Field(default_factory=dict, description="Resources fields for this policy's worker group (verl learner)")
+    engine: Literal[ENGINES] | None = Field(None, description="this policy's engine (default: runtime.engine)")  # type: ignore[valid-type]
 
 
 class RuntimeConfig(_Strict):
@@ -64,6 +66,11 @@ class RuntimeConfig(_Strict):
         "learner, one process per policy; auto: verl where there are GPUs, torch on CPU only (faster there, see docs)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where engines and learners run (auto: cuda if torch sees a GPU)")
     resources: Resources = Field(default_factory=Resources)
+    engine: Literal[ENGINES] = Field(  # type: ignore[valid-type]
+        "embedded", description="what generates rollouts: embedded = the torch engine in the policy's worker group; vllm = "
+        "verl's vLLM rollout replicas (GPUs, verl learner), weights synced after each update; torch-replica = the embedded "
+        "engine behind the same replica interface (CPU)")
+    replica: ReplicaConfig = Field(default_factory=ReplicaConfig)
     share_gpus: bool = Field(False, description="verl learner on GPUs: every policy's worker group on one pool of GPUs (rollout and update take turns) instead of disjoint pools")
     backend: Literal["ray", "local"] = Field("ray", description="torch learner: ray = one Ray actor per policy; local = worker groups in this process")
     ray_address: str | None = Field(None, description="join this Ray cluster instead of starting a local one")
@@ -103,6 +110,10 @@ class FitConfig(_Strict):
     def resources_for(self, policy: str) -> Resources:
         over = self.policies.get(policy)
         return Resources.model_validate({**self.runtime.resources.model_dump(), **(over.resources if over else {})})
+
+    def engine_for(self, policy: str) -> str:
+        over = self.policies.get(policy)
+        return over.engine if over is not None and over.engine is not None else self.runtime.engine
 
     def critic_for(self, policy: str) -> CriticConfig:
         over = self.policies.get(policy)
@@ -203,6 +214,19 @@ def _check_reward(cfg: FitConfig) -> None:
 def _check_learner(cfg: FitConfig) -> None:
     """What the learner choice requires, checked before anything starts."""
     rt = cfg.runtime
+    engines = {cfg.engine_for(name) for name in ["", *cfg.policies]} - {"embedded"}
+    if engines:
+        which = ", ".join(sorted(engines))
+        if rt.learner == "torch" or rt.backend == "local":
+            raise ConfigError(f"engine {which} syncs weights from verl worker groups on Ray: use runtime.learner=verl "
+                              "(or auto on GPUs) and runtime.backend=ray, or runtime.engine=embedded")
+        if "torch-replica" in engines and rt.replica.tensor_parallel_size != 1:
+            raise ConfigError("engine torch-replica is one process a replica: set runtime.replica.tensor_parallel_size=1")
+    for name in ["", *cfg.policies]:
+        old = cfg.learner_for(name).old_logprobs if name else cfg.learner.old_logprobs
+        if old in ("recompute", "rollout_correction") and rt.learner == "torch":
+            where = f"policies.{name}.learner.old_logprobs" if name else "learner.old_logprobs"
+            raise ConfigError(f"{where}={old} needs runtime.learner=verl; the torch learner always uses the engine's (bypass)")
     if rt.learner == "verl":
         if rt.backend == "local":
             raise ConfigError("runtime.learner=verl runs worker groups on Ray; drop runtime.backend=local (or use runtime.learner=torch)")

@@ -46,5 +46,8 @@ class WorkerPlan(BaseModel):
     batch_wait_ms: float = 5.0
     engine_bf16: bool | Literal["auto"] = False
     torch_threads: int | None = None
+    engine: Literal["embedded", "vllm", "torch-replica"] = Field(
+        "embedded", description="embedded: rank 0 hosts the engine; otherwise rollout replicas serve and receive the weights")
+    replica: dict[str, Any] = Field(default_factory=dict, description="ReplicaConfig, dumped (replica engines)")
     offload_between_phases: bool = Field(
         False, description="GPUs shared with other worker groups: the learner's shards and optimizer leave the GPU after each update")

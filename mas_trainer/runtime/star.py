@@ -22,7 +22,8 @@ from typing import Any, Protocol, Sequence
 from mas_trainer.engines.base import Generation, SamplingParams
 from mas_trainer.runtime.plan import WorkerPlan
 
-__all__ = ["WorkerGroupHandle", "WorkerHandle", "VerlGroupHandle", "WorkerEngine", "start_workers", "resolve_device"]
+__all__ = ["WorkerGroupHandle", "WorkerHandle", "VerlGroupHandle", "ReplicaGroupHandle", "WorkerEngine", "start_workers",
+           "resolve_device"]
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,76 @@ class VerlGroupHandle:
                 ray.util.remove_placement_group(pg)
 
 
+class ReplicaGroupHandle:
+    """The same calls when rollout replicas serve the policy (`engine: vllm | torch-replica`):
+    generation goes to the replicas through verl's client, the turns' tokens stay here until
+    the update, which gets them with the records; after each update verl's weight sync sends
+    the new weights to every replica before the next rollout starts (the step's
+    `time/weight_sync_s`). Each answer carries the weights version that produced it: turns of
+    stale weights are counted (`replica/stale_turns`, 0 when the order holds)."""
+
+    def __init__(self, policy: str, learner: VerlGroupHandle, fleet: Any, tokenizer: Any) -> None:
+        self.policy = policy
+        self.learner = learner
+        self.fleet = fleet
+        self._versions: dict[str, int] = {}
+        self.engine = fleet.engine(tokenizer, on_output=self._answered)
+        self.turns: dict[str, tuple[list[int], list[int], list[float]]] = {}
+        self._seen = (0, 0, 0.0)
+
+    def _answered(self, request_id: str, out: Any) -> None:
+        self._versions[request_id] = int(out.extra_fields.get("global_steps") or 0)
+
+    async def call(self, method: str, *args: Any) -> Any:
+        if method == "generate":
+            prompt_ids, params, turn_id = args
+            gens = await self.engine.generate(prompt_ids, params, turn_id=turn_id)
+            if turn_id is not None:
+                for i, g in enumerate(gens):
+                    self.turns[turn_id if i == 0 else f"{turn_id}-{i}"] = (list(prompt_ids), g.token_ids, g.logprobs)
+            return gens
+        if method == "discard":
+            n = len(self.turns)
+            self.turns.clear()
+            self._versions.clear()
+            self._stats()
+            return n
+        if method == "train":
+            if self.engine.failure is not None:  # never train on a step a dead replica cut short
+                raise self.engine.failure
+            (records,) = args
+            turns = {r.turn_id: self.turns[r.turn_id] for r in records if r.turn_id in self.turns}
+            stale = sum(1 for t in turns if self._versions.get(t, 0) != self.fleet.version)
+            self.turns.clear()
+            self._versions.clear()
+            await self.fleet.sleep(self.learner.group)
+            metrics = await self.learner.call("train", records, turns)
+            try:
+                metrics.update(await self.fleet.sync_weights(self.learner.group, int(metrics.get("updates", 0))))
+            except Exception as exc:  # a replica gone during the sync: stop here, resumable
+                raise self.engine._fail(f"weight sync: {type(exc).__name__}: {str(exc).strip()[:200]}") from exc
+            metrics["replica/stale_turns"] = float(stale)
+            return {**metrics, **self._stats()}
+        if method == "load":
+            updates = await self.learner.call("load", *args)
+            await self.fleet.set_version(int(updates))  # the replicas started from the checkpoint's weights
+            return updates
+        return await self.learner.call(method, *args)
+
+    def _stats(self) -> dict[str, float]:
+        """Engine figures since the last call (as the embedded engine reports them)."""
+        e = self.engine
+        req, tok, busy = e.requests - self._seen[0], e.tokens - self._seen[1], e.busy_s - self._seen[2]
+        self._seen = (e.requests, e.tokens, e.busy_s)
+        return {"engine/requests": float(req), "engine/tokens": float(tok), "engine/busy_s": busy}
+
+    def close(self) -> None:
+        try:
+            self.fleet.close()
+        finally:
+            self.learner.close()
+
+
 class WorkerEngine:
     """The gateway's `Engine` for a policy served by a worker group."""
 
@@ -127,27 +198,106 @@ def _torch_threads(n_policies: int, configured: int | None) -> int:
     return configured or max(1, (os.cpu_count() or 1) // max(1, n_policies))
 
 
+# Ray's own processes of a local instance die with the driver (parent-death signal), and its
+# actors are not detached, so they follow; but its dashboard and runtime-env agents, when the
+# driver is killed (-9), wait about a minute on the dead GCS before they exit. The watchdog
+# ends everything the local instance started as soon as the driver is gone, however it died.
+RAY_OWNER_ENV = "MAS_TRAINER_RAY_OWNER"
+_WATCHDOG = r"""
+import os, signal, sys
+tag = sys.argv[1].encode() + b"\0"
+sys.stdin.buffer.read()  # EOF: the driver that holds the other end is gone
+for _ in range(5):  # again, for what was starting meanwhile
+    hit = False
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != os.getpid():
+            try:
+                with open(f"/proc/{name}/environ", "rb") as f:
+                    if tag in f.read():
+                        os.kill(int(name), signal.SIGKILL)
+                        hit = True
+            except OSError:
+                pass
+    if not hit:
+        break
+"""
+_watchdog: Any = None  # (process, mark); its pipe stays open for the driver's life
+
+
+def _ray_watchdog() -> str | None:
+    """The value of RAY_OWNER_ENV that marks the processes the watchdog will end (the local Ray
+    instance's, which inherit the driver's environment at `ray.init`); starts it once per driver."""
+    global _watchdog
+    import subprocess
+    import sys
+    import uuid
+
+    if not os.path.isdir("/proc"):
+        return None
+    if _watchdog is None or _watchdog[0].poll() is not None:
+        mark = f"{os.getpid()}-{uuid.uuid4().hex}"
+        proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _WATCHDOG, f"{RAY_OWNER_ENV}={mark}"],
+                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+        _watchdog = (proc, mark)
+    return _watchdog[1]
+
+
 def _init_ray(runtime: Any, needed_cpus: int, env: dict[str, str]) -> None:
     import ray
 
     if ray.is_initialized():
         return
     local = runtime.ray_address is None
-    ray.init(
-        address=runtime.ray_address,
-        # a local instance offers at least one logical CPU per rank: ranks mostly wait on each other
-        num_cpus=(runtime.num_cpus or max(os.cpu_count() or 1, needed_cpus)) if local else None,
-        include_dashboard=False,
-        log_to_driver=True,
-        configure_logging=False,
-        runtime_env={"env_vars": env} if env else None,
-    )
+    mark = _ray_watchdog() if local else None
+    if mark:  # only the processes ray.init starts carry it, not the driver's other children
+        os.environ[RAY_OWNER_ENV] = mark
+    try:
+        ray.init(
+            address=runtime.ray_address,
+            # a local instance offers at least one logical CPU per rank: ranks mostly wait on each other
+            num_cpus=(runtime.num_cpus or max(os.cpu_count() or 1, needed_cpus)) if local else None,
+            include_dashboard=False,
+            log_to_driver=True,
+            configure_logging=False,
+            runtime_env={"env_vars": env} if env else None,
+        )
+    finally:
+        if mark:
+            os.environ.pop(RAY_OWNER_ENV, None)
+
+
+def init_ray_for(device: str, runtime: Any, needed_cpus: int) -> dict[str, str]:
+    """Ray for verl worker groups and rollout replicas; on CPU with verl's platform for CPUs
+    (its environment, returned, goes to every worker)."""
+    env: dict[str, str] = {}
+    if device == "cpu":
+        from verl.plugin.platform.platform_manager import set_platform
+
+        from mas_trainer.learners.verl_cpu import PlatformCPU, worker_env
+
+        env = worker_env()
+        set_platform(PlatformCPU())  # the controller places CPU bundles, not GPU ones
+    _init_ray(runtime, needed_cpus, env)
+    return env
 
 
 def start_workers(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, WorkerGroupHandle]:
     """One worker group per trainable policy, as `runtime.learner` and `runtime.backend` say."""
     if runtime.learner == "verl":
         return _start_verl(plans, runtime)
+    replicated = sorted(p for p, plan in plans.items() if plan.engine != "embedded")
+    if replicated:
+        from mas_trainer.config import ConfigError
+
+        raise ConfigError(f"policies {', '.join(replicated)}: rollout replicas take their weights from verl worker groups; "
+                          "set runtime.learner=verl")
+    recompute = sorted(p for p, plan in plans.items() if plan.learner.get("old_logprobs") in ("recompute", "rollout_correction"))
+    if recompute:
+        from mas_trainer.config import ConfigError
+
+        raise ConfigError(f"policies {', '.join(recompute)}: learner.old_logprobs recompute/rollout_correction needs "
+                          "runtime.learner=verl (the torch learner uses the engine's log-probs: bypass)")
     from mas_trainer.runtime.worker_group import WorkerGroup
 
     handles: dict[str, Any] = {}
@@ -170,20 +320,19 @@ def start_workers(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, Worke
     return handles
 
 
-def _start_verl(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, VerlGroupHandle]:
+def _start_verl(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, Any]:
     import ray
+
+    if any(p.engine == "vllm" for p in plans.values()):  # before minutes of start-up, not after
+        from mas_trainer.rollout.fleet import require_vllm
+
+        require_vllm()
 
     devices = {p.device for p in plans.values()}
     cpu = devices == {"cpu"}
-    env: dict[str, str] = {}
-    if cpu:
-        from verl.plugin.platform.platform_manager import set_platform
-
-        from mas_trainer.learners.verl_cpu import PlatformCPU, worker_env
-
-        env = worker_env()
-        set_platform(PlatformCPU())  # the controller places CPU bundles, not GPU ones
-    _init_ray(runtime, sum(p.resources.world_size for p in plans.values()), env)
+    # one logical CPU per rank and per CPU rollout replica
+    replicas = sum(p.replica.get("replicas", 1) for p in plans.values() if p.engine != "embedded") if cpu else 0
+    env = init_ray_for("cpu" if cpu else "cuda", runtime, sum(p.resources.world_size for p in plans.values()) + replicas)
     from verl.single_controller.ray.base import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
     from mas_trainer.runtime.verl_group import PolicyWorker
@@ -204,10 +353,32 @@ def _start_verl(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, VerlGro
     threads = None if not cpu else max(1, (os.cpu_count() or 1) // max(1, sum(p.resources.world_size for p in plans.values())))
     for name, plan in plans.items():
         colocate = max(1, round(1 / plan.resources.gpus_per_proc)) if not cpu else 1
+        if plan.engine != "embedded" and plan.replica.get("placement") == "colocated" and not cpu:
+            colocate = max(colocate, 2)  # the replicas' processes share each learner bundle
         own = None if shared else pool(plan.resources, colocate)
         plan = plan.model_copy(update={"torch_threads": threads, "offload_between_phases": shared is not None})
         cls = RayClassWithInitArgs(cls=ray.remote(PolicyWorker), plan=plan)
         group = RayWorkerGroup(resource_pool=shared or own, ray_cls_with_init=cls, device_name=plan.device, worker_env=env)
         handles[name] = VerlGroupHandle(name, group, own)
         log.info("policy %s: verl worker group of %d rank(s) on %s", name, plan.resources.world_size, plan.device)
+        if plan.engine != "embedded":
+            handles[name] = _with_replicas(plan, handles[name], shared or own, threads)
     return handles
+
+
+def _with_replicas(plan: WorkerPlan, learner: VerlGroupHandle, pool: Any, threads: int | None) -> ReplicaGroupHandle:
+    """Start the policy's rollout replicas on its base (or resumed) weights."""
+    from mas_trainer.engines.models import load_tokenizer, materialize
+    from mas_trainer.rollout.config import ReplicaConfig
+    from mas_trainer.rollout.fleet import RolloutFleet
+
+    model_dir = str(materialize(plan.model, seed=plan.seed))
+    opts = {"max_batch_size": plan.max_batch_size, "batch_wait_ms": plan.batch_wait_ms, "bf16": plan.engine_bf16,
+            "torch_threads": threads}
+    try:
+        fleet = RolloutFleet(plan.policy, model_dir, plan.engine, ReplicaConfig.model_validate(plan.replica),
+                             device=plan.device, torch_opts=opts).start(learner_pool=pool)
+    except BaseException:
+        learner.close()
+        raise
+    return ReplicaGroupHandle(plan.policy, learner, fleet, load_tokenizer(model_dir))

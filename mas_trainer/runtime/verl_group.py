@@ -92,15 +92,29 @@ class PolicyWorker(Worker):
         self._seen: dict[str, int] = {}
         self.buffer: dict[str, tuple[list[int], list[int], list[float]]] = {}
         self.engine = None
+        self.host_model = None  # replica engines: rank 0's full copy of the weights, gathered for each save
         self.tokenizer = None
         if self.rank == 0:
             from mas_trainer.engines.models import load_model
             from mas_trainer.engines.torch_engine import TorchEngine
 
             model, self.tokenizer = load_model(model_dir)
-            self.engine = TorchEngine(model, self.tokenizer, model_name=plan.policy, max_batch_size=plan.max_batch_size,
-                                      bf16_autocast=plan.engine_bf16, batch_wait_ms=plan.batch_wait_ms,
-                                      device=_device(plan.device))
+            if plan.engine == "embedded":
+                self.engine = TorchEngine(model, self.tokenizer, model_name=plan.policy, max_batch_size=plan.max_batch_size,
+                                          bf16_autocast=plan.engine_bf16, batch_wait_ms=plan.batch_wait_ms,
+                                          device=_device(plan.device))
+            else:
+                self.host_model = model
+        self.checkpoint_engine = None
+        if plan.engine != "embedded":  # the sending side of verl's weight sync to the rollout replicas
+            from verl.checkpoint_engine import CheckpointEngineRegistry
+
+            import mas_trainer.rollout.gloo_sync  # noqa: F401  (registers mas-gloo)
+
+            sync = plan.replica.get("weight_sync", "auto")
+            backend = sync if sync != "auto" else ("nccl" if plan.device == "cuda" else "mas-gloo")
+            self.checkpoint_engine = CheckpointEngineRegistry.new(
+                backend, is_master=self.rank == 0, bucket_size=int(plan.replica.get("bucket_mb", 512)) << 20)
         self.pad_id = int(_pad_id(model_dir))
 
     # --- serving (rank 0) ------------------------------------------------------------------
@@ -115,18 +129,23 @@ class PolicyWorker(Worker):
         """Forget buffered turns (held-out rollouts); engine figures restart from here too."""
         n = len(self.buffer)
         self.buffer.clear()
-        _, self._seen = engine_stats(self.engine, self._seen)
+        if self.engine is not None:
+            _, self._seen = engine_stats(self.engine, self._seen)
         return n
 
     # --- training (every rank) -------------------------------------------------------------
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
-    def train(self, records: Sequence[Any]) -> dict[str, float] | None:
-        """One PPO update from the controller's thin records; returns metrics on rank 0."""
+    def train(self, records: Sequence[Any], turns: dict[str, Any] | None = None) -> dict[str, float] | None:
+        """One PPO update from the controller's thin records; returns metrics on rank 0.
+
+        `turns` (turn id -> prompt ids, response ids, log-probs) come with the records when
+        rollout replicas, not rank 0's engine, generated them."""
         from mas_trainer.learners.batch import Turn
 
         t0 = time.perf_counter()
         shared = [None]
         if self.rank == 0:
+            self.buffer.update(turns or {})
             kept = [r for r in records if r.turn_id in self.buffer]
             if len(kept) < len(records):
                 log.warning("policy %s: %d of %d records name turns this worker group never generated; skipped",
@@ -142,13 +161,16 @@ class PolicyWorker(Worker):
         if self.plan.offload_between_phases:  # shared GPUs: the update's turn, then the rollouts'
             self.actor.to("device")
         metrics = self._update(records, turns)
-        self._sync_engine()
+        if self.plan.engine == "embedded":
+            self._sync_engine()  # replica engines get the weights from update_weights, after this call
         if self.plan.offload_between_phases:
             self.actor.to("cpu")
             torch.cuda.empty_cache()
-        metrics.update(turns=float(len(turns)), seconds=time.perf_counter() - t0)
-        if self.engine is None:
+        metrics.update(turns=float(len(turns)), seconds=time.perf_counter() - t0, updates=float(self.updates))
+        if self.rank != 0:
             return None
+        if self.engine is None:
+            return metrics
         stats, self._seen = engine_stats(self.engine, self._seen)
         return {**metrics, **stats}
 
@@ -183,8 +205,11 @@ class PolicyWorker(Worker):
             out = worker.infer_batch(td)
             return response_values(no_padding_2_padding(tu.get(out, key), td), rows)
 
-        # old (and reference) log-probs from the learner's own forward, as verl's trainer does
-        old = infer(self.actor, batch(local), "log_probs")
+        # old (and reference) log-probs from the learner's own forward, as verl's trainer does, unless
+        # learner.old_logprobs=bypass takes the engine's
+        mode = self.learner.old_logprobs if self.learner.old_logprobs != "auto" else "recompute"
+        engine_old = [list(t.old_logprobs) for t in local] + [[0.0] * len(r.response_ids) for r in rows[real:]]
+        old = engine_old if mode == "bypass" else infer(self.actor, batch(local), "log_probs")
         ref = infer(self.ref, batch(local), "log_probs") if self.ref is not None else None
         values = None
         if self.critic is not None:
@@ -198,6 +223,10 @@ class PolicyWorker(Worker):
         td = batch(trained)
         if ref is not None:
             td["ref_log_prob"] = _response_tensor(td, [t.ref_logprobs for t in trained], len(rows))
+        corr_metrics: dict[str, float] = {}
+        if mode == "rollout_correction":
+            td["rollout_is_weights"], corr_metrics = _rollout_is_weights(
+                td, old, engine_old, len(rows), real, threshold=self.learner.rollout_is_threshold)
         cfg = self.learner
         tu.assign_non_tensor(
             td, calculate_entropy=self.actor_config.calculate_entropy, global_batch_size=cfg.mini_batch_size,
@@ -210,8 +239,10 @@ class PolicyWorker(Worker):
         self.updates += 1
         metrics = _flatten(tu.get(out, "metrics")) if out is not None else {}
         metrics["time/train_mini_batch_s"] = t_train
+        metrics.update(corr_metrics)
         mismatch = _all_gather({"sum": sum(diff), "n": len(diff)}, merge=lambda ds: {k: sum(d[k] for d in ds) for k in ds[0]})
-        metrics["logprob_diff"] = mismatch["sum"] / max(1, mismatch["n"])
+        if mode != "bypass":  # bypass computes no learner log-probs to compare (ppo_kl shows the mismatch then)
+            metrics["logprob_diff"] = mismatch["sum"] / max(1, mismatch["n"])
         if self.critic is not None:
             returns = [adv[t.id].returns.tolist() for t in local]
             ctd = batch(local, returns=returns, values=[values[t.id] for t in local])
@@ -226,12 +257,30 @@ class PolicyWorker(Worker):
         metrics.update(adv_mean=float(all_adv.mean()), adv_abs_mean=float(all_adv.abs().mean()))
         return metrics
 
-    def _sync_engine(self) -> None:
-        """Gather the full parameters from the shards into rank 0's engine (every rank joins)."""
+    # --- weights to the rollout replicas: verl's actor side of CheckpointEngineManager ----
+    @register(dispatch_mode=Dispatch.DP_COMPUTE, blocking=False)
+    def execute_checkpoint_engine(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.checkpoint_engine, method)(*args, **kwargs)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    async def update_weights(self, global_steps: int | None = None, mode: str = "auto") -> dict[str, Any]:
+        """Stream the full parameters (gathered from the shards) to the replicas; every rank joins."""
         params, _ = self.actor.engine.get_per_tensor_param()
-        if self.engine is None:
+        return await self.checkpoint_engine.send_weights(params, global_steps=global_steps) or {}
+
+    def _sync_engine(self) -> None:
+        """Gather the full parameters from the shards into rank 0's engine or host copy (every rank joins)."""
+        params, _ = self.actor.engine.get_per_tensor_param()
+        if self.engine is None and self.host_model is None:
             for _ in params:  # the all-gathers happen as the stream is read
                 pass
+            return
+        if self.engine is None:
+            own = self.host_model.state_dict()
+            with torch.no_grad():
+                for name, tensor in params:
+                    if name in own:
+                        own[name].copy_(tensor.to(own[name].device, own[name].dtype))
             return
 
         def load(model: Any) -> None:
@@ -252,21 +301,28 @@ class PolicyWorker(Worker):
         self.actor.save_checkpoint(learner_dir)
         if self.critic is not None:
             self.critic.save_checkpoint(os.path.join(learner_dir, "critic"))
+        if self.plan.engine != "embedded":
+            self._sync_engine()  # the host copy is gathered only when it is written
         if self.rank == 0:
             from mas_trainer.engines.models import save_pretrained
 
-            self.engine.run_exclusive(lambda model: save_pretrained(model, self.tokenizer, folder)).result()
+            if self.engine is not None:
+                self.engine.run_exclusive(lambda model: save_pretrained(model, self.tokenizer, folder)).result()
+            else:
+                save_pretrained(self.host_model, self.tokenizer, folder)
             (Path(learner_dir) / "mas_trainer.json").write_text(json.dumps({"updates": self.updates}))
         torch.distributed.barrier()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
-    def load(self, learner_dir: str) -> None:
+    def load(self, learner_dir: str) -> int:
         """Resume: shards, optimizer and RNG from `learner_dir`, then the engine's weights."""
         self.actor.load_checkpoint(learner_dir, del_local_after_load=False)
         if self.critic is not None:
             self.critic.load_checkpoint(os.path.join(learner_dir, "critic"), del_local_after_load=False)
         self.updates = json.loads((Path(learner_dir) / "mas_trainer.json").read_text())["updates"]
-        self._sync_engine()
+        if self.plan.engine == "embedded":
+            self._sync_engine()
+        return self.updates
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def close(self) -> None:
@@ -342,3 +398,20 @@ def _build_critic(model_dir: str, plan: WorkerPlan) -> Any:
     worker.set_loss_fn(partial(value_loss, config=SimpleNamespace(
         cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode, loss_scale_factor=None)))
     return worker
+
+
+def _rollout_is_weights(td: Any, old: list[list[float]], engine: list[list[float]], size: int, real: int,
+                        threshold: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """verl's rollout correction (truncated importance sampling, per token): weights
+    min(exp(learner - engine), threshold) for the PPO loss, and verl's mismatch metrics."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
+    learner_lp = _response_tensor(td, old[:size], size)
+    engine_lp = _response_tensor(td, engine[:size], size)
+    mask = torch.zeros_like(learner_lp)
+    for b, vals in enumerate(engine[:real]):
+        mask[b, : len(vals)] = 1.0
+    weights, _, metrics = compute_rollout_correction_and_rejection_mask(
+        learner_lp, engine_lp, mask, rollout_is="token", rollout_is_threshold=threshold)
+    w = weights.batch["rollout_is_weights"] if weights is not None else torch.ones_like(learner_lp)
+    return w * mask, {k.removeprefix("rollout_corr/"): float(v) for k, v in metrics.items() if isinstance(v, (int, float))}

@@ -1,0 +1,11 @@
+"""Rollout replicas: policies served by vLLM (or the embedded engine) through verl's
+rollout machinery, with weights synced from the learner after each update.
+
+Torch-free here: `ReplicaEngine`, `ReplicaConfig`. `mas_trainer.rollout.fleet` (Ray, verl),
+`torch_replica` and `gloo_sync` (torch) are imported where a run uses them.
+"""
+
+from mas_trainer.rollout.config import ENGINES, ReplicaConfig
+from mas_trainer.rollout.engine import ReplicaEngine, ReplicaError, vllm_sampling
+
+__all__ = ["ENGINES", "ReplicaConfig", "ReplicaEngine", "ReplicaError", "vllm_sampling"]

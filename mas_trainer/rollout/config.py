@@ -1,0 +1,33 @@
+"""`runtime.replica`: how a policy with `engine: vllm` (or `torch-replica`) is served."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["ReplicaConfig", "ENGINES"]
+
+# embedded: the torch engine inside the policy's worker group (rank 0); vllm: verl's vLLM
+# replicas; torch-replica: the embedded engine behind verl's replica interface (CPU CI runs the
+# vLLM path's weight sync and failure handling with it)
+ENGINES = ("embedded", "vllm", "torch-replica")
+
+
+class ReplicaConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    replicas: int = Field(1, ge=1, description="rollout replicas (servers) per policy; requests are balanced over them")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs of one vLLM replica (torch-replica: 1)")
+    placement: Literal["separate", "colocated"] = Field(
+        "separate", description="separate: replicas on GPUs of their own, weights sent after each update; colocated: "
+        "replicas share the learner's GPUs and sleep while it updates (vLLM sleep mode)")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM: fraction of each GPU's memory for weights and KV cache")
+    max_model_len: int = Field(4096, ge=16, description="vLLM: context length (prompt + completion) of a request")
+    max_num_seqs: int = Field(256, ge=1, description="vLLM: sequences decoded together per replica")
+    dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="vLLM: weight dtype of the replicas")
+    enforce_eager: bool = Field(False, description="vLLM: no CUDA graphs (faster start, slower decode)")
+    weight_sync: Literal["auto", "nccl", "mas-gloo"] = Field(
+        "auto", description="verl checkpoint engine that moves weights to the replicas (auto: nccl on GPUs, mas-gloo on CPU)")
+    bucket_mb: int = Field(512, ge=1, description="weight sync bucket size (MB)")
+    timeout_s: float = Field(600.0, gt=0, description="a request a replica does not answer in this time fails the run (resumable)")

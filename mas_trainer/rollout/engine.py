@@ -1,0 +1,147 @@
+"""The gateway's `Engine` for a policy served by rollout replicas (vLLM, or the embedded
+engine behind the same interface), through verl's `LLMServerClient`.
+
+Token in, token out: the gateway renders the prompt with the policy's chat template and
+sends the ids (`generate(request_id, prompt_ids=..., sampling_params=...)`); each replica
+answers a verl `TokenOutput(token_ids, log_probs, stop_reason)`. The sampling dict holds
+vLLM `SamplingParams` fields (vLLM 0.24), which verl's vLLM server passes to
+`SamplingParams(max_tokens=..., **sampling_params)`; `logprobs=True` becomes `logprobs=0`
+there: the log-prob of each sampled token, from the distribution vLLM's `logprobs_mode`
+names (the fleet starts replicas with `raw_logprobs`: temperature 1, no top-p, as the
+embedded engine reports).
+
+`n` choices are `n` requests with seeds `seed, seed+1, ...` (verl's server returns one
+sequence a request). A replica that dies or does not answer within `timeout_s` fails the
+call with `ReplicaError` and marks the engine failed: the trainer stops the run there,
+resumable from its last checkpoint, instead of training on a partial step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any, Callable, Protocol, Sequence
+
+from mas_trainer.engines.base import Generation, SamplingParams
+from mas_trainer.errors import UserError
+
+__all__ = ["ReplicaClient", "ReplicaEngine", "ReplicaError", "vllm_sampling"]
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaError(UserError):
+    """A rollout replica died, timed out or aborted a request."""
+
+
+class ReplicaClient(Protocol):
+    """verl's `LLMServerClient.generate`, the one call the engine makes."""
+
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any]) -> Any: ...
+
+
+def vllm_sampling(params: SamplingParams, index: int, structured: Callable[[dict[str, Any]], Any]) -> dict[str, Any]:
+    """vLLM `SamplingParams` keyword arguments for choice `index` of a request.
+
+    `structured` wraps a JSON schema the way the replica expects it (vLLM:
+    `StructuredOutputsParams(json=schema)`).
+    """
+    out: dict[str, Any] = {
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "max_tokens": params.max_tokens,
+        "logprobs": True,
+        "ignore_eos": params.ignore_eos,
+        # the gateway strips stop strings from the text itself; the ids keep them, as the embedded engine's do
+        "include_stop_str_in_output": False,
+    }
+    if params.stop:
+        out["stop"] = list(params.stop)
+    if params.seed is not None:
+        out["seed"] = params.seed + index
+    if params.json_schema is not None:
+        out["structured_outputs"] = structured(params.json_schema)
+    return out
+
+
+class ReplicaEngine:
+    """`Engine` over a policy's rollout replicas (see the module docstring).
+
+    `decode(ids) -> str` and `eos_ids` come from the policy's tokenizer: replicas answer
+    ids only (verl starts them without detokenising outputs), the text is decoded here.
+    """
+
+    def __init__(self, client: ReplicaClient, *, model_name: str, decode: Callable[[list[int]], str],
+                 eos_ids: Sequence[int], structured: Callable[[dict[str, Any]], Any] | None = None,
+                 timeout_s: float = 600.0, on_output: Callable[[str, Any], None] | None = None,
+                 on_close: Callable[[], None] | None = None) -> None:
+        self.client = client
+        self.model_name = model_name
+        self._decode = decode
+        self._eos = set(int(e) for e in eos_ids)
+        self._structured = structured or (lambda schema: {"json": schema})
+        self.timeout_s = timeout_s
+        self._on_output = on_output  # (request id, TokenOutput): e.g. which weights version answered
+        self._on_close = on_close  # serve: the engine owns its replicas; fit: the trainer does
+        self.failure: ReplicaError | None = None
+        self.requests = 0
+        self.tokens = 0
+        self.busy_s = 0.0
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, *, turn_id: str | None = None) -> list[Generation]:
+        if self.failure is not None:
+            raise self.failure
+        rid = turn_id or uuid.uuid4().hex
+        t0 = time.perf_counter()
+        outs = await asyncio.gather(*(self._one(rid if i == 0 else f"{rid}-{i}", list(prompt_ids), params, i)
+                                      for i in range(params.n)))
+        self.requests += 1
+        self.busy_s += time.perf_counter() - t0
+        return outs
+
+    async def _one(self, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int) -> Generation:
+        sampling = vllm_sampling(params, index, self._structured)
+        try:
+            out = await asyncio.wait_for(
+                self.client.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise self._fail(f"no answer within {self.timeout_s:g} s (rollout.replica.timeout_s)") from None
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a dead actor, a refused request: the run cannot go on with this policy
+            raise self._fail(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from exc
+        if out.stop_reason in ("aborted", "abort"):
+            raise self._fail("the replica aborted the request")
+        ids = [int(t) for t in out.token_ids]
+        logprobs = [float(x) for x in (out.log_probs or [])]
+        if len(logprobs) != len(ids):
+            raise self._fail(f"{len(ids)} tokens but {len(logprobs)} log-probs (is calculate_log_probs off?)")
+        self.tokens += len(ids)
+        if self._on_output is not None:
+            self._on_output(request_id, out)
+        return self._generation(ids, logprobs, params, prompt_ids)
+
+    def _generation(self, ids: list[int], logprobs: list[float], params: SamplingParams, prompt_ids: list[int]) -> Generation:
+        # verl reports "completed" for both of vLLM's "stop" and "length": tell them apart here
+        ended = bool(ids) and ids[-1] in self._eos and not params.ignore_eos
+        text = self._decode(ids[:-1] if ended else ids)
+        cuts = [text.find(s) for s in params.stop if s and s in text]
+        if cuts:
+            text = text[: min(cuts)]
+        reason = "stop" if ended or cuts or (len(ids) < params.max_tokens) else "length"
+        return Generation(ids, logprobs, text, reason, list(prompt_ids))
+
+    def _fail(self, why: str) -> ReplicaError:
+        why = " ".join(why.split())  # one line
+        err = ReplicaError(f"policy {self.model_name}: rollout replica failed: {why}; "
+                           "the run stops here and `mas-trainer fit --resume` continues from the last checkpoint")
+        if self.failure is None:  # the trainer raises it at the step's update: the run's one error line
+            self.failure = err
+        return err
+
+    def close(self) -> None:
+        if self._on_close is not None:
+            self._on_close()
+            self._on_close = None

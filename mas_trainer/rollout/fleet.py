@@ -1,0 +1,233 @@
+"""A policy's rollout replicas, built from verl's parts: replicas from
+`RolloutReplicaRegistry` (`vllm`, or `mas-torch` for the embedded engine), verl's load
+balancer (`get_router_handle`: sticky sessions, least in-flight) and `LLMServerClient` for
+requests, `CheckpointEngineManager.update_weights` for the weights after each update.
+
+What `LLMServerManager` does for verl's trainer, composed here directly because that
+manager reads verl's whole trainer config and places replicas only in verl's own ways;
+the replicas, balancer, client and weight sync are verl's, unchanged.
+
+Placement (`runtime.replica.placement`): `separate` starts each replica on GPUs of its own
+(`init_standalone`) and sends weights over NCCL; `colocated` starts them in the learner's
+resource pool (`init_colocated`), where they sleep (vLLM sleep mode frees weights and KV
+cache) while the learner updates and wake before the weights arrive. On CPU, replicas are
+`mas-torch` processes in CPU pools of their own and weights travel over gloo (`mas-gloo`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from typing import Any, Coroutine
+
+from mas_trainer.errors import UserError
+from mas_trainer.rollout.config import ReplicaConfig
+from mas_trainer.rollout.engine import ReplicaEngine
+
+__all__ = ["RolloutFleet", "require_vllm", "VLLM_INSTALL"]
+
+log = logging.getLogger(__name__)
+
+VLLM_INSTALL = "pip install -c constraints-gpu.txt -e '.[torch,train,vllm]' (verl 0.9.1's vllm extra: vllm 0.24, torch 2.11; docs/vllm.md)"
+
+
+def require_vllm() -> None:
+    """One line naming what to install where vLLM is missing."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise UserError(f"engine vllm needs vLLM, which is not installed here: {VLLM_INSTALL}") from None
+
+
+def _run(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run a coroutine to completion from sync code, whether or not a loop runs in this thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+class RolloutFleet:
+    """The replicas serving one policy (see the module docstring)."""
+
+    def __init__(self, policy: str, model_dir: str, kind: str, cfg: ReplicaConfig, *, device: str,
+                 torch_opts: dict[str, Any] | None = None, gpus_per_node: int = 8) -> None:
+        if kind == "vllm":
+            require_vllm()
+            if device != "cuda":
+                raise UserError("engine vllm runs on GPUs; this machine has none (use engine torch-replica or embedded)")
+        self.policy, self.model_dir, self.kind, self.cfg, self.device = policy, model_dir, kind, cfg, device
+        self.backend = cfg.weight_sync if cfg.weight_sync != "auto" else ("nccl" if device == "cuda" else "mas-gloo")
+        self.torch_opts = dict(torch_opts or {}, device=device)
+        self.gpus_per_node = gpus_per_node
+        self.replicas: list[Any] = []
+        self._pools: list[Any] = []
+        self.balancer: Any = None
+        self.client: Any = None
+        self.version = 0
+
+    # --- verl configs --------------------------------------------------------------------
+    def rollout_config(self) -> Any:
+        from verl.workers.config import CheckpointEngineConfig, RolloutConfig
+
+        c = self.cfg
+        return RolloutConfig(
+            name="vllm" if self.kind == "vllm" else "mas-torch", mode="async",
+            tensor_model_parallel_size=c.tensor_parallel_size, data_parallel_size=1, pipeline_model_parallel_size=1,
+            n_gpus_per_node=min(self.gpus_per_node, c.tensor_parallel_size), nnodes=1,
+            gpu_memory_utilization=c.gpu_memory_utilization, max_model_len=c.max_model_len, max_num_seqs=c.max_num_seqs,
+            prompt_length=c.max_model_len // 2, response_length=c.max_model_len // 2, dtype=c.dtype,
+            enforce_eager=c.enforce_eager,
+            # token in, token out, with the sampled tokens' log-probs under the raw distribution
+            # (temperature 1, no top-p), as the embedded engine reports them
+            calculate_log_probs=True, logprobs_mode="raw_logprobs", skip_tokenizer_init=False,
+            # the replicas start from the policy's weights on disk; later weights come from the learner
+            load_format="auto",
+            free_cache_engine=c.placement == "colocated", enable_sleep_mode=c.placement == "colocated",
+            checkpoint_engine=CheckpointEngineConfig(backend=self.backend, update_weights_bucket_megabytes=c.bucket_mb,
+                                                     engine_kwargs={}),
+            custom={"mas_torch": self.torch_opts},
+        )
+
+    # --- life cycle ----------------------------------------------------------------------
+    def start(self, learner_pool: Any = None) -> "RolloutFleet":
+        from verl.workers.config import HFModelConfig
+        from verl.workers.rollout.replica import RolloutReplicaRegistry
+        from verl.workers.rollout.router import get_router_handle
+
+        if self.kind == "torch-replica":
+            import mas_trainer.rollout.torch_replica  # noqa: F401  (registers mas-torch)
+        rcfg = self.rollout_config()
+        self.checkpoint_config = rcfg.checkpoint_engine
+        cls = RolloutReplicaRegistry.get(rcfg.name)
+        model = HFModelConfig(path=self.model_dir)
+        self.replicas = [cls(replica_rank=i, config=rcfg, model_config=model, gpus_per_node=self.gpus_per_node,
+                             name_suffix=self.policy) for i in range(self.cfg.replicas)]
+        t0 = time.perf_counter()
+        _run(self._init(learner_pool))
+        self.balancer = get_router_handle(servers={r.server_address: r.server_handle for r in self.replicas})
+        self.client = _client(rcfg.name, self.balancer)
+        log.info("policy %s: %d %s replica(s) (%s, weights over %s) up in %.0f s", self.policy, len(self.replicas),
+                 self.kind, self.cfg.placement if self.device == "cuda" else "cpu", self.backend, time.perf_counter() - t0)
+        return self
+
+    async def _init(self, learner_pool: Any) -> None:
+        from verl.single_controller.ray.base import RayResourcePool
+
+        if self.device == "cpu":
+            for r in self.replicas:
+                pool = RayResourcePool(process_on_nodes=[1], use_gpu=False, max_colocate_count=1,
+                                       name_prefix=f"mas_rollout_{self.policy}_{r.replica_rank}")
+                self._pools.append(pool)
+            await asyncio.gather(*(r.init_colocated(p) for r, p in zip(self.replicas, self._pools)))
+        elif self.cfg.placement == "colocated":
+            if learner_pool is None:
+                raise UserError("runtime.replica.placement=colocated needs the policy's learner pool (verl learner)")
+            await asyncio.gather(*(r.init_colocated(learner_pool) for r in self.replicas))
+        else:
+            await asyncio.gather(*(r.init_standalone() for r in self.replicas))
+
+    def engine(self, tokenizer: Any, on_output: Any = None, owned: bool = False) -> ReplicaEngine:
+        """The gateway's engine for this policy, decoding with the policy's tokenizer."""
+        eos = tokenizer.eos_token_id
+        eos_ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+        structured = None
+        if self.kind == "vllm":
+            from vllm.sampling_params import StructuredOutputsParams
+
+            structured = lambda schema: StructuredOutputsParams(json=schema)  # noqa: E731
+        return ReplicaEngine(self.client, model_name=self.policy, eos_ids=eos_ids, structured=structured,
+                             decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                             timeout_s=self.cfg.timeout_s, on_output=on_output, on_close=self.close if owned else None)
+
+    def _manager(self, learner_group: Any) -> Any:
+        from verl.checkpoint_engine.base import CheckpointEngineManager
+
+        import mas_trainer.rollout.gloo_sync  # noqa: F401  (registers mas-gloo)
+
+        return CheckpointEngineManager(config=self.checkpoint_config, actor_wg=learner_group, replicas=self.replicas)
+
+    async def sleep(self, learner_group: Any) -> None:
+        """Colocated replicas free the GPUs for the update."""
+        if self.cfg.placement == "colocated" and self.device == "cuda":
+            await asyncio.to_thread(self._manager(learner_group).sleep_replicas)
+
+    async def sync_weights(self, learner_group: Any, version: int) -> dict[str, float]:
+        """verl's weight sync from the learner group's shards to every replica; returns its metrics."""
+        manager = self._manager(learner_group)
+        t0 = time.perf_counter()
+        if self.cfg.placement == "colocated" and self.device == "cuda":
+            await asyncio.to_thread(manager.wake_up_replicas)
+        metrics = await asyncio.to_thread(manager.update_weights, global_steps=version) or {}
+        await self.set_version(version)
+        return {**{k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
+                "time/weight_sync_s": time.perf_counter() - t0}
+
+    async def set_version(self, version: int) -> None:
+        """Tell every server which learner version it serves (verl's `set_global_steps`): each answer
+        carries it back, so a turn sampled from stale weights is seen, not trained on silently."""
+        await asyncio.gather(*(s.set_global_steps.remote(version) for r in self.replicas for s in r.servers))
+        self.version = version
+
+    def close(self) -> None:
+        import ray
+
+        for r in self.replicas:
+            for actor in {*r.workers, *r.servers}:
+                try:
+                    ray.kill(actor)
+                except Exception:  # already gone (a replica that died is why we may be closing)
+                    pass
+            pool = r.resource_pool
+            if pool is not None and pool not in self._pools and r.rollout_mode is not None and r.rollout_mode.value == "standalone":
+                self._pools.append(pool)
+        for pool in self._pools:
+            for pg in pool.pgs or []:
+                ray.util.remove_placement_group(pg)
+        if self.balancer is not None:
+            ray.kill(self.balancer)
+        self.replicas, self._pools, self.balancer = [], [], None
+
+
+def _client(name: str, balancer: Any) -> Any:
+    from omegaconf import OmegaConf
+    from verl.workers.rollout.llm_server import LLMServerClient
+
+    # the two fields of verl's trainer config the client reads
+    return LLMServerClient(config=OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": name, "full_determinism": False}}}),
+                           load_balancer_handle=balancer)
+
+
+def serving_backends(checkpoints: dict[str, Any], kind: str, runtime: Any) -> dict[str, Any]:
+    """`serve --engine vllm|torch-replica`: rollout replicas on each trained policy's Hugging
+    Face folder (no learner, no weight sync), as gateway backends; closing a backend's engine
+    stops its replicas."""
+    from mas_trainer.engines.chat import HFChatFormat
+    from mas_trainer.engines.models import load_tokenizer
+    from mas_trainer.gateway import PolicyBackend
+    from mas_trainer.rollout.config import ReplicaConfig
+    from mas_trainer.runtime.star import init_ray_for, resolve_device
+
+    if kind == "vllm":
+        require_vllm()
+    device = resolve_device(runtime.device)
+    cfg: ReplicaConfig = runtime.replica.model_copy(update={"placement": "separate"})
+    init_ray_for(device, runtime, cfg.replicas * len(checkpoints))
+    opts = {"max_batch_size": runtime.max_batch_size, "batch_wait_ms": runtime.batch_wait_ms, "bf16": runtime.engine_bf16}
+    backends: dict[str, Any] = {}
+    fleets: list[RolloutFleet] = []
+    try:
+        for name, folder in checkpoints.items():
+            fleet = RolloutFleet(name, str(folder), kind, cfg, device=device, torch_opts=opts).start()
+            fleets.append(fleet)
+            tokenizer = load_tokenizer(str(folder))
+            backends[name] = PolicyBackend(fleet.engine(tokenizer, owned=True), HFChatFormat(tokenizer))
+    except BaseException:
+        for fleet in fleets:
+            fleet.close()
+        raise
+    return backends
