@@ -187,11 +187,20 @@ class _Fit:
         from mas_trainer.engines.models import load_tokenizer
 
         c, run = self.cfg, self.rundir
-        state = run.load_state() if resume else None
-        if resume and state is None and run.metrics():
-            raise ConfigError(f"{run.root} has no complete checkpoint to resume from; delete it or use another --output")
-        if not resume and run.metrics_path.exists():
-            raise ConfigError(f"{run.root} already holds a run; pass --resume to continue it or choose another --output")
+        state = run.load_state()  # also without --resume: it tells a run with a checkpoint from one killed before it
+        if not resume and run.holds_run():
+            if state is not None:
+                raise ConfigError(f"{run.root} already holds a run; pass --resume to continue it (from its checkpoint "
+                                  f"at step {state['step']}) or choose another --output")
+            raise ConfigError(f"{run.root} holds a run that stopped before its first checkpoint, so there is nothing to "
+                              "resume; pass --resume to start it over from step 0 (its metrics rows and trajectory files "
+                              "are discarded) or choose another --output")
+        if state is None and run.holds_run():  # --resume: start over, as verl's auto resume does
+            rows, files = run.start_over()
+            log.warning("%s has no complete checkpoint (the run stopped before its first one): starting over from "
+                        "step 0; discarded %d metrics rows and %d trajectory files", run.root, rows, files)
+        elif state is not None:
+            log.info("%s: resuming after step %d (data position %d)", run.root, state["step"], state["position"])
         run.create(yaml.safe_dump(c.model_dump(mode="json"), sort_keys=False))
         run.truncate_to(state["step"] if state else -1)
         self.rows = run.metrics()
@@ -204,13 +213,16 @@ class _Fit:
             self.reward_spec = RewardSpec(spec.spec.reward, spec.spec.role_rewards, spec.spec.turn_rewards)
             rt = c.runtime
             device = resolve_device(rt.device)
-            learner = rt.learner if rt.learner != "auto" else ("verl" if device == "cuda" and rt.backend == "ray" else "torch")
+            replicated = any(c.engine_for(p) != "embedded" for p in spec.policies)
+            learner = rt.learner if rt.learner != "auto" else (
+                "verl" if (device == "cuda" or replicated) and rt.backend == "ray" else "torch")
             plans = {
                 p: WorkerPlan(policy=p, model=str(run.policy_dir(p)) if state else pol.base_model, reference=pol.base_model,
                               learner=c.learner_for(p).model_dump(), advantage=c.advantage_for(p).model_dump(),
                               critic=c.critic_for(p).model_dump(), seed=c.seed, device=device,
                               resources=c.resources_for(p), max_batch_size=rt.max_batch_size, batch_wait_ms=rt.batch_wait_ms,
-                              engine_bf16=rt.engine_bf16, torch_threads=rt.torch_threads)
+                              engine_bf16=rt.engine_bf16, torch_threads=rt.torch_threads, engine=c.engine_for(p),
+                              replica=rt.replica.model_dump())
                 for p, pol in spec.policies.items() if pol.trainable
             }
             log.info("learner %s on %s for %s", learner, device, ", ".join(plans) or "no trainable policy")
@@ -240,4 +252,6 @@ def fit(app_ref: Any, tasks: list[dict], cfg: FitConfig, output: str | Path, *, 
         k = max(1, round(len(tasks) * cfg.val_fraction))
         val_tasks = [tasks[i] for i in sorted(order[:k])]
         tasks = [tasks[i] for i in sorted(order[k:])]
-    return _Fit(app_ref, tasks, cfg, RunDir(output), val_tasks or [], console or Console())(resume)
+    run = RunDir(output)
+    with run.locked():  # one fit per run directory: a second one must not clear the live run's files
+        return _Fit(app_ref, tasks, cfg, run, val_tasks or [], console or Console())(resume)

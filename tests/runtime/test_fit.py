@@ -1,11 +1,8 @@
-"""`fit` end to end on the tiny model: run directory, which weights move, resume after kill -9."""
+"""`fit` end to end on the tiny model: run directory, which weights move, resume. (kill -9 at
+any moment, then resume: tests/runtime/test_recovery.py.)"""
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
+import logging
 from pathlib import Path
 
 import pytest
@@ -14,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from mas_trainer.apps import load_object
 from mas_trainer.config import ConfigError, load_config
+from mas_trainer.runtime.rundir import RunDir
 from mas_trainer.runtime.trainer import fit
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,54 +90,56 @@ def test_config_errors_are_one_line():
     assert load_config(overrides=["policies.p.learner.lr=0.5"]).learner_for("p").lr == 0.5
 
 
-def _fit_cli(out, *extra):
-    cmd = [sys.executable, "-m", "mas_trainer.cli", "fit", f"{APP}:single", "--data", str(DATA), "--output", str(out),
-           "runtime.backend=local", "rollout.tasks_per_step=2", "rollout.n=2", "rollout.max_in_flight=1", "rollout.max_tokens=12",
-           "steps=6", "save_every=2", "eval_every=3", "val_fraction=0.25", "learner.lr=1e-2", "seed=5",
-           # bit-exact: fp32 updates, and MKL's conditional numerical reproducibility, without which
-           # a fresh process may round the first resumed update differently in the last bit
-           "learner.bf16=false", "runtime.engine_bf16=false", *extra]
-    return cmd
-
-
-ENV = {**os.environ, "MKL_CBWR": "COMPATIBLE"}
-
-
-def _comparable(rows):
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]
-
-
-def _rows(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def test_kill_9_then_resume_matches_an_uninterrupted_run(tmp_path):
-    whole = tmp_path / "whole"
-    subprocess.run(_fit_cli(whole), check=True, capture_output=True, timeout=600, env=ENV)
-
-    broken = tmp_path / "broken"
-    proc = subprocess.Popen(_fit_cli(broken), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
-    deadline = time.time() + 600
-    while time.time() < deadline:  # kill after the step-2 checkpoint, while step 3 or 4 runs
-        rows = _rows(broken) if (broken / "metrics.jsonl").exists() else []
-        if any(r["kind"] == "train" and r["step"] >= 3 for r in rows):
-            break
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    resumed = subprocess.run(_fit_cli(broken, "--resume"), capture_output=True, text=True, timeout=600, env=ENV)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert _comparable(_rows(broken)) == _comparable(_rows(whole))
-    names = sorted(p.name for p in (broken / "trajectories").iterdir())
-    assert names == sorted(p.name for p in (whole / "trajectories").iterdir())
-    assert (broken / "trajectories" / "step_000006.jsonl").read_text().count("\n") == 4
-
-
 def test_resume_refuses_an_existing_run_without_flag(tmp_path):
     out = tmp_path / "run"
     fit(f"{APP}:single", TASKS[:2], _cfg("steps=1"), out)
     with pytest.raises(ConfigError, match="already holds a run; pass --resume"):
         fit(f"{APP}:single", TASKS[:2], _cfg("steps=1"), out)
+
+
+def _killed_before_first_checkpoint(out):
+    """What a run killed during step 2 of its first save interval leaves on disk."""
+    run = RunDir(out)
+    run.create("seed: 3\n")
+    run.append_metrics({"kind": "val", "step": 0, "rollouts": 2})
+    run.append_metrics({"kind": "train", "step": 1, "rollouts": 4})
+    with run.metrics_path.open("a") as f:
+        f.write('{"kind": "train", "st')  # a row cut by the kill
+    run.write_trajectories(0, ['{"old": 0}'], name="step_000000_val")
+    run.write_trajectories(1, ['{"old": 1}'])
+    (out / "trajectories" / "step_000002.tmp").write_text('{"old"')
+    (run.staging() / "policies" / "solo").mkdir()
+    return run
+
+
+def test_a_run_killed_before_its_first_checkpoint_is_refused_without_resume(tmp_path):
+    """Nothing to resume: a fresh start says what to do, and touches nothing."""
+    run = _killed_before_first_checkpoint(tmp_path / "run")
+    before = sorted(p.name for p in run.traj_dir.iterdir()), run.metrics_path.read_text()
+    with pytest.raises(ConfigError, match=r"stopped before its first checkpoint, so there is nothing to resume; "
+                                          r"pass --resume to start it over from step 0"):
+        fit(f"{APP}:single", TASKS[:2], _cfg("steps=1"), run.root)
+    assert (sorted(p.name for p in run.traj_dir.iterdir()), run.metrics_path.read_text()) == before
+
+
+def test_resume_of_a_run_killed_before_its_first_checkpoint_starts_over(tmp_path, caplog):
+    """As verl's auto resume: no complete checkpoint -> step 0, the partial records discarded, one clear line."""
+    run = _killed_before_first_checkpoint(tmp_path / "run")
+    with caplog.at_level(logging.WARNING, logger="mas_trainer.runtime.trainer"):
+        rows = fit(f"{APP}:single", TASKS[:2], _cfg("steps=1"), run.root, resume=True)
+    assert "has no complete checkpoint (the run stopped before its first one): starting over from step 0; " \
+           "discarded 2 metrics rows and 2 trajectory files" in caplog.text
+    assert [(r["kind"], r["step"]) for r in rows] == [("train", 1)] == [(r["kind"], r["step"]) for r in run.metrics()]
+    assert sorted(p.name for p in run.traj_dir.iterdir()) == ["step_000001.jsonl"]
+    assert '"old"' not in (run.traj_dir / "step_000001.jsonl").read_text()
+    assert len((run.traj_dir / "step_000001.jsonl").read_text().splitlines()) == 4
+    assert json.loads((run.checkpoint / "state.json").read_text())["step"] == 1
+    assert not (run.root / ".checkpoint-staging").exists()
+
+
+def test_resume_on_an_empty_directory_starts_a_run(tmp_path):
+    rows = fit(f"{APP}:single", TASKS[:2], _cfg("steps=1"), tmp_path / "new", resume=True)
+    assert [r["step"] for r in rows] == [1]
 
 
 def test_failed_rollouts_get_the_fill_reward_and_training_goes_on(tmp_path):
