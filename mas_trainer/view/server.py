@@ -1,0 +1,245 @@
+"""`mas-trainer view`: a local web page over a run directory, or one static HTML file.
+
+The server binds 127.0.0.1 only and answers GET/HEAD on:
+
+- ``/`` (``?step=NAME`` optional): the page, with the index and one step inline;
+- ``/api/index``: curves, policy map, list of trajectory files (re-read on every request, so a
+  running ``fit``'s new steps appear on reload);
+- ``/api/step?name=NAME``: one trajectory file, assembled (:mod:`mas_trainer.view.data`);
+- ``/raw/REL``: a file of the run as it is, only those :meth:`ViewSource.raw_files` lists
+  (metrics, app.json, config.yaml, rewards.png, trajectory files), never anything else.
+
+Query parameters are validated (a step name must name a listed file), paths with ``..``,
+absolute paths, encoded separators or links that leave the run directory are refused, and a
+``Host`` header other than the server's own address is refused (DNS rebinding).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Iterable
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from mas_trainer.errors import UserError
+from mas_trainer.view.data import STEP_NAME, ViewSource
+from mas_trainer.view.page import content_security_policy, render_page
+
+__all__ = ["ViewServer", "serve_view", "write_html", "page_data", "select_steps"]
+
+log = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+
+
+def _initial_step(source: ViewSource, index: dict[str, Any]) -> str | None:
+    steps = index["steps"]
+    train = [s for s in steps if s["kind"] == "train"]
+    pick = train[-1] if train else steps[-1] if steps else None
+    return pick["name"] if pick else None
+
+
+def page_data(source: ViewSource, step: str | None = None, *, all_steps: Iterable[str] | None = None) -> dict[str, Any]:
+    """What the page embeds: the index, plus `step` (server) or every step in `all_steps` (static file)."""
+    index = source.index()
+    if all_steps is not None:
+        names = list(all_steps)
+        return {"index": index, "steps_data": source.all_steps(names), "initial_step": names[-1] if names else None}
+    name = step or _initial_step(source, index)
+    steps_data = {name: source.step(name)} if name else {}
+    return {"index": index, "steps_data": {k: v for k, v in steps_data.items() if v is not None}, "initial_step": name}
+
+
+def select_steps(source: ViewSource, spec: str | None) -> list[str]:
+    """`--steps`: all (default), last, or a comma list of step numbers and/or file names."""
+    files = source.step_files()
+    if not spec or spec == "all":
+        return [s.name for s in files]
+    if spec == "last":
+        train = [s for s in files if s.kind == "train"]
+        return [(train or files)[-1].name] if files else []
+    out: list[str] = []
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        if part.isdigit():
+            hits = [s.name for s in files if s.step == int(part)]
+        else:
+            hits = [s.name for s in files if s.name == part]
+        if not hits:
+            raise UserError(f"--steps {spec}: no trajectory file for {part!r}; have {', '.join(s.name for s in files) or 'none'}")
+        out += [h for h in hits if h not in out]
+    return out
+
+
+def write_html(source: ViewSource, out: str | Path, *, steps: str | None = None) -> Path:
+    """One self-contained HTML file (no network, no other files) with the chosen steps."""
+    names = select_steps(source, steps)
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render_page(page_data(source, all_steps=names), api=False), encoding="utf-8")
+    return path
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: "ViewServer"
+    server_version = "mas-trainer-view"
+    sys_version = ""
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        log.debug("%s " + format, self.address_string(), *args)
+
+    # --- replies ------------------------------------------------------------------------------
+    def _send(self, status: int, body: bytes, ctype: str, extra: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.send_header("Referrer-Policy", "no-referrer")
+        self.send_header("Cache-Control", "no-store")
+        self.send_header("Cross-Origin-Resource-Policy", "same-origin")
+        self.send_header("X-Frame-Options", "DENY")
+        for k, v in (extra or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _json(self, data: Any, status: int = 200) -> None:
+        self._send(status, json.dumps(data, allow_nan=False).encode(), "application/json; charset=utf-8")
+
+    def _error(self, status: int, message: str) -> None:
+        self._json({"error": message}, status)
+
+    # --- routing ------------------------------------------------------------------------------
+    def do_HEAD(self) -> None:  # noqa: N802
+        self.do_GET()
+
+    def do_GET(self) -> None:  # noqa: N802
+        try:
+            self._route()
+        except BrokenPipeError:
+            pass
+        except Exception as exc:  # noqa: BLE001 - one bad file must not take the server down
+            log.exception("view: %s failed", self.path)
+            self._error(500, f"{type(exc).__name__}: {str(exc)[:300]}")
+
+    def _bad_method(self) -> None:
+        self._error(HTTPStatus.METHOD_NOT_ALLOWED, "only GET and HEAD")
+
+    do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _bad_method  # type: ignore[assignment]
+
+    def _route(self) -> None:
+        if not self.server.host_ok(self.headers.get("Host")):
+            return self._error(HTTPStatus.FORBIDDEN, "unexpected Host header")
+        parts = urlsplit(self.path)
+        path = parts.path
+        try:
+            query = parse_qs(parts.query, keep_blank_values=True, strict_parsing=False, max_num_fields=8)
+        except ValueError:
+            return self._error(HTTPStatus.BAD_REQUEST, "bad query string")
+        if any(len(v) > 1 for v in query.values()):
+            return self._error(HTTPStatus.BAD_REQUEST, "a query parameter is repeated")
+        q = {k: v[0] for k, v in query.items()}
+        source = self.server.source
+        if path == "/":
+            if set(q) - {"step"}:
+                return self._error(HTTPStatus.BAD_REQUEST, f"unknown query parameter(s): {', '.join(sorted(set(q) - {'step'}))}")
+            step = q.get("step")
+            if step is not None and source.find_step(step) is None:
+                return self._error(HTTPStatus.NOT_FOUND if STEP_NAME.match(step) else HTTPStatus.BAD_REQUEST, "no such step")
+            page = render_page(page_data(source, step), api=True)
+            return self._send(200, page.encode(), "text/html; charset=utf-8",
+                              {"Content-Security-Policy": content_security_policy(api=True) + "; frame-ancestors 'none'"})
+        if path == "/api/index":
+            if q:
+                return self._error(HTTPStatus.BAD_REQUEST, "no query parameters here")
+            return self._json(source.index())
+        if path == "/api/step":
+            name = q.get("name")
+            if set(q) != {"name"} or not name or not STEP_NAME.match(name):
+                return self._error(HTTPStatus.BAD_REQUEST, "want ?name=STEP (a trajectory file's name, e.g. step_000001)")
+            data = source.step(name)
+            if data is None:
+                return self._error(HTTPStatus.NOT_FOUND, "no such step")
+            return self._json(data)
+        if path.startswith("/raw/"):
+            return self._raw(path[len("/raw/"):])
+        if path == "/favicon.ico":
+            return self._send(204, b"", "text/plain")
+        return self._error(HTTPStatus.NOT_FOUND, "not found")
+
+    def _raw(self, encoded: str) -> None:
+        rel = unquote(encoded, errors="strict") if "%" in encoded else encoded
+        if (not rel or "\\" in rel or "\x00" in rel or rel.startswith("/")
+                or any(part in ("", ".", "..") for part in rel.split("/"))):
+            return self._error(HTTPStatus.BAD_REQUEST, "bad path")
+        files = self.server.source.raw_files()
+        target = files.get(rel)
+        if target is None:
+            return self._error(HTTPStatus.NOT_FOUND, "not a file of this run")
+        base = (self.server.source.root or self.server.source.path.parent).resolve()
+        real = target.resolve()
+        if not real.is_file() or not real.is_relative_to(base):
+            return self._error(HTTPStatus.NOT_FOUND, "not a file of this run")
+        ctype = "image/png" if real.suffix == ".png" else "text/plain; charset=utf-8"
+        return self._send(200, real.read_bytes(), ctype, {"Content-Security-Policy": "default-src 'none'; sandbox"})
+
+
+class ViewServer(ThreadingHTTPServer):
+    """The view's HTTP server on 127.0.0.1:`port` (0: any free port); `url` once bound."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, source: ViewSource, port: int = 0) -> None:
+        self.source = source
+        try:
+            super().__init__((HOST, port), _Handler)
+        except OSError as exc:
+            raise UserError(f"cannot listen on {HOST}:{port} ({exc.strerror or exc}); choose another --port") from None
+        self.port = self.server_address[1]
+        self.url = f"http://{HOST}:{self.port}/"
+        self._thread: threading.Thread | None = None
+
+    def host_ok(self, host: str | None) -> bool:
+        return host in (f"{HOST}:{self.port}", f"localhost:{self.port}") or (self.port == 80 and host in (HOST, "localhost"))
+
+    def start(self) -> "ViewServer":
+        """Serve in a background thread (tests, notebooks)."""
+        self._thread = threading.Thread(target=self.serve_forever, name="mas-trainer-view", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.shutdown()
+        self.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+
+def serve_view(source: ViewSource, port: int = 8765, *, announce: Any = print) -> None:
+    """Serve until Ctrl-C."""
+    server = ViewServer(source, port)
+    if source.advantages_enabled and source.root is not None:
+        # verl's estimators take seconds to import: do it now, not on the first click
+        threading.Thread(target=_warm_up, daemon=True).start()
+    announce(f"viewing {source.path} at {server.url} (127.0.0.1 only; Ctrl-C to stop)")
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
+def _warm_up() -> None:
+    try:
+        import mas_trainer.algo.advantages  # noqa: F401
+        import verl.trainer.ppo.core_algos  # noqa: F401
+    except Exception:  # noqa: BLE001 - the step will say why
+        pass
