@@ -104,7 +104,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
     with Session(model=args.model, max_in_flight=args.concurrency, timeout_s=args.timeout, otel_exporter=args.otel, default_max_tokens=args.max_tokens) as session:
         app = session.load_app(args.app)
         pols = ", ".join(f"{n}={p.base_model}" for n, p in app.spec.policies.items())
-        console.print(f"[bold]{args.app}[/]: {len(app.spec.nodes)} nodes; policies {pols}; gateway {session.server.base_url}")
+        console.print(f"[bold]{args.app}[/]: {len(app.spec.nodes)} nodes; policies {pols}")
+        console.print(f"gateway {session.describe_gateway()}", markup=False, soft_wrap=True)
         start = time.time()
         trajs = session.run(tasks, n=args.n)
         elapsed = time.time() - start
@@ -117,10 +118,24 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quiet_setup() -> None:
+    """Keep libraries' setup chatter out of `fit`'s output, where mas-trainer can: Hugging Face
+    progress bars (checkpoint writes; worker processes inherit the variable) and Ray's notice
+    that it turned token authentication on (a local instance `fit` starts for itself)."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "transformers" in sys.modules:
+        sys.modules["transformers"].utils.logging.disable_progress_bar()
+    ray_auth = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    if ray_auth.getEffectiveLevel() < logging.ERROR:
+        ray_auth.setLevel(logging.ERROR)
+
+
 def cmd_fit(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from mas_trainer.config import load_config
+
+    _quiet_setup()
     from mas_trainer.runtime.trainer import fit
 
     base = {"model": args.model} if args.model else {}
@@ -129,12 +144,22 @@ def cmd_fit(args: argparse.Namespace) -> int:
     tasks = _load_tasks(argparse.Namespace(input=None, data=args.data))
     val = _load_tasks(argparse.Namespace(input=None, data=args.val_data)) if args.val_data else None
     console = Console()
+    # the Session says where its gateway listens and whom it answers, at INFO
+    session_log = logging.getLogger("mas_trainer.runtime.session")
+    if session_log.getEffectiveLevel() > logging.INFO:
+        session_log.setLevel(logging.INFO)
     rows = fit(args.app, tasks, cfg, args.output, val_tasks=val, resume=args.resume, console=console)
     vals = [r for r in rows if r.get("kind") == "val"]
     if vals:
         first, last = vals[0], vals[-1]
-        console.print(f"held-out reward: step {first['step']} {first['reward/mean']} -> step {last['step']} {last['reward/mean']}")
-    console.print(f"run directory: {args.output} (metrics.jsonl, trajectories/, checkpoint/, rewards.png)")
+        def mean(row: dict[str, Any]) -> str:
+            return "-" if row.get("reward/mean") is None else f"{row['reward/mean']:.3f}"
+
+        console.print(f"held-out reward: step {first['step']} {mean(first)} -> step {last['step']} {mean(last)}",
+                      markup=False, highlight=False, soft_wrap=True)
+    trackers = [f"{name}/" for name in cfg.logger if name in ("tensorboard", "wandb")] + (["mlflow.db"] if "mlflow" in cfg.logger else [])
+    console.print(f"run directory: {args.output} (metrics.jsonl, trajectories/, checkpoint/, rewards.png"
+                  f"{''.join(', ' + t for t in trackers)})", markup=False, highlight=False, soft_wrap=True)
     return 0
 
 
@@ -172,7 +197,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from mas_trainer.serve import serve
+    from mas_trainer.serve import resolve_api_key, serve
 
     routes = {}
     for item in args.route:
@@ -180,7 +205,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise UsageError(f"--route {item!r} must look like MODEL=POLICY (e.g. gpt-4o-mini=planner)")
         name, policy = item.split("=", 1)
         routes[name] = policy
-    serve(args.run_dir, host=args.host, port=args.port, routes=routes, api_key=args.api_key)
+    serve(args.run_dir, host=args.host, port=args.port, routes=routes, api_key=resolve_api_key(args.api_key, args.api_key_file),
+          engine=args.engine)
+    return 0
+
+
+def cmd_view(args: argparse.Namespace) -> int:
+    from mas_trainer.view import ViewSource, serve_view, write_html
+
+    source = ViewSource(args.path, tokenizer=args.tokenizer, advantages=not args.no_advantages)
+    if args.html:
+        out = write_html(source, args.html, steps=args.steps)
+        print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB): one self-contained page, open it in any browser")
+        return 0
+    if args.steps:
+        raise UsageError("--steps chooses what --html embeds; the server shows every step")
+    serve_view(source, port=args.port)
     return 0
 
 
@@ -249,10 +289,29 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require this bearer token (401 otherwise)")
+    p.add_argument("--api-key", default=None, help="require this bearer token (401 otherwise); visible to local users in "
+                                                    "the process list: prefer --api-key-file or $MAS_TRAINER_API_KEY")
+    p.add_argument("--api-key-file", default=None, help="read the bearer token from the first line of this file")
     p.add_argument("--route", action="append", default=[], metavar="MODEL=POLICY",
                    help="serve requests that name no node and ask for MODEL with POLICY (repeatable)")
+    p.add_argument("--engine", choices=["embedded", "vllm", "torch-replica"], default="embedded",
+                   help="what answers the trained policies: the embedded torch engine, vLLM replicas (GPUs, docs/vllm.md), "
+                        "or the embedded engine as replicas")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("view", help="look at a run in the browser: curves, graphs of node calls, tokens, rewards",
+                       description="Serve a local page (127.0.0.1 only) showing RUN_DIR's reward and held-out curves and, per step, "
+                                   "each rollout's node calls, LLM calls (tokens coloured by log-prob or advantage), tool calls "
+                                   "and rewards; the rollouts of one task side by side. --html writes the same page as one file.")
+    p.add_argument("path", metavar="RUN_DIR|TRAJECTORIES.jsonl", help="a fit run directory, or one trajectories file (fit, trace)")
+    p.add_argument("--port", type=int, default=8765, help="port on 127.0.0.1 (default 8765; 0: any free port)")
+    p.add_argument("--html", metavar="OUT", default=None, help="write one self-contained HTML file instead of serving")
+    p.add_argument("--steps", default=None, help="with --html: all (default), last, or a comma list of step numbers / "
+                                                 "file names (e.g. 1,10,step_000010_val)")
+    p.add_argument("--tokenizer", default=None, help="decode response tokens with this tokenizer (tiny | default | PATH | HF id; "
+                                                     "default: each policy's checkpoint, else its base model)")
+    p.add_argument("--no-advantages", action="store_true", help="do not recompute advantages (skips importing verl)")
+    p.set_defaults(func=cmd_view)
     return parser
 
 

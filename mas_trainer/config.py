@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from mas_trainer.algo.config import AdvantageConfig
 from mas_trainer.errors import UserError
@@ -20,6 +20,7 @@ from mas_trainer.learners.config import CriticConfig, LearnerConfig
 from mas_trainer.rewards.allocators import LevelWeights, allocator_names, check_allocator
 from mas_trainer.rollout.config import ENGINES, ReplicaConfig
 from mas_trainer.runtime.plan import Resources
+from mas_trainer.runtime.tracking import TRACKERS, check_trackers
 
 __all__ = ["FitConfig", "PolicyConfig", "RuntimeConfig", "load_config", "describe_keys", "ConfigError"]
 
@@ -91,6 +92,9 @@ class FitConfig(_Strict):
     eval_every: int = Field(10, ge=1, description="evaluate the held-out split every N steps (and before training)")
     val_fraction: float = Field(0.0, ge=0, lt=1, description="fraction of --data held out when --val-data is not given")
     val_n: int = Field(1, ge=1, description="rollouts per held-out task")
+    logger: list[Literal[TRACKERS]] = Field(  # type: ignore[valid-type]
+        ["console", "tensorboard"], description="trackers that get every metrics row: console (a line per step), tensorboard "
+        "(RUN_DIR/tensorboard), mlflow (RUN_DIR/mlflow.db), wandb (offline, RUN_DIR/wandb); e.g. logger=[console,mlflow]")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
@@ -98,6 +102,14 @@ class FitConfig(_Strict):
     critic: CriticConfig = Field(default_factory=CriticConfig)
     policies: dict[str, PolicyConfig] = Field(default_factory=dict, description="per-policy overrides: policies.NAME.learner.lr=...")
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+
+    @field_validator("logger", mode="before")
+    @classmethod
+    def _logger_list(cls, value: Any) -> Any:
+        """`logger=tensorboard` and `logger=console,mlflow` too, not only a YAML list."""
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return [] if value is None else value
 
     def learner_for(self, policy: str) -> LearnerConfig:
         over = self.policies.get(policy)
@@ -195,6 +207,10 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), b
                 raise ConfigError(f"policies.{name}.{part}: {_describe_error(exc, model)}") from exc
     _check_reward(cfg)
     _check_learner(cfg)
+    try:
+        check_trackers(cfg.logger)  # a missing tracker package: one line, before anything starts
+    except UserError as exc:
+        raise ConfigError(str(exc)) from exc
     return cfg
 
 

@@ -5,12 +5,18 @@ policy that node was trained as: `@trainable` makes the app's OpenAI calls name 
 (W3C baggage), and the gateway routes the node with the run's policy map (`app.json`).
 Calls that name no node are served by `model`: a policy name, or a name mapped with
 `--route NAME=POLICY`; any other model is a 404, never a silent fallback to an untrained model.
+A call naming a node that is not in the run's map is a 404 too.
+
+The API key (`--api-key`, `--api-key-file`, or $MAS_TRAINER_API_KEY) guards everything but a
+bare liveness probe (`/health` says only `{"status": "ok"}` without it).
 The engines are configured as the run's (`runtime` in its config.yaml), so the policies
 answer as `fit` and `eval --run` measured them.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 import threading
 from pathlib import Path
@@ -22,7 +28,33 @@ from mas_trainer.runtime.backends import policy_backends, run_config, trained_po
 from mas_trainer.runtime.rundir import RunDir
 from mas_trainer.spec import ResolvedSpec
 
-__all__ = ["load_run_spec", "build_gateway", "serve"]
+__all__ = ["load_run_spec", "build_gateway", "serve", "resolve_api_key", "API_KEY_ENV"]
+
+log = logging.getLogger(__name__)
+API_KEY_ENV = "MAS_TRAINER_API_KEY"
+
+
+def resolve_api_key(api_key: str | None = None, api_key_file: str | Path | None = None) -> str | None:
+    """The key from --api-key, else --api-key-file (first line), else $MAS_TRAINER_API_KEY.
+
+    A key on the command line is visible to every local user (ps, /proc); a file or the
+    environment is not."""
+    if api_key is not None and api_key_file is not None:
+        raise ConfigError("give --api-key or --api-key-file, not both")
+    if api_key_file is not None:
+        path = Path(api_key_file)
+        try:
+            lines = path.read_text().splitlines()
+        except OSError as exc:
+            raise ConfigError(f"--api-key-file {path}: {exc.strerror or exc}") from None
+        api_key = lines[0].strip() if lines else ""
+        if not api_key:
+            raise ConfigError(f"--api-key-file {path} is empty")
+    if api_key is None:
+        api_key = os.environ.get(API_KEY_ENV) or None
+    if api_key is not None and not api_key.strip():
+        raise ConfigError("the API key is empty")
+    return api_key
 
 
 def load_run_spec(run_dir: str | Path) -> ResolvedSpec:
@@ -30,7 +62,10 @@ def load_run_spec(run_dir: str | Path) -> ResolvedSpec:
 
 
 def build_gateway(run_dir: str | Path, *, routes: Mapping[str, str] | None = None, api_key: str | None = None,
-                  max_tokens: int = 256) -> Gateway:
+                  max_tokens: int = 256, engine: str = "embedded") -> Gateway:
+    """`engine`: `embedded` (the torch engine, configured as the run's), or `vllm` / `torch-replica`:
+    rollout replicas on each trained policy's checkpoint (docs/vllm.md); frozen policies keep the
+    embedded engine."""
     trained = trained_policies(run_dir)
     spec = load_run_spec(run_dir)
     routes = dict(routes or {})
@@ -41,22 +76,33 @@ def build_gateway(run_dir: str | Path, *, routes: Mapping[str, str] | None = Non
     if untrained:
         raise ConfigError(f"policy {untrained[0]!r} has no checkpoint folder in {RunDir(run_dir).checkpoint / 'policies'}")
     cfg = run_config(run_dir)
-    gateway = Gateway(Router(spec, model_routes=routes), api_key=api_key, default_max_tokens=max_tokens)
-    for name, backend in policy_backends(spec.policies, cfg.runtime, seed=cfg.seed, checkpoints=trained).items():
+    # known_nodes_only: a node the run never saw gets a 404, not the untrained base model
+    gateway = Gateway(Router(spec, model_routes=routes, known_nodes_only=True), api_key=api_key, default_max_tokens=max_tokens)
+    served = {}
+    if engine != "embedded":
+        from mas_trainer.rollout.fleet import serving_backends
+
+        served = serving_backends({p: trained[p] for p, pol in spec.policies.items() if pol.trainable}, engine, cfg.runtime)
+    for name, backend in policy_backends(spec.policies, cfg.runtime, seed=cfg.seed, checkpoints=trained,
+                                         served=served).items():
         gateway.add_policy(name, backend)
     return gateway
 
 
 def serve(run_dir: str | Path, *, host: str = "127.0.0.1", port: int = 8000, routes: Mapping[str, str] | None = None,
-          api_key: str | None = None, ready: threading.Event | None = None, stop: threading.Event | None = None) -> None:
+          api_key: str | None = None, ready: threading.Event | None = None, stop: threading.Event | None = None,
+          engine: str = "embedded") -> None:
     """Serve until SIGINT/SIGTERM (or `stop` is set)."""
-    gateway = build_gateway(run_dir, routes=routes, api_key=api_key)
+    gateway = build_gateway(run_dir, routes=routes, api_key=api_key, engine=engine)
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
+    if api_key is None and host not in ("127.0.0.1", "::1", "localhost"):
+        log.warning("serving on %s without an API key: anyone who can reach it can use the models "
+                    "(set %s or --api-key-file)", host, API_KEY_ENV)
     with GatewayServer(gateway, host, port) as server:
-        print(f"serving {', '.join(sorted(gateway.backends))} at {server.base_url}", flush=True)
+        print(f"serving {', '.join(sorted(gateway.backends))} at {server.base_url} ({gateway.protection()})", flush=True)
         if ready is not None:
             ready.set()
         stop.wait()

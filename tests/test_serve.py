@@ -123,3 +123,42 @@ def test_serve_cli_runs_until_sigterm(trained_run):
         while proc.poll() is None and time.time() < deadline:
             time.sleep(0.1)
     assert proc.returncode == 0
+
+
+def test_unknown_nodes_are_refused_and_details_are_behind_the_key(trained_run):
+    import httpx
+
+    _, run = trained_run
+    with GatewayServer(build_gateway(run, api_key="k", routes={"gpt-4o-mini": "crew"})) as server:
+        root = server.base_url.removesuffix("/v1")
+        auth = {"authorization": "Bearer k"}
+        body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        r = httpx.post(f"{server.base_url}/chat/completions", json=body, headers={**auth, "baggage": "mas.node=ghost"})
+        assert r.status_code == 404 and "'ghost' is not in this run's policy map" in r.json()["error"]["message"]
+        assert "planner" in r.json()["error"]["message"]  # lists the nodes it knows
+        r = httpx.post(f"{server.base_url}/chat/completions", json=body, headers={**auth, "baggage": "mas.node=planner"})
+        assert r.status_code == 200 and r.json()["system_fingerprint"] == "mas-trainer:lead"
+        assert httpx.get(f"{root}/health").json() == {"status": "ok"}  # a bare liveness probe
+        assert httpx.get(f"{root}/health", headers=auth).json()["policies"]
+        assert httpx.get(f"{root}/openapi.json").status_code == 401
+        assert httpx.get(f"{root}/openapi.json", headers=auth).json()["info"]["title"]
+        assert httpx.get(f"{root}/docs").status_code == 404
+
+
+def test_the_api_key_can_come_from_a_file_or_the_environment(tmp_path, monkeypatch):
+    from mas_trainer.serve import resolve_api_key
+
+    monkeypatch.delenv("MAS_TRAINER_API_KEY", raising=False)
+    assert resolve_api_key() is None
+    monkeypatch.setenv("MAS_TRAINER_API_KEY", "from-env")
+    assert resolve_api_key() == "from-env"
+    (tmp_path / "key").write_text("from-file\n")
+    assert resolve_api_key(api_key_file=tmp_path / "key") == "from-file"
+    assert resolve_api_key(api_key="flag") == "flag"
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ConfigError, match="is empty"):
+        resolve_api_key(api_key_file=tmp_path / "empty")
+    with pytest.raises(ConfigError, match="missing"):
+        resolve_api_key(api_key_file=tmp_path / "missing")
+    with pytest.raises(ConfigError, match="not both"):
+        resolve_api_key(api_key="a", api_key_file=tmp_path / "key")

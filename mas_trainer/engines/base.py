@@ -2,14 +2,27 @@
 
 An engine generates for one policy. It knows nothing about HTTP, roles or graphs; the
 gateway turns chat requests into prompt ids (with `ChatFormat`) and back.
+
+Two optional parts, found with `getattr` so engines written before them keep working:
+`stream` (tokens as they are sampled; `stream_generation` falls back to `generate`) and
+`max_context` (prompt + completion tokens the model takes; the gateway caps `max_tokens`
+by it and refuses longer prompts before they reach the engine). Cancellation is asyncio's:
+an engine must stop spending compute on a request whose `generate` await (or `stream`
+iteration) is cancelled, which is how a client that hangs up frees its rows.
 """
 
 from __future__ import annotations
 
+from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, Sequence, runtime_checkable
+from typing import Any, AsyncIterator, Literal, Protocol, Sequence, runtime_checkable
 
-__all__ = ["SamplingParams", "Generation", "Engine", "ChatFormat"]
+__all__ = ["SamplingParams", "Generation", "Delta", "Engine", "StreamingEngine", "ChatFormat", "stream_generation",
+           "max_context", "EngineUnavailable"]
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot answer now (e.g. its rollout replica died): the gateway answers 503."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +61,21 @@ class Generation:
     prompt_ids: list[int] = field(default_factory=list)
 
 
+@dataclass
+class Delta:
+    """What one choice gained since its last delta: new token ids and the text they complete.
+
+    `text` may lag the tokens (an incomplete UTF-8 character, the start of a stop string is
+    held back until it is known not to be one); the deltas of a choice add up to its final
+    `Generation.text`. Its last delta carries `generation`, the complete choice.
+    """
+
+    index: int
+    token_ids: list[int]
+    text: str
+    generation: Generation | None = None
+
+
 @runtime_checkable
 class Engine(Protocol):
     """Generates for one policy. Concurrent `generate` calls are batched together."""
@@ -65,6 +93,40 @@ class Engine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class StreamingEngine(Engine, Protocol):
+    """An engine that can also hand out tokens as they are sampled (optional)."""
+
+    def stream(
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, turn_id: str | None = None
+    ) -> AsyncIterator[Delta]:
+        """Deltas of the `params.n` choices, interleaved, as they are sampled; closing the
+        iterator (or cancelling the task iterating it) stops the generation."""
+        ...
+
+
+async def stream_generation(
+    engine: Engine, prompt_ids: Sequence[int], params: SamplingParams, *, turn_id: str | None = None
+) -> AsyncIterator[Delta]:
+    """`engine.stream(...)` where the engine has it, else one delta per choice from `generate`."""
+    stream = getattr(engine, "stream", None)
+    if stream is not None:
+        # aclosing: when our consumer stops early, the engine's stream is closed now (and
+        # frees its rows), not whenever the garbage collector finalises it
+        async with aclosing(stream(prompt_ids, params, turn_id=turn_id)) as deltas:
+            async for delta in deltas:
+                yield delta
+        return
+    for i, gen in enumerate(await engine.generate(prompt_ids, params, turn_id=turn_id)):
+        yield Delta(i, list(gen.token_ids), gen.text, gen)
+
+
+def max_context(engine: Engine) -> int | None:
+    """Tokens (prompt + completion) the engine's model takes, where the engine says."""
+    value = getattr(engine, "max_context", None)
+    return value if isinstance(value, int) and value > 0 else None
 
 
 @runtime_checkable

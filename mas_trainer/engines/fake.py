@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
-from mas_trainer.engines.base import Generation, SamplingParams
+from mas_trainer.engines.base import Delta, Generation, SamplingParams
 from mas_trainer.engines.chat import parse_tool_calls
+from mas_trainer.engines.streaming import TextStream
 
 __all__ = ["FakeEngine", "FakeChatFormat", "byte_ids", "byte_text"]
 
@@ -40,6 +41,9 @@ class FakeEngine:
     reply is tokenised by it, otherwise by `byte_ids`. Every token gets log-prob -0.5 and
     the reply ends with the end-of-turn id, like a real model that stopped by itself;
     `max_tokens` cuts it (finish "length") and `stop` strings cut the text (finish "stop").
+    `token_latency_s` adds that much per generated token, as a real decoder does: `stream`
+    hands each token out as its time comes, so tests can tell streaming from buffering.
+    `max_context`, when set, is the context the gateway caps requests by.
     """
 
     def __init__(
@@ -48,9 +52,14 @@ class FakeEngine:
         latency_s: float = 0.001,
         reply: str | Callable[[Sequence[int], SamplingParams, int], str] = "Hello from the fake engine.",
         tokenizer: Any = None,
+        token_latency_s: float = 0.0,
+        max_context: int | None = None,
     ) -> None:
         self.model_name = model_name
         self.latency_s = latency_s
+        self.token_latency_s = token_latency_s
+        if max_context is not None:
+            self.max_context = max_context
         self.reply = reply
         self.tokenizer = tokenizer
         self.calls: list[tuple[list[int], SamplingParams]] = []
@@ -98,8 +107,27 @@ class FakeEngine:
         if self.closed:
             raise RuntimeError(f"engine {self.model_name!r} is closed")
         self.calls.append((list(prompt_ids), params))
+        gens = [self._one(prompt_ids, params, i) for i in range(params.n)]
+        await asyncio.sleep(self.latency_s + self.token_latency_s * max(len(g.token_ids) for g in gens))
+        return gens
+
+    async def stream(
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, turn_id: str | None = None
+    ) -> AsyncIterator[Delta]:
+        """The same choices as `generate`, token by token (all choices advance together)."""
+        if self.closed:
+            raise RuntimeError(f"engine {self.model_name!r} is closed")
+        self.calls.append((list(prompt_ids), params))
+        gens = [self._one(prompt_ids, params, i) for i in range(params.n)]
+        texts = [TextStream(self._decode, params.stop, frozenset({self._eos()})) for _ in gens]
         await asyncio.sleep(self.latency_s)
-        return [self._one(prompt_ids, params, i) for i in range(params.n)]
+        for step in range(max(len(g.token_ids) for g in gens)):
+            await asyncio.sleep(self.token_latency_s)
+            for i, gen in enumerate(gens):
+                if step < len(gen.token_ids) - 1:
+                    yield Delta(i, [gen.token_ids[step]], texts[i].push(gen.token_ids[step]))
+                elif step == len(gen.token_ids) - 1:
+                    yield Delta(i, [gen.token_ids[step]], texts[i].finish(gen.text), gen)
 
     def close(self) -> None:
         self.closed = True

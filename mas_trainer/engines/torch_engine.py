@@ -13,7 +13,10 @@ what a PPO learner needs as the old log-prob; it is not the probability of the (
 warped) distribution the token was drawn from.
 
 Thread model: only the worker thread touches the model. `generate` (async, any event loop)
-and `generate_sync` (any thread) enqueue rows and wait on a future; `run_exclusive` runs a
+and `generate_sync` (any thread) enqueue rows and wait on a future; `stream` also gets each
+token as it is sampled (pushed onto the caller's loop). A request whose future is cancelled
+(its caller's await or stream was cancelled: e.g. the HTTP client hung up) leaves the batch
+at the next step, and if still waiting is never admitted; `run_exclusive` runs a
 function on the model between batches (admission pauses, running rows finish first), which
 is how a learner swaps weights without a response mixing two policies.
 
@@ -32,11 +35,12 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 import torch
 
-from mas_trainer.engines.base import Generation, SamplingParams
+from mas_trainer.engines.base import Delta, Generation, SamplingParams
+from mas_trainer.engines.streaming import TextStream
 
 __all__ = ["TorchEngine"]
 
@@ -49,6 +53,8 @@ class _Request:
     grammar: Any = None
     results: list[Generation | None] = field(default_factory=list)
     remaining: int = 0
+    # Called on the worker thread with (choice index, token, Generation when it finished).
+    listener: Callable[[int, int, Generation | None], None] | None = None
 
 
 @dataclass(eq=False)
@@ -69,6 +75,8 @@ def _row_seed(seed: int, index: int) -> int:
 
 class TorchEngine:
     """`Engine` over a Hugging Face causal LM, batching concurrent requests on one thread."""
+
+    max_grammars = 64  # compiled JSON-schema grammars kept
 
     def __init__(
         self,
@@ -105,7 +113,9 @@ class TorchEngine:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids, default=0)
         self.stats: dict[str, Any] = {"decode_steps": 0, "prefills": 0, "tokens": 0, "batch_sizes": collections.Counter()}
         self._rng = torch.Generator(device=self.device).manual_seed(0)
-        self._grammars: dict[str, Any] = {}
+        # Compiled grammars by schema, least recently used first: bounded, since every
+        # request may bring a schema of its own.
+        self._grammars: collections.OrderedDict[str, Any] = collections.OrderedDict()
         self._grammar_lock = threading.Lock()
         self._xgr_compiler: Any = None
         # State shared with callers, guarded by _cond.
@@ -133,13 +143,59 @@ class TorchEngine:
         """The model; read freely, but change it only through `run_exclusive`."""
         return self._model
 
+    @property
+    def max_context(self) -> int:
+        """Prompt + completion tokens the model takes (its position embeddings)."""
+        return self.max_positions
+
     async def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, turn_id: str | None = None
     ) -> list[Generation]:
         """`params.n` choices for one prompt; cancelling the await frees the rows."""
-        if params.json_schema is not None and self._schema_key(params.json_schema) not in self._grammars:
+        if params.json_schema is not None:  # compiled (or found) off the event loop: compiling holds a lock
             await asyncio.to_thread(self._grammar_for, params.json_schema)
         return await asyncio.wrap_future(self._submit(prompt_ids, params))
+
+    async def stream(
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, turn_id: str | None = None
+    ) -> AsyncIterator[Delta]:
+        """The `params.n` choices as deltas, token by token; closing the iterator (or
+        cancelling its task) frees the rows."""
+        if params.json_schema is not None:  # compiled (or found) off the event loop: compiling holds a lock
+            await asyncio.to_thread(self._grammar_for, params.json_schema)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[tuple[int, int, Generation | None] | None] = asyncio.Queue()
+
+        def post(item: tuple[int, int, Generation | None] | None) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, item)
+            except RuntimeError:  # the caller's loop is gone: nobody reads these tokens
+                pass
+
+        future = self._submit(prompt_ids, params, listener=lambda i, token, gen: post((i, token, gen)))
+        future.add_done_callback(lambda _: post(None))  # failure or cancellation ends the stream
+        texts = [TextStream(self._detokenize, params.stop, self.eos_ids) for _ in range(params.n)]
+        left = params.n
+        try:
+            while left:
+                item = await events.get()
+                if item is None:
+                    if future.cancelled():
+                        raise asyncio.CancelledError
+                    if future.exception() is not None:
+                        raise future.exception()  # type: ignore[misc]
+                    continue
+                i, token, gen = item
+                if gen is None:
+                    yield Delta(i, [token], texts[i].push(token))
+                else:
+                    left -= 1
+                    yield Delta(i, [token], texts[i].finish(gen.text), gen)
+        finally:
+            future.cancel()  # a no-op once it is done
+
+    def _detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def generate_sync(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[Generation]:
         """Blocking `generate` for threads without an event loop (never the worker itself)."""
@@ -192,7 +248,9 @@ class TorchEngine:
         """Compile a JSON schema once (xgrammar), without free-form whitespace."""
         key = self._schema_key(schema)
         with self._grammar_lock:
-            if key not in self._grammars:
+            if key in self._grammars:
+                self._grammars.move_to_end(key)
+            else:
                 import xgrammar as xgr
 
                 if self._xgr_compiler is None:
@@ -205,9 +263,12 @@ class TorchEngine:
                     self._grammars[key] = self._xgr_compiler.compile_json_schema(key, any_whitespace=False)
                 except Exception as err:  # xgrammar raises RuntimeError for bad schemas
                     raise ValueError(f"invalid json_schema: {err}") from None
+                while len(self._grammars) > self.max_grammars:
+                    self._grammars.popitem(last=False)  # rows already holding it keep their matcher
             return self._grammars[key]
 
-    def _submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> concurrent.futures.Future:
+    def _submit(self, prompt_ids: Sequence[int], params: SamplingParams,
+                listener: Callable[[int, int, Generation | None], None] | None = None) -> concurrent.futures.Future:
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("prompt_ids is empty")
@@ -216,8 +277,10 @@ class TorchEngine:
         room = self.max_positions - len(prompt)
         if room < 1:
             raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in a {self.max_positions}-token context")
-        grammar = self._grammar_for(params.json_schema) if params.json_schema is not None else None
-        req = _Request(prompt, params, concurrent.futures.Future(), grammar, [None] * params.n, params.n)
+        grammar = None
+        if params.json_schema is not None:  # async callers compiled it already: found without the lock
+            grammar = self._grammars.get(self._schema_key(params.json_schema)) or self._grammar_for(params.json_schema)
+        req = _Request(prompt, params, concurrent.futures.Future(), grammar, [None] * params.n, params.n, listener)
         rows = [
             _Row(req, i, min(params.max_tokens, room),
                  torch.Generator(device=self.device).manual_seed(_row_seed(params.seed, i)) if params.seed is not None else None)
@@ -445,7 +508,10 @@ class TorchEngine:
             row.logprobs.append(chosen[i])
             if row.matcher is not None:
                 row.matcher.accept_token(token_list[i])
-            if not self._finished(row):
+            finished = self._finished(row)
+            if row.req.listener is not None:
+                row.req.listener(row.index, token_list[i], row.req.results[row.index] if finished else None)
+            if not finished:
                 keep.append(i)
         self.stats["tokens"] += len(rows)
         if len(keep) < len(rows):

@@ -3,6 +3,6 @@
 from .ledger import Ledger
 from .router import Router
 from .sampling import RolloutSampling
-from .server import Gateway, GatewayServer, PolicyBackend
+from .server import Gateway, GatewayServer, PolicyBackend, RequestLimits, ServerLimits
 
-__all__ = ["Gateway", "GatewayServer", "PolicyBackend", "Router", "Ledger", "RolloutSampling"]
+__all__ = ["Gateway", "GatewayServer", "PolicyBackend", "Router", "Ledger", "RolloutSampling", "RequestLimits", "ServerLimits"]

@@ -1,46 +1,127 @@
 """OpenAI chat-completion wire types the gateway accepts, validated with pydantic.
 
-Unknown top-level fields are accepted and ignored (clients send many); malformed known
-fields are a 400 with an OpenAI-style error body naming the field.
+Unknown fields are accepted and ignored (clients send many); every known field is typed
+down to its leaves (`response_format.json_schema.schema`, `tool_choice.function.name`,
+`messages[i].tool_calls[j].function.arguments`), so a malformed but valid-JSON request is
+a 400 naming the field, never an AttributeError deep in the server (a 500).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-__all__ = ["ChatMessage", "ChatRequest", "error_body", "json_schema_of", "bound_schema"]
+__all__ = ["ChatMessage", "ChatRequest", "error_body", "json_schema_of", "bound_schema", "nested_too_deep", "MAX_DEPTH"]
+
+# JSON nested deeper than this is refused before validation: real requests (tool schemas
+# included) stay far below, and deeper values would only exercise recursion limits.
+MAX_DEPTH = 64
+
+_Name = Annotated[str, Field(min_length=1, max_length=256)]
 
 
-class ChatMessage(BaseModel):
+class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
 
+
+class _TextPart(_Open):
+    type: Literal["text", "input_text", "output_text"]
+    text: str
+
+
+class _RefusalPart(_Open):
+    type: Literal["refusal"]
+    refusal: str
+
+
+_Part = Annotated[Union[_TextPart, _RefusalPart], Field(discriminator="type")]
+
+
+class _CalledFunction(_Open):
+    name: _Name
+    # OpenAI sends a JSON string; a dict is tolerated (some clients replay parsed calls)
+    arguments: str | dict[str, Any] = ""
+
+
+class _ToolCall(_Open):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: _CalledFunction
+
+
+class ChatMessage(_Open):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[_Part] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[_ToolCall] | None = Field(None, max_length=128)
     tool_call_id: str | None = None
 
 
-class ChatRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class _FunctionDef(_Open):
+    name: _Name
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
 
-    model: str = Field(min_length=1)
-    messages: list[ChatMessage] = Field(min_length=1)
+
+class _Tool(_Open):
+    type: Literal["function"]
+    function: _FunctionDef
+
+
+class _NamedFunction(_Open):
+    name: _Name
+
+
+class _NamedToolChoice(_Open):
+    type: Literal["function"] = "function"
+    function: _NamedFunction
+
+
+class _JsonSchema(_Open):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class _FormatText(_Open):
+    type: Literal["text"]
+
+
+class _FormatJsonObject(_Open):
+    type: Literal["json_object"]
+
+
+class _FormatJsonSchema(_Open):
+    type: Literal["json_schema"]
+    json_schema: _JsonSchema
+
+
+_ResponseFormat = Annotated[Union[_FormatText, _FormatJsonObject, _FormatJsonSchema], Field(discriminator="type")]
+
+
+class _StreamOptions(_Open):
+    include_usage: bool | None = None
+
+
+class ChatRequest(_Open):
+    model: _Name
+    messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    stop: str | list[str] | None = None
+    stop: Annotated[str, Field(max_length=256)] | list[Annotated[str, Field(max_length=256)]] | None = Field(None)
     n: int = Field(1, ge=1, le=16)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    stream_options: _StreamOptions | None = None
+    tools: list[_Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | _NamedToolChoice | None = None
+    response_format: _ResponseFormat | None = None
     logprobs: bool | None = None
 
     @field_validator("stop")
@@ -48,14 +129,6 @@ class ChatRequest(BaseModel):
     def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
         if isinstance(v, list) and len(v) > 4:
             raise ValueError("at most 4 stop sequences")
-        return v
-
-    @field_validator("tools")
-    @classmethod
-    def _tools(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        for tool in v or []:
-            if tool.get("type") != "function" or not isinstance(tool.get("function"), dict) or "name" not in tool["function"]:
-                raise ValueError("each tool must be {'type': 'function', 'function': {'name': ..., 'parameters': {...}}}")
         return v
 
     def stops(self) -> tuple[str, ...]:
@@ -69,34 +142,55 @@ class ChatRequest(BaseModel):
     def active_tools(self) -> list[dict[str, Any]] | None:
         if not self.tools or self.tool_choice == "none":
             return None
-        return self.tools
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def structured(self) -> bool:
+        """Structured output: the text is the content, never parsed for tool calls."""
+        return self.response_format is not None and self.response_format.type != "text"
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
 
 
 def error_body(message: str, *, param: str | None = None, code: str | None = None, kind: str = "invalid_request_error") -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+def nested_too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
+    """Does `value` (parsed JSON) nest lists/objects deeper than `limit`? Iterative, so a
+    hostile body cannot hit the recursion limit here."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
+
+
 def json_schema_of(req: ChatRequest) -> dict[str, Any] | None:
     """The schema the output must follow: structured output, or a forced tool call."""
-    rf = req.response_format or {}
-    if rf.get("type") == "json_object":
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
         return {"type": "object"}
-    if rf.get("type") == "json_schema":
-        spec = rf.get("json_schema") or {}
-        schema = spec.get("schema")
-        if not isinstance(schema, dict):
-            raise ValueError("response_format.json_schema.schema must be a JSON schema object")
-        return schema
+    if rf is not None and rf.type == "json_schema":
+        return rf.json_schema.schema_
     tools = req.active_tools()
     choice = req.tool_choice
     if not tools or choice in (None, "auto"):
         return None
-    if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name")
+    if isinstance(choice, _NamedToolChoice):
+        name = choice.function.name
         tools = [t for t in tools if t["function"]["name"] == name]
         if not tools:
-            raise ValueError(f"tool_choice names unknown function {name!r}")
-    elif choice != "required":
+            raise ValueError(f"tool_choice.function.name: {name!r} is not one of the request's tools")
+    elif choice != "required":  # pragma: no cover - the Literal above admits nothing else
         raise ValueError(f"tool_choice must be none, auto, required or a function, got {json.dumps(choice)}")
     calls = [
         {

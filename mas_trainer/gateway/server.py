@@ -7,42 +7,117 @@ the controller can join them to the rollout's node calls. How rollout requests s
 step's seed, a temperature override) is not the gateway's state: it reads the
 `RolloutSampling` of whoever drives the rollouts (the `Session`).
 
+Who may call. A training gateway (`rollouts=True`, the Session's) files a call only when its
+baggage carries the token the run's instrumentation signs rollout calls with
+(`trace.instrument.rollout_token`); a call that names a rollout without it is a 403 and
+never reaches the ledger or the engine. Calls naming no rollout need the API key, when one
+is set (a Session sets a fresh one per run and hands it to the app as OPENAI_API_KEY). A
+serving gateway (`rollouts=False`) has no rollouts: rollout baggage is ignored and nothing
+is kept per request.
+
+Staying responsive. Bodies are size-capped (413 before they are read, from Content-Length)
+and read under a deadline; parsing large bodies, chat templating and tokenisation run off
+the event loop; `max_tokens` is capped by the model's context; a client that hangs up
+cancels its generation (the engine drops its rows); streams send tokens as they are sampled.
+
 Refused requests (4xx) are logged at INFO on `mas_trainer.gateway.server`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import json
 import logging
-import socket
-import threading
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from dataclasses import dataclass, replace
+from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import baggage, propagate, trace
 from pydantic import ValidationError
 
-from mas_trainer.engines.base import ChatFormat, Engine, Generation, SamplingParams
+from mas_trainer.engines.base import (ChatFormat, Delta, Engine, EngineUnavailable, Generation, SamplingParams, max_context,
+                                      stream_generation)
 from mas_trainer.gateway.ledger import Ledger
-from mas_trainer.gateway.protocol import ChatRequest, bound_schema, error_body, json_schema_of
-from mas_trainer.gateway.router import RouteDecision, Router, UnknownModel
+from mas_trainer.gateway.protocol import MAX_DEPTH, ChatRequest, bound_schema, error_body, json_schema_of, nested_too_deep
+from mas_trainer.gateway.router import RouteDecision, Router, UnknownModel, UnknownNode
 from mas_trainer.gateway.sampling import RolloutSampling
+from mas_trainer.gateway.transport import GatewayServer, ServerLimits
+from mas_trainer.trace import attributes as A
+from mas_trainer.trace.instrument import BAGGAGE_TOKEN, rollout_token_ok
 from mas_trainer.trace.schema import LLMCall
 
-__all__ = ["PolicyBackend", "Gateway", "GatewayServer"]
+__all__ = ["PolicyBackend", "Gateway", "GatewayServer", "RequestLimits", "ServerLimits", "key_matches"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Bodies up to this size are parsed and validated on the event loop: cheaper than a thread
+# hop, and over in microseconds. Larger ones go to a thread so they delay nobody.
+_INLINE_BODY_BYTES = 64 * 1024
+# No tokenizer averages this many characters per token on real text: a prompt longer than
+# this times the context is refused before it is tokenised.
+_MAX_CHARS_PER_TOKEN = 32
 
 
 @dataclass
 class PolicyBackend:
     engine: Engine
     chat: ChatFormat
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_header_bytes: int = 32 * 1024  # h11 bounds only headers that arrive in pieces
+    body_timeout_s: float = 30.0
+    max_depth: int = MAX_DEPTH
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", close: bool = False) -> None:
+        super().__init__(message)
+        self.status, self.body, self.close = status, error_body(message, param=param, code=code, kind=kind), close
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def key_matches(authorization: str | None, key: str) -> bool:
+    """`Authorization: Bearer KEY`, compared in constant time."""
+    scheme, _, given = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
+
+
+@dataclass
+class _Call:
+    """One accepted request, routed, rendered and ready for its engine."""
+
+    req: ChatRequest
+    decision: RouteDecision
+    backend: PolicyBackend
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    call_id: str
+    start: float
+
+    @property
+    def turn_id(self) -> str | None:
+        # only rollout calls are kept by engines that train (worker groups buffer by turn id)
+        return self.call_id if self.decision.rollout_id else None
+
+    def content(self, gen: Generation) -> tuple[str | None, list[dict[str, Any]]]:
+        if self.tools and not self.req.structured():  # structured output is content, never a tool call
+            return self.backend.chat.parse(gen.text, self.tools)
+        return gen.text, []
 
 
 class Gateway:
@@ -56,6 +131,8 @@ class Gateway:
         max_items: int = 16,
         api_key: str | None = None,
         sampling: RolloutSampling | None = None,
+        rollouts: bool = False,
+        limits: RequestLimits | None = None,
     ) -> None:
         self.router = router or Router()
         self.ledger = ledger or Ledger()
@@ -64,12 +141,78 @@ class Gateway:
         self.max_string_length = max_string_length
         self.max_items = max_items
         self.api_key = api_key
+        self.rollouts = rollouts
+        self.limits = limits or RequestLimits()
         # Owned by the session when there is one; a gateway alone (serve) never reseeds it.
         self.sampling = sampling or RolloutSampling()
         self.app = self._build_app()
 
     def add_policy(self, name: str, backend: PolicyBackend) -> None:
         self.backends[name] = backend
+
+    def protection(self) -> str:
+        """One line saying who this gateway answers, for the verbs to print."""
+        if self.rollouts:
+            rest = "the run's key (the app's OPENAI_API_KEY)" if self.api_key else "no key"
+            return f"records only calls signed for this run's rollouts (per-run secret); other calls need {rest}"
+        return "API key required" if self.api_key else "no API key: anyone who can connect may call it"
+
+    # --- admission -------------------------------------------------------------------------
+    def _key_ok(self, request: Request) -> bool:
+        return not self.api_key or key_matches(request.headers.get("authorization"), self.api_key)
+
+    def _admit(self, request: Request, bag: dict[str, object]) -> bool:
+        """Whether the call is one of this run's rollout calls; raises for callers refused."""
+        rollout = bag.get(A.BAGGAGE_ROLLOUT)
+        if self.rollouts and rollout is not None:
+            fields = [None if bag.get(k) is None else str(bag.get(k))
+                      for k in (A.BAGGAGE_NODE, A.BAGGAGE_NODE_CALL, A.BAGGAGE_ROLE)]
+            if rollout_token_ok(bag.get(BAGGAGE_TOKEN), str(rollout), *fields):
+                return True
+            raise _Refused(403, f"the call names rollout {str(rollout)[:64]!r} without its token: this gateway takes "
+                                "only the calls of rollouts its own run started", kind="permission_error",
+                           code="invalid_rollout_token")
+        if not self._key_ok(request):
+            raise _Refused(401, "invalid or missing API key", kind="authentication_error", code="invalid_api_key")
+        return False
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.limits.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:  # h11 checked its form
+            raise _Refused(413, f"request body over {limit} bytes", code="request_too_large")
+        chunks, size = [], 0
+        try:
+            async with asyncio.timeout(self.limits.body_timeout_s):
+                while True:
+                    message = await request.receive()
+                    if message["type"] == "http.disconnect":
+                        raise _ClientGone
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > limit:
+                        raise _Refused(413, f"request body over {limit} bytes", code="request_too_large")
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        return b"".join(chunks)
+        except TimeoutError:
+            raise _Refused(408, f"request body not received within {self.limits.body_timeout_s:g} s", close=True) from None
+
+    def _decode(self, raw: bytes) -> ChatRequest:
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            raise _Refused(400, "request body is not valid JSON") from None
+        except RecursionError:
+            body = None
+        if body is None or nested_too_deep(body, self.limits.max_depth):
+            raise _Refused(400, f"request body nests JSON deeper than {self.limits.max_depth} levels")
+        if not isinstance(body, dict):
+            raise _Refused(400, "request body must be a JSON object")
+        try:
+            return ChatRequest.model_validate(body)
+        except ValidationError as exc:
+            raise _Refused(400, _describe(exc.errors()), param=_first_loc(exc.errors())) from None
 
     # --- one request -----------------------------------------------------------------------
     def _params(self, req: ChatRequest) -> SamplingParams:
@@ -86,111 +229,257 @@ class Gateway:
             json_schema=schema,
         )
 
-    async def complete(self, req: ChatRequest, headers: dict[str, str]) -> dict[str, Any]:
-        ctx = propagate.extract(headers)
-        decision = self.router.route(baggage.get_all(ctx), req.model, self.backends)
+    async def _prepare(self, req: ChatRequest, ctx: Any, bag: dict[str, object], rollout: bool) -> _Call:
+        decision = self.router.route(bag, req.model, self.backends)
+        if not rollout:  # only calls tied to one of the run's rollouts are filed or reseeded
+            decision = replace(decision, rollout_id=None)
         backend = self.backends.get(decision.policy)
         if backend is None:
             raise UnknownModel(f"policy {decision.policy!r} has no engine; available: {', '.join(sorted(self.backends))}")
         params = self._params(req)
         messages = req.message_dicts()
         tools = req.active_tools()
-        prompt_ids = backend.chat.render(messages, tools)
-        start = time.time()
+        context = max_context(backend.engine)
+        if context is not None:
+            chars = sum(len(json.dumps(m["content"])) if isinstance(m.get("content"), list) else len(m.get("content") or "")
+                        for m in messages)
+            if chars > context * _MAX_CHARS_PER_TOKEN:
+                raise _Refused(400, f"messages: {chars} characters cannot fit the model's context of {context} tokens",
+                               param="messages", code="context_length_exceeded")
+        try:
+            prompt_ids = list(await asyncio.to_thread(backend.chat.render, messages, tools))
+        except Exception as exc:  # noqa: BLE001 - templates raise anything on odd input; it is the request's fault
+            raise _Refused(400, f"messages: cannot be rendered by the chat template: {exc}", param="messages") from None
+        context = max_context(backend.engine) if context is None else context  # a lazy engine knows it once loaded
+        if context is not None:
+            room = context - len(prompt_ids)
+            if room < 1:
+                raise _Refused(400, f"messages: the prompt is {len(prompt_ids)} tokens; the model's context is {context} "
+                                    "(prompt + completion)", param="messages", code="context_length_exceeded")
+            if params.max_tokens > room:
+                params = replace(params, max_tokens=room)
         span_ctx = trace.get_current_span(ctx).get_span_context()
         call_id = format(span_ctx.span_id, "016x") if span_ctx.is_valid else uuid.uuid4().hex[:16]
         params = self.sampling.apply(params, decision.rollout_id, decision.node or decision.role)
-        gens = await backend.engine.generate(prompt_ids, params, turn_id=call_id)
-        end = time.time()
-        choices = []
-        for i, gen in enumerate(gens):
-            content, tool_calls = backend.chat.parse(gen.text, tools)
-            if req.response_format:  # structured output is content, never a tool call
-                content, tool_calls = gen.text, []
-            choices.append(_choice(i, gen, content, tool_calls))
-            if decision.rollout_id:
-                self.ledger.file(decision.rollout_id, _llm_call(call_id, i, decision, req, messages, prompt_ids, gen, content, tool_calls, start, end))
+        return _Call(req, decision, backend, messages, tools, prompt_ids, params, call_id, time.time())
+
+    async def _complete(self, call: _Call) -> dict[str, Any]:
+        gens = await call.backend.engine.generate(call.prompt_ids, call.params, turn_id=call.turn_id)
+        parsed = [call.content(gen) for gen in gens]
+        choices = [_choice(i, gen, *parsed[i]) for i, gen in enumerate(gens)]
+        self._file(call, gens, parsed)
         completion_tokens = sum(len(g.token_ids) for g in gens)
         return {
-            "id": f"chatcmpl-{call_id}",
+            "id": f"chatcmpl-{call.call_id}",
             "object": "chat.completion",
-            "created": int(start),
-            "model": req.model,
+            "created": int(call.start),
+            "model": call.req.model,
             "choices": choices,
-            "prompt_token_ids": list(prompt_ids),
-            "usage": {
-                "prompt_tokens": len(prompt_ids),
-                "completion_tokens": completion_tokens,
-                "total_tokens": len(prompt_ids) + completion_tokens,
-            },
-            "system_fingerprint": f"mas-trainer:{decision.policy}",
+            "prompt_token_ids": list(call.prompt_ids),
+            "usage": _usage(call, completion_tokens),
+            "system_fingerprint": f"mas-trainer:{call.decision.policy}",
         }
+
+    def _file(self, call: _Call, gens: list[Generation], parsed: list[tuple[str | None, list[dict]]]) -> None:
+        if not call.decision.rollout_id:
+            return  # serving keeps nothing per request
+        end = time.time()
+        for i, gen in enumerate(gens):
+            self.ledger.file(call.decision.rollout_id, _llm_call(call, i, gen, *parsed[i], end))
+
+    async def _sse(self, call: _Call, first: Delta, deltas: AsyncIterator[Delta]) -> AsyncIterator[str]:
+        base = {"id": f"chatcmpl-{call.call_id}", "object": "chat.completion.chunk", "created": int(call.start),
+                "model": call.req.model}
+        # tool calls are known only once the whole text is: buffer it when tools are active
+        buffered = bool(call.tools) and not call.req.structured()
+        gens: list[Generation | None] = [None] * call.params.n
+        parsed: list[tuple[str | None, list[dict]]] = [(None, [])] * call.params.n
+        started: set[int] = set()
+
+        def chunk(choices: list[dict], **extra: Any) -> str:
+            return f"data: {json.dumps({**base, 'choices': choices, **extra})}\n\n"
+
+        def events(d: Delta) -> str:
+            i, out = d.index, []
+            if i not in started:
+                started.add(i)
+                out.append(chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]))
+            if d.text and not buffered:
+                out.append(chunk([{"index": i, "delta": {"content": d.text}, "finish_reason": None}]))
+            if d.generation is not None:
+                gen = gens[i] = d.generation
+                content, tool_calls = parsed[i] = call.content(gen)
+                if buffered and content:
+                    out.append(chunk([{"index": i, "delta": {"content": content}, "finish_reason": None}]))
+                for k, tc in enumerate(tool_calls):
+                    out.append(chunk([{"index": i, "delta": {"tool_calls": [{"index": k, **tc}]}, "finish_reason": None}]))
+                c = _choice(i, gen, content, tool_calls)
+                out.append(chunk([{"index": i, "delta": {}, "finish_reason": c["finish_reason"], "token_ids": c["token_ids"],
+                                   "logprobs": c["logprobs"]}]))
+            return "".join(out)
+
+        try:
+            yield events(first)
+            async for d in deltas:
+                yield events(d)
+        except Exception as exc:  # noqa: BLE001 - the status line is sent: the error goes in the stream
+            log.warning("stream %s failed: %s", call.call_id, exc)
+            yield f"data: {json.dumps(error_body(str(exc), kind='server_error'))}\n\n"
+            return
+        finally:
+            await deltas.aclose()  # on a hang-up too: the engine stops generating now
+        done = [g for g in gens if g is not None]
+        self._file(call, done, parsed)
+        if call.req.include_usage():
+            yield chunk([], usage=_usage(call, sum(len(g.token_ids) for g in done)))
+        yield "data: [DONE]\n\n"
+
+    async def _chat(self, request: Request) -> Response:
+        if sum(len(k) + len(v) for k, v in request.scope["headers"]) > self.limits.max_header_bytes:
+            raise _Refused(431, f"request headers over {self.limits.max_header_bytes} bytes", code="headers_too_large")
+        ctx = propagate.extract(request.headers)
+        bag = dict(baggage.get_all(ctx))
+        rollout = self._admit(request, bag)
+        raw = await self._read_body(request)
+        req = self._decode(raw) if len(raw) <= _INLINE_BODY_BYTES else await asyncio.to_thread(self._decode, raw)
+        try:
+            return await _unless_gone(request, self._answer(req, ctx, bag, rollout))
+        except ValidationError as exc:
+            raise _Refused(400, _describe(exc.errors()), param=_first_loc(exc.errors())) from None
+        except UnknownNode as exc:
+            raise _Refused(404, str(exc), code="node_not_found") from None
+        except UnknownModel as exc:
+            raise _Refused(404, str(exc), param="model", code="model_not_found") from None
+        except EngineUnavailable as exc:  # the policy's replica is gone: the caller may retry elsewhere
+            raise _Refused(503, str(exc), code="engine_unavailable", kind="server_error") from None
+        except ValueError as exc:
+            raise _Refused(400, str(exc)) from None
+
+    async def _answer(self, req: ChatRequest, ctx: Any, bag: dict[str, object], rollout: bool) -> Response:
+        call = await self._prepare(req, ctx, bag, rollout)
+        if not req.stream:
+            return JSONResponse(await self._complete(call))
+        deltas = stream_generation(call.backend.engine, call.prompt_ids, call.params, turn_id=call.turn_id)
+        try:
+            # the first token before the status line: an engine that refuses the request (a
+            # bad schema) is still a 4xx, and the time to the first byte is the first token's
+            first = await deltas.__anext__()
+        except BaseException:
+            await deltas.aclose()
+            raise
+        # from here Starlette cancels the stream when the client hangs up
+        return StreamingResponse(self._sse(call, first, deltas), media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache"})
 
     # --- HTTP --------------------------------------------------------------------------------
     def _build_app(self) -> FastAPI:
-        app = FastAPI(title="mas-trainer gateway", docs_url=None, redoc_url=None)
+        # /openapi.json is served below, behind the key like everything but the bare health probe
+        app = FastAPI(title="mas-trainer gateway", docs_url=None, redoc_url=None, openapi_url=None)
 
         @app.exception_handler(RequestValidationError)
         async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
             return _refuse(400, error_body(_describe(exc.errors())))
 
+        @app.exception_handler(Exception)
+        async def _crashed(_: Request, exc: Exception) -> JSONResponse:
+            log.error("request failed", exc_info=exc)
+            return JSONResponse(error_body(f"internal error: {type(exc).__name__}", kind="server_error"), status_code=500)
+
+        def unauthorised() -> JSONResponse:
+            return _refuse(401, error_body("invalid or missing API key", kind="authentication_error", code="invalid_api_key"))
+
         @app.get("/health")
-        async def _health() -> dict:
+        async def _health(request: Request) -> dict:
+            # a bare liveness probe for anyone; what is served only for key holders
+            if not self._key_ok(request):
+                return {"status": "ok"}
             return {"status": "ok", "policies": sorted(self.backends)}
 
-        def authorised(request: Request) -> JSONResponse | None:
-            # a check in the handlers, not a middleware: BaseHTTPMiddleware costs every call
-            if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
-                return _refuse(401, error_body("invalid or missing API key", kind="authentication_error", code="invalid_api_key"))
-            return None
+        @app.get("/openapi.json")
+        async def _openapi(request: Request):  # type: ignore[no-untyped-def]
+            return app.openapi() if self._key_ok(request) else unauthorised()
 
         @app.get("/v1/models")
         async def _models(request: Request):  # type: ignore[no-untyped-def]
-            if (denied := authorised(request)) is not None:
-                return denied
+            if not self._key_ok(request):
+                return unauthorised()
             names = sorted(set(self.backends) | set(self.router.model_routes))
             return {"object": "list", "data": [{"id": n, "object": "model", "owned_by": "mas-trainer", "created": 0} for n in names]}
 
         @app.post("/v1/chat/completions")
-        async def _chat(request: Request):  # type: ignore[no-untyped-def]
-            if (denied := authorised(request)) is not None:
-                return denied
+        async def _chat(request: Request) -> Response:
             try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                return _refuse(400, error_body("request body is not valid JSON"))
-            if not isinstance(body, dict):
-                return _refuse(400, error_body("request body must be a JSON object"))
-            try:
-                req = ChatRequest.model_validate(body)
-                result = await self.complete(req, dict(request.headers))
-            except ValidationError as exc:
-                return _refuse(400, error_body(_describe(exc.errors())))
-            except UnknownModel as exc:
-                return _refuse(404, error_body(str(exc), param="model", code="model_not_found"))
-            except ValueError as exc:
-                return _refuse(400, error_body(str(exc)))
-            if req.stream:
-                include_usage = bool((req.stream_options or {}).get("include_usage"))
-                return StreamingResponse(_sse(result, include_usage), media_type="text/event-stream")
-            return result
+                return await self._chat(request)
+            except _Refused as exc:
+                return _refuse(exc.status, exc.body, close=exc.close)
+            except _ClientGone:
+                log.info("client went away; its request was dropped")
+                return Response(status_code=499)
 
         return app
 
 
-def _refuse(status: int, body: dict[str, Any]) -> JSONResponse:
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the client disconnects meanwhile (then _ClientGone).
+
+    Starlette cancels nothing when a client of a plain response hangs up; without this an
+    abandoned request would keep its rows in the engine's batch to the last token.
+    """
+    task = asyncio.current_task()
+    assert task is not None
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    watcher.add_done_callback(lambda w: None if w.cancelled() or w.exception() else task.cancel())
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if watcher.done() and not watcher.cancelled():
+            task.uncancel()
+            raise _ClientGone from None
+        raise
+    finally:
+        watcher.cancel()
+
+
+def _refuse(status: int, body: dict[str, Any], *, close: bool = False) -> JSONResponse:
     # The client gets the reason, but apps and their libraries often swallow errors (a
     # retry, a fallback): the log is where a user sees why calls went unanswered.
     log.info("refused a request (%d): %s", status, body["error"]["message"])
-    return JSONResponse(body, status_code=status)
+    # close: the connection's deadline is past. A refused body that was not read is drained by
+    # the server (bounded by the read deadline): closing at once would reset the connection
+    # and the client could lose the response before it finished sending.
+    return JSONResponse(body, status_code=status, headers={"connection": "close"} if close else None)
+
+
+def _loc(err: dict[str, Any]) -> str:
+    # pydantic names union members in the location ("str", "list[...]"): not fields
+    parts = [str(p) for p in err.get("loc", ()) if p != "body" and not (isinstance(p, str) and ("[" in p or p == "str"))]
+    return ".".join(parts) or "body"
+
+
+def _first_loc(errors: list[dict[str, Any]]) -> str | None:
+    return _loc(max(errors, key=lambda e: len(e.get("loc", ())))) if errors else None
 
 
 def _describe(errors: list[dict[str, Any]]) -> str:
-    parts = []
-    for err in errors[:3]:
-        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-        parts.append(f"{loc or 'body'}: {err.get('msg')}")
+    # the deepest locations first: for a union they say which member came closest
+    parts: list[str] = []
+    for err in sorted(errors, key=lambda e: -len(e.get("loc", ()))):
+        part = f"{_loc(err)}: {err.get('msg')}"
+        if part not in parts:
+            parts.append(part)
+        if len(parts) == 3:
+            break
     return "; ".join(parts)
+
+
+def _usage(call: _Call, completion_tokens: int) -> dict[str, int]:
+    n = len(call.prompt_ids)
+    return {"prompt_tokens": n, "completion_tokens": completion_tokens, "total_tokens": n + completion_tokens}
 
 
 def _choice(i: int, gen: Generation, content: str | None, tool_calls: list[dict]) -> dict[str, Any]:
@@ -212,85 +501,23 @@ def _choice(i: int, gen: Generation, content: str | None, tool_calls: list[dict]
     }
 
 
-def _llm_call(call_id, i, decision: RouteDecision, req, messages, prompt_ids, gen, content, tool_calls, start, end) -> LLMCall:
+def _llm_call(call: _Call, i: int, gen: Generation, content: str | None, tool_calls: list[dict], end: float) -> LLMCall:
+    d = call.decision
     return LLMCall(
-        id=call_id if i == 0 else f"{call_id}-{i}",
-        node_id=decision.node_call_id,
-        node=decision.node,
-        role=decision.role,
-        policy=decision.policy,
-        trainable=decision.trainable,
-        messages=messages,
+        id=call.call_id if i == 0 else f"{call.call_id}-{i}",
+        node_id=d.node_call_id,
+        node=d.node,
+        role=d.role,
+        policy=d.policy,
+        trainable=d.trainable,
+        messages=call.messages,
         output_text=content,
         tool_calls=tool_calls,
-        prompt_ids=list(prompt_ids),
+        prompt_ids=list(call.prompt_ids),
         response_ids=list(gen.token_ids),
         response_logprobs=list(gen.logprobs),
         finish_reason="tool_calls" if tool_calls else gen.finish_reason,
-        model=req.model,
-        start_time=start,
+        model=call.req.model,
+        start_time=call.start,
         end_time=end,
     )
-
-
-async def _sse(result: dict[str, Any], include_usage: bool) -> AsyncIterator[str]:
-    base = {"id": result["id"], "object": "chat.completion.chunk", "created": result["created"], "model": result["model"]}
-
-    def chunk(choices: list[dict], **extra: Any) -> str:
-        return f"data: {json.dumps({**base, 'choices': choices, **extra})}\n\n"
-
-    for c in result["choices"]:
-        i, msg = c["index"], c["message"]
-        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
-        if msg.get("content"):
-            yield chunk([{"index": i, "delta": {"content": msg["content"]}, "finish_reason": None}])
-        for k, call in enumerate(msg.get("tool_calls") or []):
-            yield chunk([{"index": i, "delta": {"tool_calls": [{"index": k, **call}]}, "finish_reason": None}])
-        yield chunk([{"index": i, "delta": {}, "finish_reason": c["finish_reason"], "token_ids": c["token_ids"], "logprobs": c["logprobs"]}])
-    if include_usage:
-        yield chunk([], usage=result["usage"])
-    yield "data: [DONE]\n\n"
-
-
-class GatewayServer:
-    """Runs a gateway with uvicorn on a background thread (127.0.0.1 unless told otherwise)."""
-
-    def __init__(self, gateway: Gateway, host: str = "127.0.0.1", port: int = 0) -> None:
-        import uvicorn
-
-        self.gateway = gateway
-        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        # Accepted connections inherit this; without it a keep-alive response written in two
-        # parts waits for the client's delayed ACK (~40 ms a call).
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._sock.bind((host, port))
-        self.host, self.port = host, self._sock.getsockname()[1]
-        config = uvicorn.Config(gateway.app, log_level="warning", lifespan="off", access_log=False, timeout_keep_alive=30)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, name="mas-gateway", daemon=True)
-
-    @property
-    def base_url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/v1"
-
-    def start(self, timeout_s: float = 10.0) -> "GatewayServer":
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError(f"gateway did not start on {self.host}:{self.port}")
-            time.sleep(0.01)
-        return self
-
-    def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=5)
-        self._sock.close()
-
-    def __enter__(self) -> "GatewayServer":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

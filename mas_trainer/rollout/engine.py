@@ -24,7 +24,7 @@ import time
 import uuid
 from typing import Any, Callable, Protocol, Sequence
 
-from mas_trainer.engines.base import Generation, SamplingParams
+from mas_trainer.engines.base import EngineUnavailable, Generation, SamplingParams
 from mas_trainer.errors import UserError
 
 __all__ = ["ReplicaClient", "ReplicaEngine", "ReplicaError", "vllm_sampling"]
@@ -32,7 +32,7 @@ __all__ = ["ReplicaClient", "ReplicaEngine", "ReplicaError", "vllm_sampling"]
 log = logging.getLogger(__name__)
 
 
-class ReplicaError(UserError):
+class ReplicaError(UserError, EngineUnavailable):
     """A rollout replica died, timed out or aborted a request."""
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from contextlib import aclosing
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
@@ -72,6 +73,20 @@ class _LazyEngine:
 
     async def generate(self, prompt_ids: Any, params: Any, *, turn_id: str | None = None) -> Any:
         return await self._lazy.get().engine.generate(prompt_ids, params, turn_id=turn_id)
+
+    async def stream(self, prompt_ids: Any, params: Any, *, turn_id: str | None = None) -> Any:
+        from mas_trainer.engines.base import stream_generation
+
+        async with aclosing(stream_generation(self._lazy.get().engine, prompt_ids, params, turn_id=turn_id)) as deltas:
+            async for delta in deltas:
+                yield delta
+
+    @property
+    def max_context(self) -> int | None:
+        # known once the model is loaded (the gateway asks again after rendering, which loads it)
+        from mas_trainer.engines.base import max_context
+
+        return max_context(self._lazy._backend.engine) if self._lazy._backend is not None else None
 
     def close(self) -> None:
         if self._lazy._backend is not None:

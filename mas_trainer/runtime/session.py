@@ -8,7 +8,9 @@ since which policies exist is only known once the app's spec is read.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import secrets
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
@@ -26,6 +28,8 @@ from mas_trainer.trace.instrument import instrument_openai
 from mas_trainer.trace.schema import Trajectory
 
 __all__ = ["Session", "torch_backend", "lazy_backend"]
+
+log = logging.getLogger(__name__)
 
 
 _loop: asyncio.AbstractEventLoop | None = None
@@ -71,7 +75,12 @@ class Session:
         # gateway only reads it, on its own thread.
         self.sampling = RolloutSampling()
         otel.configure(otel_exporter)
-        self.gateway = Gateway(Router(), self.ledger, default_max_tokens=default_max_tokens, sampling=self.sampling)
+        # Only this run's rollouts reach the ledger (their calls carry a token the run's
+        # instrumentation signs); other calls need this key, which the app gets as
+        # OPENAI_API_KEY: another local process can neither inject turns nor use the engines.
+        self.api_key = "mas-" + secrets.token_urlsafe(24)
+        self.gateway = Gateway(Router(), self.ledger, default_max_tokens=default_max_tokens, sampling=self.sampling,
+                               api_key=self.api_key, rollouts=True)
         self.server = GatewayServer(self.gateway, host, port)
         self.app: AppRunner | None = None
         self._saved_env: dict[str, str | None] = {}
@@ -83,11 +92,16 @@ class Session:
 
     def __enter__(self) -> "Session":
         self.server.start()
-        for key, value in (("OPENAI_BASE_URL", self.server.base_url), ("OPENAI_API_KEY", os.environ.get("OPENAI_API_KEY") or "mas-trainer")):
+        for key, value in (("OPENAI_BASE_URL", self.server.base_url), ("OPENAI_API_KEY", self.api_key)):
             self._saved_env[key] = os.environ.get(key)
             os.environ[key] = value
         instrument_openai()
+        log.info("gateway %s", self.describe_gateway())
         return self
+
+    def describe_gateway(self) -> str:
+        """Where the gateway listens and whom it answers (the verbs print it)."""
+        return f"{self.server.base_url} ({self.gateway.protection()})"
 
     def __exit__(self, *exc: object) -> None:
         for backend in self.gateway.backends.values():

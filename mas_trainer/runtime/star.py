@@ -50,7 +50,7 @@ class WorkerHandle:
 
     async def call(self, method: str, *args: Any) -> Any:
         if self._remote:
-            return await getattr(self._target, method).remote(*args)
+            return await _cancellable(getattr(self._target, method).remote(*args))
         result = getattr(self._target, method)(*args)
         if hasattr(result, "__await__"):
             result = await result
@@ -81,7 +81,7 @@ class VerlGroupHandle:
 
     async def call(self, method: str, *args: Any) -> Any:
         if method in self._RANK0:
-            return await getattr(self.group.workers[0], method).remote(*args)
+            return await _cancellable(getattr(self.group.workers[0], method).remote(*args))
         refs = getattr(self.group, method)(*args)
         results = await asyncio.gather(*refs)
         return results[0]
@@ -166,6 +166,18 @@ class ReplicaGroupHandle:
             self.fleet.close()
         finally:
             self.learner.close()
+
+
+async def _cancellable(ref: Any) -> Any:
+    """Await a Ray task; if the awaiting request is cancelled (its client hung up), cancel the
+    task too: an abandoned generation must not keep the engine busy."""
+    try:
+        return await ref
+    except asyncio.CancelledError:
+        import ray
+
+        ray.cancel(ref)
+        raise
 
 
 class WorkerEngine:

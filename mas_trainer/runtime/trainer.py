@@ -10,6 +10,7 @@ and a metrics row, evaluate and checkpoint on schedule.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import random
@@ -17,19 +18,21 @@ import statistics
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import yaml
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from mas_trainer.config import ConfigError, FitConfig
+from mas_trainer.errors import UserError
 from mas_trainer.gateway import PolicyBackend
 from mas_trainer.rewards import RewardSpec, assign_rewards, check_allocator, is_dropped
 from mas_trainer.runtime.rundir import RunDir
 from mas_trainer.runtime.backends import policy_backends
 from mas_trainer.runtime.session import Session
 from mas_trainer.runtime.plan import WorkerPlan
+from mas_trainer.runtime.progress import FitProgress
+from mas_trainer.runtime.tracking import Trackers, check_trackers
 from mas_trainer.runtime.star import WorkerEngine, resolve_device, start_workers
 from mas_trainer.trace.schema import Trajectory
 
@@ -90,6 +93,8 @@ class _Fit:
     def __init__(self, app_ref: Any, tasks: list[dict], cfg: FitConfig, rundir: RunDir, val_tasks: list[dict], console: Console) -> None:
         self.app_ref, self.tasks, self.cfg, self.rundir, self.val_tasks, self.console = app_ref, tasks, cfg, rundir, val_tasks, console
         self.rows: list[dict[str, Any]] = []
+        self.trackers: Trackers | None = None
+        self.progress: FitProgress | None = None
 
     # --- one step ------------------------------------------------------------------------
     async def rollouts(self, session: Session, tasks: list[dict], n: int, ids: list[str], seed: int,
@@ -155,32 +160,48 @@ class _Fit:
             return
         self.rundir.append_metrics(row)
         self.rows.append(row)
+        if self.trackers is not None:
+            self.trackers.log(row)
+        if self.progress is not None:
+            self.progress.show(row)
         from mas_trainer.plots import plot_rewards
 
         plot_rewards(self.rows, self.rundir.root / "rewards.png")
 
     # --- the loop --------------------------------------------------------------------------
-    async def loop(self, session: Session, state: dict | None, progress: Progress) -> None:
+    async def loop(self, session: Session, state: dict | None, progress: FitProgress) -> None:
         c = self.cfg
         if state:
             await asyncio.gather(*(h.call("load", str(self.rundir.learner_dir(p))) for p, h in self.handles.items()))
         step, position = (state["step"], state["position"]) if state else (0, 0)
         if state is None:
             self.record(await self.held_out(session, 0))
-        bar = progress.add_task("fit", total=c.steps, completed=step)
         while step < c.steps:
             step += 1
             row, position = await self.train_step(session, step, position)
-            self.record(row)
-            roles = "  ".join(f"{k.split('/')[-1]} {v:.3f}" for k, v in row.items() if k.startswith("reward/role/"))
-            progress.update(bar, advance=1, description=(
-                f"step {step}/{c.steps}  reward {row['reward/mean'] if row['reward/mean'] is not None else float('nan'):.3f}"
-                f"  {row['perf/rollouts_per_s']:.2f} rollouts/s  {row['perf/tokens_per_s']:.0f} tok/s  {roles}"))
-            progress.console.log(f"step {step}: reward {row['reward/mean']}, {row['rollouts']} rollouts in {row['time/rollout_s']:.1f} s, update {row['time/update_s']:.1f} s  {roles}")
+            self.record(row)  # metrics.jsonl, the trackers, the step line and the bar
             if step % c.eval_every == 0 or step == c.steps:
                 self.record(await self.held_out(session, step))
             if step % c.save_every == 0 or step == c.steps:
                 await self.checkpoint(step, position)
+
+    @contextlib.contextmanager
+    def watch(self, state: dict | None) -> Iterator[FitProgress]:
+        """The trackers (`logger`) and the progress display around the loop; the trackers
+        forget the steps after the checkpoint (they run again) and are closed however it ends."""
+        c, after = self.cfg, (state["step"] if state else -1)
+        self.trackers = Trackers([name for name in c.logger if name != "console"], self.rundir.root, after_step=after,
+                                 kept=list(self.rows), config=c.model_dump(mode="json"))
+        failed = True
+        try:
+            with FitProgress(self.console, c.steps, start_step=max(after, 0), lines="console" in c.logger) as progress:
+                self.progress = progress
+                yield progress
+            failed = False
+        finally:
+            self.progress = None
+            self.trackers.close(failed=failed)
+            self.trackers = None
 
     def __call__(self, resume: bool) -> list[dict[str, Any]]:
         from mas_trainer.engines.chat import HFChatFormat
@@ -233,8 +254,7 @@ class _Fit:
                           for p, h in self.handles.items()}
                 for p, backend in policy_backends(spec.policies, rt, seed=c.seed, served=served).items():
                     session.attach(p, backend)
-                columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
-                with Progress(*columns, console=self.console, transient=False) as progress:
+                with self.watch(state) as progress:
                     session.loop.run_until_complete(self.loop(session, state, progress))
             finally:
                 for h in self.handles.values():
@@ -247,6 +267,10 @@ def fit(app_ref: Any, tasks: list[dict], cfg: FitConfig, output: str | Path, *, 
     """Train the app's policies on `tasks`; returns every metrics row of the run (resumed ones included)."""
     if not tasks:
         raise ConfigError("no training tasks")
+    try:
+        check_trackers(cfg.logger)  # a missing tracker package is one line, before anything starts
+    except UserError as exc:
+        raise ConfigError(str(exc)) from exc
     if val_tasks is None and cfg.val_fraction > 0:
         order = random.Random(_seed(cfg.seed, "split")).sample(range(len(tasks)), len(tasks))
         k = max(1, round(len(tasks) * cfg.val_fraction))

@@ -7,11 +7,18 @@ the engine's token ids under the span id. openai 3.x sends through `httpx2`, so 
 httpx transports would miss these calls; wrapping the resource methods does not.
 
 Which node is calling is framework knowledge: an adapter registers a resolver.
+
+Calls made inside a rollout also carry `mas.token`: an HMAC, under a secret drawn once per
+process (one run), of the routing fields of the baggage. The run's gateway files and trains
+only calls whose token checks out: ids are predictable, the secret is not, so another local
+process cannot inject turns into a rollout, nor relabel a call's node or role.
 """
 
 from __future__ import annotations
 
 import functools
+import hmac
+import secrets
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -23,7 +30,13 @@ from opentelemetry.trace import SpanKind
 from mas_trainer.trace import attributes as A
 from mas_trainer.trace.otel import get_tracer
 
-__all__ = ["CallContext", "register_resolver", "instrument_openai", "current_call", "span_hex"]
+__all__ = ["CallContext", "register_resolver", "instrument_openai", "current_call", "span_hex", "rollout_token",
+           "rollout_token_ok", "BAGGAGE_TOKEN"]
+
+BAGGAGE_TOKEN = "mas.token"
+# Never leaves the process: the gateway that checks tokens runs next to the controller that
+# starts the rollouts and the instrumentation that signs their calls.
+_RUN_SECRET = secrets.token_bytes(32)
 
 
 @dataclass(frozen=True)
@@ -62,13 +75,28 @@ def span_hex(span: trace.Span) -> str:
     return format(span.get_span_context().span_id, "016x")
 
 
+def rollout_token(rollout_id: str, node: str | None, node_call_id: str | None, role: str | None) -> str:
+    """The token that ties a call's baggage to a rollout this process started."""
+    message = "\x1f".join((rollout_id, node or "", node_call_id or "", role or "")).encode()
+    return hmac.digest(_RUN_SECRET, message, "sha256")[:16].hex()
+
+
+def rollout_token_ok(token: object, rollout_id: str, node: str | None, node_call_id: str | None, role: str | None) -> bool:
+    """Constant-time check of a token received in baggage."""
+    if not isinstance(token, str):
+        return False
+    return hmac.compare_digest(token.encode(), rollout_token(rollout_id, node, node_call_id, role).encode())
+
+
 def _headers_for(call: CallContext, span: trace.Span) -> dict[str, str]:
     ctx = trace.set_span_in_context(span)
+    token = rollout_token(call.rollout_id, call.node, call.node_call_id, call.role) if call.rollout_id else None
     for key, value in (
         (A.BAGGAGE_ROLLOUT, call.rollout_id),
         (A.BAGGAGE_NODE, call.node),
         (A.BAGGAGE_NODE_CALL, call.node_call_id),
         (A.BAGGAGE_ROLE, call.role),
+        (BAGGAGE_TOKEN, token),
     ):
         if value:  # outside a rollout only the node is known
             ctx = baggage.set_baggage(key, value, context=ctx)

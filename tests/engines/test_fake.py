@@ -68,3 +68,30 @@ def test_fake_chat_format():
 def test_torch_free_import():
     code = "import sys, mas_trainer.engines, mas_trainer.engines.fake, mas_trainer.engines.models; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+async def test_stream_and_its_fallback_agree_with_generate():
+    from mas_trainer.engines.base import stream_generation
+    from mas_trainer.engines.streaming import TextStream
+
+    engine = FakeEngine(reply="Hello, world. Bye", latency_s=0)
+    params = SamplingParams(n=2, stop=(". B",))
+    want = await engine.generate([1], params)
+
+    class Plain:  # an engine written before `stream` existed
+        model_name = "plain"
+
+        async def generate(self, prompt_ids, params, *, turn_id=None):
+            return await engine.generate(prompt_ids, params)
+
+    for source in (engine, Plain()):
+        texts, ids = ["", ""], [[], []]
+        async for d in stream_generation(source, [1], params):
+            texts[d.index] += d.text
+            ids[d.index] += d.token_ids
+        assert texts == [g.text for g in want] == ["Hello, world", "Hello, world"]
+        assert ids == [g.token_ids for g in want]
+    # a character split over tokens is released whole; a stop string's start is held back
+    ts = TextStream(lambda ids: bytes(ids).decode("utf-8", errors="replace"), stops=("xy",))
+    assert [ts.push(b) for b in "é".encode()] == ["", "é"]
+    assert ts.push(ord("x")) == "" and ts.push(ord("z")) == "xz"

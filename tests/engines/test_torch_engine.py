@@ -203,3 +203,45 @@ async def test_bundled_model_answers():
         (g,) = await eng.generate(prompt, SamplingParams(temperature=0, max_tokens=24))
     assert g.text.strip() and "\ufffd" not in g.text and "<|im" not in g.text
     assert "Paris" in g.text
+
+
+async def test_stream_hands_out_the_tokens_generate_would(engine, prompts):
+    params = SamplingParams(n=2, max_tokens=12, seed=3, stop=("e",))
+    want = await engine.generate(prompts[1], params)
+    tokens, texts, finals = {0: [], 1: []}, {0: "", 1: ""}, {}
+    async for d in engine.stream(prompts[1], params):
+        tokens[d.index] += d.token_ids
+        texts[d.index] += d.text
+        if d.generation is not None:
+            finals[d.index] = d.generation
+    for i in (0, 1):
+        assert tokens[i] == want[i].token_ids == finals[i].token_ids
+        assert texts[i] == want[i].text == finals[i].text  # no stop string leaks into the deltas
+        assert finals[i].logprobs == want[i].logprobs
+
+
+async def test_closing_a_stream_frees_its_rows(engine, prompts):
+    stream = engine.stream(prompts[0], SamplingParams(max_tokens=5000))
+    async for _ in stream:
+        break
+    await stream.aclose()
+    (g,) = await asyncio.wait_for(engine.generate(prompts[0], SamplingParams(max_tokens=3)), 10)
+    assert len(g.token_ids) == 3
+    for _ in range(100):
+        if not engine._rows:
+            break
+        await asyncio.sleep(0.02)
+    assert not engine._rows and not engine._pending
+
+
+def test_compiled_grammars_are_bounded(tiny):
+    pytest.importorskip("xgrammar")
+    model, tok = tiny
+    eng = TorchEngine(copy.deepcopy(model), tok, model_name="tiny")
+    eng.max_grammars = 3
+    try:
+        for i in range(5):
+            eng._grammar_for({"type": "object", "properties": {f"k{i}": {"type": "integer"}}})
+        assert len(eng._grammars) == 3 and eng.max_context == 8192
+    finally:
+        eng.close()

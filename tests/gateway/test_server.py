@@ -11,7 +11,15 @@ from mas_trainer.engines.base import SamplingParams
 from mas_trainer.engines.fake import FakeChatFormat, FakeEngine
 from mas_trainer.gateway import Gateway, GatewayServer, Ledger, PolicyBackend, RolloutSampling, Router
 from mas_trainer.spec import TrainSpec
+from mas_trainer.trace.instrument import rollout_token
 from mas_trainer.trace.schema import LLMCall
+
+
+def signed(rollout, node=None, call=None, role=None):
+    """Rollout baggage as this process's instrumentation sends it (with its token)."""
+    fields = {"mas.rollout": rollout, "mas.node": node, "mas.node_call": call, "mas.role": role,
+              "mas.token": rollout_token(rollout, node, call, role)}
+    return ",".join(f"{k}={v}" for k, v in fields.items() if v is not None)
 
 
 class Recording(FakeEngine):
@@ -31,7 +39,7 @@ def served():
     spec = TrainSpec.build({"planner": "p", "coder": "q"}).resolve(["planner", "coder"])
     engines = {"p": Recording("from p"), "q": Recording('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')}
     ledger = Ledger()
-    gw = Gateway(Router(spec, model_routes={"gpt-4o-mini": "p"}), ledger, api_key=None, sampling=RolloutSampling())
+    gw = Gateway(Router(spec, model_routes={"gpt-4o-mini": "p"}), ledger, api_key=None, sampling=RolloutSampling(), rollouts=True)
     for name, eng in engines.items():
         gw.add_policy(name, PolicyBackend(eng, FakeChatFormat()))
     with GatewayServer(gw) as server:
@@ -106,7 +114,7 @@ def test_baggage_routes_by_node_and_files_tokens_by_rollout(served):
     server, _, ledger = served
     headers = {
         "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
-        "baggage": "mas.rollout=r1,mas.node=coder,mas.node_call=abc,mas.role=coder",
+        "baggage": signed("r1", "coder", "abc", "coder"),
     }
     r = httpx.post(f"{server.base_url}/chat/completions", headers=headers,
                    json={"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "x"}]})
@@ -119,7 +127,7 @@ def test_baggage_routes_by_node_and_files_tokens_by_rollout(served):
 def test_validation_temperature_overrides_rollout_requests_only(served):
     server, engines, _ = served
     gw = server.gateway
-    rollout = {"baggage": "mas.rollout=r2,mas.node=planner,mas.role=planner"}
+    rollout = {"baggage": signed("r2", "planner", None, "planner")}
     body = {"model": "p", "messages": [{"role": "user", "content": "x"}], "temperature": 0.7}
     gw.sampling.reseed(5, temperature=0.0)  # as the session that owns it does between batches
     try:

@@ -157,3 +157,21 @@ def test_torch_replica_reads_vllm_fields_and_refuses_others():
     with pytest.raises(ValueError, match="min_p"):
         sampling_from_vllm({"min_p": 0.1})
     assert math.isclose(sampling_from_vllm({}).top_p, 1.0)
+
+
+def test_the_gateway_answers_503_while_a_policys_replica_is_gone():
+    import httpx
+
+    from mas_trainer.engines.fake import FakeChatFormat
+    from mas_trainer.gateway import Gateway, GatewayServer, PolicyBackend
+
+    server = FakeServer()
+    server.fail = RuntimeError("The actor died unexpectedly before finishing this task.")
+    gw = Gateway(api_key=None)
+    gw.add_policy("p", PolicyBackend(engine(server), FakeChatFormat()))
+    with GatewayServer(gw) as srv:
+        body = {"model": "p", "messages": [{"role": "user", "content": "hi"}]}
+        for _ in range(2):  # the first call finds it gone, the next fails fast
+            r = httpx.post(f"{srv.base_url}/chat/completions", json=body, timeout=30)
+            assert r.status_code == 503 and "rollout replica failed" in r.json()["error"]["message"]
+    assert len(server.calls) == 1

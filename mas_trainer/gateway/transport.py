@@ -1,0 +1,136 @@
+"""The gateway's HTTP server: uvicorn on h11, with the bounds uvicorn does not set itself.
+
+uvicorn closes idle keep-alive connections, but it waits forever for the headers of a
+request and for its body (a client that sends a byte a minute holds a connection, and with
+enough of them every file descriptor), and it accepts any number of connections. The
+protocol below adds a read deadline (a whole request must arrive within `read_timeout_s`
+of the server starting to wait for it) and a cap on open connections (those above it get a
+503 and are closed at once). Header size is bounded by h11 (`max_header_bytes`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+__all__ = ["ServerLimits", "GatewayServer"]
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    max_connections: int = 1024
+    read_timeout_s: float = 30.0  # headers + body of one request
+    keep_alive_s: float = 30.0  # an idle connection is closed after this
+    max_header_bytes: int = 32 * 1024
+
+
+def _busy_response() -> bytes:
+    body = json.dumps({"error": {"message": "too many connections; retry later", "type": "server_busy",
+                                 "param": None, "code": "too_many_connections"}}).encode()
+    head = (f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            "connection: close\r\nretry-after: 1\r\n\r\n").encode()
+    return head + body
+
+
+_BUSY = _busy_response()
+
+
+class _GuardedH11(H11Protocol):
+    """h11 protocol with a per-request read deadline and a connection cap (class attributes
+    set per server by `_protocol_for`)."""
+
+    max_connections = ServerLimits.max_connections
+    read_timeout_s = ServerLimits.read_timeout_s
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._read_timer: asyncio.TimerHandle | None = None
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            transport.write(_BUSY)
+            transport.close()
+            return
+        self._arm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm()  # the next request on this connection gets its own deadline
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+        self._read_timer = self.loop.call_later(self.read_timeout_s, self._deadline, self.cycle)
+
+    def _deadline(self, cycle_when_armed: Any) -> None:
+        self._read_timer = None
+        cycle = self.cycle
+        no_request_yet = cycle is cycle_when_armed  # headers still incomplete (or never sent)
+        body_unfinished = cycle is not None and cycle.more_body and not cycle.response_started
+        if (no_request_yet or body_unfinished) and not self.transport.is_closing():
+            self.transport.close()  # the handler, if any, sees a disconnect
+
+
+def _protocol_for(limits: ServerLimits) -> type[H11Protocol]:
+    return type("GuardedH11", (_GuardedH11,), {"max_connections": limits.max_connections,
+                                               "read_timeout_s": limits.read_timeout_s})
+
+
+class GatewayServer:
+    """Runs a gateway with uvicorn on a background thread (127.0.0.1 unless told otherwise)."""
+
+    def __init__(self, gateway: Any, host: str = "127.0.0.1", port: int = 0, *, limits: ServerLimits | None = None) -> None:
+        import uvicorn
+
+        self.gateway = gateway
+        self.limits = limits or ServerLimits()
+        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # Accepted connections inherit this; without it a keep-alive response written in two
+        # parts waits for the client's delayed ACK (~40 ms a call).
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock.bind((host, port))
+        self.host, self.port = host, self._sock.getsockname()[1]
+        config = uvicorn.Config(
+            gateway.app, log_level="warning", lifespan="off", access_log=False, http=_protocol_for(self.limits),
+            timeout_keep_alive=self.limits.keep_alive_s, h11_max_incomplete_event_size=self.limits.max_header_bytes,
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, name="mas-gateway", daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/v1"
+
+    def start(self, timeout_s: float = 10.0) -> "GatewayServer":
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"gateway did not start on {self.host}:{self.port}")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=5)
+        self._sock.close()
+
+    def __enter__(self) -> "GatewayServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
