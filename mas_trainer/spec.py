@@ -2,7 +2,9 @@
 
 Framework-free: an adapter lists the app's nodes (qualified as ``parent:child`` for nodes
 inside subgraphs, as LangGraph's ``get_graph(xray=True)`` names them) and this module decides,
-for every node call, which role it plays and which policy serves it.
+for every node call, which role it plays and which policy serves it. A node that holds a
+subgraph (an agent made by `create_agent`, `create_supervisor`, `create_swarm`, ...) is a node
+too: naming it maps every node inside it that is not named itself.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from mas_trainer.errors import UserError
 
-__all__ = ["FROZEN_POLICY", "PolicySpec", "TrainSpec", "ResolvedSpec", "SpecError", "Route"]
+__all__ = ["FROZEN_POLICY", "PolicySpec", "TrainSpec", "ResolvedSpec", "SpecError", "Route", "qualified_nodes"]
 
 # Policy that serves nodes nobody asked to train: the base model, never updated.
 FROZEN_POLICY = "frozen"
@@ -108,11 +110,31 @@ class TrainSpec:
 
     def resolve(self, node_names: Iterable[str]) -> "ResolvedSpec":
         """Check every name against the graph's nodes; raise SpecError listing the valid ones."""
-        nodes = [n for n in node_names if n not in ("__start__", "__end__")]
+        nodes = qualified_nodes(node_names)
         keyed = {}
         for key in [*self.roles, *self.frozen, *self.role_names]:
             keyed[key] = _match(key, nodes)
         return ResolvedSpec(self, tuple(nodes), keyed)
+
+
+_ENDPOINTS = ("__start__", "__end__")
+
+
+def qualified_nodes(names: Iterable[str]) -> list[str]:
+    """The nodes a policy map may name, from qualified names (``outer:inner``).
+
+    Every enclosing node is listed, just before the first node inside it (``outer`` is a node
+    of the app even where a listing shows only what is inside it); the graphs' own start and
+    end points (``__start__``, ``outer:__end__``) are not nodes. Order is kept, repeats dropped.
+    """
+    out: dict[str, None] = {}
+    for name in names:
+        parts = name.split(":")
+        if any(p in _ENDPOINTS for p in parts):
+            continue
+        for depth in range(1, len(parts) + 1):
+            out.setdefault(":".join(parts[:depth]), None)
+    return list(out)
 
 
 def _match(key: str, nodes: list[str]) -> str:

@@ -1,6 +1,6 @@
 import pytest
 
-from mas_trainer.spec import FROZEN_POLICY, SpecError, TrainSpec
+from mas_trainer.spec import FROZEN_POLICY, SpecError, TrainSpec, qualified_nodes
 
 NODES = ["planner", "coder", "reflector", "research", "research:search_query", "research:summarize"]
 
@@ -67,3 +67,38 @@ def test_model_override_and_undecorated_default():
     plain = TrainSpec.one_policy_per_graph("tiny").resolve(NODES)
     assert plain.route("coder").role == "coder" and plain.route("coder").policy == "default"
     assert plain.route("planner").role == "planner"
+
+
+# what LangGraph's xray listing shows for a create_supervisor graph: only the nodes inside agents
+XRAY = ["supervisor:__start__", "supervisor:agent", "supervisor:tools", "supervisor:__end__",
+        "math_expert:__start__", "math_expert:model", "math_expert:tools", "math_expert:__end__",
+        "research_expert:agent"]
+
+
+def test_qualified_nodes_list_enclosing_nodes_and_drop_endpoints():
+    assert qualified_nodes(["__start__", *XRAY, "__end__"]) == [
+        "supervisor", "supervisor:agent", "supervisor:tools", "math_expert", "math_expert:model",
+        "math_expert:tools", "research_expert", "research_expert:agent"]
+    assert qualified_nodes(["a:b:c", "a:d", "e"]) == ["a", "a:b", "a:b:c", "a:d", "e"]
+
+
+def test_agent_names_map_every_node_inside_them():
+    spec = TrainSpec.build({"supervisor": "sup", "math_expert": "math"}).resolve(XRAY)
+    for node in ("supervisor:agent", "supervisor:tools"):
+        assert (spec.route(node).role, spec.route(node).policy) == ("supervisor", "sup")
+    assert (spec.route("math_expert:model").role, spec.route("math_expert:model").policy) == ("math_expert", "math")
+    # an agent nobody listed is frozen, under its own node name
+    assert spec.route("research_expert:agent").policy == FROZEN_POLICY
+    with pytest.raises(SpecError, match=r"unknown node 'math'; valid nodes: supervisor, supervisor:agent, "
+                                        r"supervisor:tools, math_expert, math_expert:model"):
+        TrainSpec.build({"math": "p"}).resolve(XRAY)
+
+
+def test_nearest_listed_enclosing_node_wins():
+    spec = TrainSpec.build({"math_expert": "math", "math_expert:model": "model_only", "a": "outer"},
+                           role_names={"math_expert:model": "calculator"}).resolve([*XRAY, "a:b:c", "a:b:d"])
+    assert (spec.route("math_expert:model").role, spec.route("math_expert:model").policy) == ("calculator", "model_only")
+    assert spec.route("math_expert:tools").policy == "math"
+    assert spec.route("a:b:c").policy == spec.route("a:b:d").policy == "outer"
+    # deeper than any listing (a subgraph invoked inside a node function): still the enclosing node's
+    assert spec.route("math_expert:model:inner").policy == "model_only"

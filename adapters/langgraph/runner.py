@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import uuid
 from typing import Any
 
+from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.errors import GraphRecursionError
 from langgraph.pregel import Pregel
 
@@ -14,6 +17,8 @@ from .tracer import GraphTracer
 from .trainable import resolve
 
 __all__ = ["LangGraphApp"]
+
+log = logging.getLogger(__name__)
 
 
 class LangGraphApp:
@@ -35,13 +40,29 @@ class LangGraphApp:
             return dict(task)
         return {k: v for k, v in task.items() if k in self._input_keys}
 
+    def configurable(self, task: dict[str, Any], rollout_id: str) -> tuple[dict[str, Any], bool]:
+        """The run's `configurable` values and whether its checkpointer thread is the rollout's own.
+
+        Every rollout gets a fresh `thread_id` (the rollout id plus a random suffix, so a
+        rerun of the same rollout id, or another run on a persistent checkpointer, starts
+        empty too), unless the task gives one: a task written as ``{"input": ..., "config":
+        {"configurable": {...}}}`` passes those values to the run, `thread_id` included.
+        """
+        given = task.get("config") if "input" in task else None
+        values = dict((given or {}).get("configurable") or {}) if isinstance(given, dict) else {}
+        if values.get("thread_id") is not None:
+            return values, False
+        values["thread_id"] = f"{rollout_id}-{uuid.uuid4().hex[:12]}"
+        return values, True
+
     async def run(self, task: dict[str, Any], rollout_id: str, *, timeout_s: float | None = None) -> RunResult:
         tracer = GraphTracer(rollout_id, self.spec)
+        configurable, own_thread = self.configurable(task, rollout_id)
         config = {
             "callbacks": [tracer],
             "metadata": {"mas_trainer_rollout_id": rollout_id},
             "recursion_limit": self.recursion_limit,
-            "configurable": {"thread_id": rollout_id},
+            "configurable": configurable,
         }
         status, error, final = "ok", None, None
         try:
@@ -54,6 +75,8 @@ class LangGraphApp:
             status, error = "error", f"{type(exc).__name__}: {exc}".splitlines()[0]
         if final is None and status != "ok":
             final = _last_state(self.graph, config)
+        if own_thread:
+            await _drop_thread(self.graph, configurable["thread_id"])
         nodes, tools = tracer.finish(status, error)
         return RunResult(status, error, final, nodes, tools, tracer.trace_id)
 
@@ -74,3 +97,17 @@ def _last_state(graph: Pregel, config: dict) -> Any:
         return graph.get_state(config).values
     except Exception:
         return None
+
+
+async def _drop_thread(graph: Pregel, thread_id: str) -> None:
+    """Forget a thread this runner made once its rollout is recorded: training runs thousands
+    of rollouts, and they must not pile up in an in-memory (or the user's own) checkpointer."""
+    saver = graph.checkpointer
+    if not isinstance(saver, BaseCheckpointSaver):
+        return
+    try:
+        await saver.adelete_thread(thread_id)
+    except NotImplementedError:
+        pass
+    except Exception as exc:  # a checkpointer that cannot delete keeps the thread: not fatal
+        log.debug("could not delete checkpointer thread %s: %s", thread_id, exc)

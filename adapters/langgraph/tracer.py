@@ -18,6 +18,7 @@ from uuid import UUID
 
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.runnables.config import var_child_runnable_config
+from langgraph.types import Command
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, StatusCode
 
@@ -205,7 +206,13 @@ class GraphTracer(BaseCallbackHandler):
             self._open_tools[run_id] = (call, span)
 
     def on_tool_end(self, output, *, run_id, **kw):
-        self._end_tool(run_id, output=getattr(output, "content", output))
+        if isinstance(output, Command):
+            with self._lock:
+                entry = self._open_tools.get(run_id)
+            output = _command_output(output, entry[0].id if entry else None)
+        else:
+            output = getattr(output, "content", output)
+        self._end_tool(run_id, output=output)
 
     def on_tool_error(self, error, *, run_id, **kw):
         self._end_tool(run_id, error=error)
@@ -243,6 +250,27 @@ class GraphTracer(BaseCallbackHandler):
             self.root.set_status(StatusCode.ERROR, error or status)
         self.root.end()
         return [n.record for n in nodes], tools
+
+
+def _command_output(command: Command, call_id: str | None) -> dict[str, Any]:
+    """What a tool that returned a `Command` (a hand-off: `transfer_to_<agent>`) did, without
+    the message history its update carries: where it sent the run, and its tool message."""
+    out: dict[str, Any] = {}
+    goto = command.goto
+    if goto:
+        names = [getattr(g, "node", g) for g in (goto if isinstance(goto, (list, tuple)) else [goto])]
+        out["goto"] = names[0] if len(names) == 1 else names
+    if command.graph:
+        out["graph"] = command.graph
+    update = command.update
+    messages = update.get("messages") if isinstance(update, dict) else None
+    replies = [m for m in messages or [] if getattr(m, "type", None) == "tool"]
+    replies = [m for m in replies if getattr(m, "tool_call_id", None) == call_id] or replies
+    if replies:
+        out["content"] = getattr(replies[-1], "content", None)
+    if isinstance(update, dict):
+        out["update_keys"] = sorted(str(k) for k in update)
+    return out
 
 
 def _resolve_from_langchain_context() -> CallContext | None:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping
 from langgraph.graph import StateGraph
 from langgraph.pregel import Pregel
 
-from mas_trainer.spec import ResolvedSpec, SpecError, TrainSpec
+from mas_trainer.spec import ResolvedSpec, SpecError, TrainSpec, qualified_nodes
 
 __all__ = ["trainable", "spec_of", "as_graph", "node_names"]
 
@@ -21,8 +21,13 @@ SPEC_ATTR = "__mas_trainer_spec__"
 
 
 def node_names(graph: Pregel) -> list[str]:
-    """Qualified node names, subgraph nodes included (``outer:inner``, as xray names them)."""
-    return [n for n in graph.get_graph(xray=True).nodes if n not in ("__start__", "__end__")]
+    """Qualified node names, subgraph nodes included (``outer:inner``, as xray names them).
+
+    A node that holds a subgraph (an agent from `create_agent` / `create_react_agent`, the
+    supervisor of `create_supervisor`, the agents of `create_swarm`) is listed too, before
+    the nodes inside it: xray shows only those, but the outer name is what users map.
+    """
+    return qualified_nodes(graph.get_graph(xray=True).nodes)
 
 
 def trainable(

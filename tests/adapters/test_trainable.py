@@ -92,11 +92,11 @@ def test_checkpointer_and_interrupts_unchanged():
 
 
 def test_node_names_include_subgraph_nodes():
-    assert node_names(_builder().compile()) == ["plan", "act", "sub:inner_step"]
+    assert node_names(_builder().compile()) == ["plan", "act", "sub", "sub:inner_step"]
 
 
 def test_mistakes_are_caught_at_decoration_time():
-    with pytest.raises(SpecError, match="unknown node 'plan_x'; valid nodes: plan, act, sub:inner_step"):
+    with pytest.raises(SpecError, match="unknown node 'plan_x'; valid nodes: plan, act, sub, sub:inner_step"):
         trainable(_builder(), roles={"plan_x": "p"})
     with pytest.raises(SpecError, match="valid policies: p"):
         trainable(_builder(), roles={"plan": "nope"}, policies={"p": "default"})
@@ -109,3 +109,10 @@ def test_mistakes_are_caught_at_decoration_time():
 def test_roles_may_name_subgraph_nodes():
     graph = trainable(_builder().compile(), roles={"inner_step": "p", "sub:inner_step": "p"})
     assert set(spec_of(graph).roles) == {"inner_step", "sub:inner_step"}
+
+
+def test_roles_may_name_the_node_that_holds_a_subgraph():
+    graph = trainable(_builder().compile(), roles={"sub": "p"})
+    _, spec = as_graph(graph)
+    resolved = spec.resolve(node_names(graph))
+    assert (resolved.route("sub:inner_step").role, resolved.route("sub:inner_step").policy) == ("sub", "p")

@@ -175,3 +175,24 @@ def test_the_gateway_answers_503_while_a_policys_replica_is_gone():
             r = httpx.post(f"{srv.base_url}/chat/completions", json=body, timeout=30)
             assert r.status_code == 503 and "rollout replica failed" in r.json()["error"]["message"]
     assert len(server.calls) == 1
+
+
+def test_engine_vllm_without_vllm_is_one_line_naming_the_install(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    try:
+        import vllm  # noqa: F401
+        pytest.skip("vLLM is installed here")
+    except ImportError:
+        pass
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "mas_trainer.cli", "fit", f"{root}/tests/fixtures/words_app.py:graph", "--data",
+           f"{root}/tests/fixtures/words.jsonl", "--output", str(tmp_path / "run"), "model=tiny", "runtime.engine=vllm",
+           "runtime.learner=verl"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    [line] = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert "needs vLLM" in line and "pip install" in line and "constraints-gpu.txt" in line
+    assert "Traceback" not in done.stderr
