@@ -216,10 +216,16 @@ def _torch_threads(n_policies: int, configured: int | None) -> int:
 # ends everything the local instance started as soon as the driver is gone, however it died.
 RAY_OWNER_ENV = "MAS_TRAINER_RAY_OWNER"
 _WATCHDOG = r"""
-import os, signal, sys
+import os, select, signal, sys, time
 tag = sys.argv[1].encode() + b"\0"
-sys.stdin.buffer.read()  # EOF: the driver that holds the other end is gone
-for _ in range(5):  # again, for what was starting meanwhile
+parent = os.getppid()
+# the driver is gone when its end of the pipe closes, or when this process is re-parented (a
+# forked child of the driver could keep the pipe open after the driver died)
+while os.getppid() == parent:
+    if select.select([sys.stdin], [], [], 0.5)[0] and not os.read(sys.stdin.fileno(), 4096):
+        break
+quiet = 0
+for _ in range(40):  # sweep until two passes in a row find nothing: Ray may still be starting one
     hit = False
     for name in os.listdir("/proc"):
         if name.isdigit() and int(name) != os.getpid():
@@ -230,8 +236,10 @@ for _ in range(5):  # again, for what was starting meanwhile
                         hit = True
             except OSError:
                 pass
-    if not hit:
+    quiet = 0 if hit else quiet + 1
+    if quiet >= 2:
         break
+    time.sleep(0.25)
 """
 _watchdog: Any = None  # (process, mark); its pipe stays open for the driver's life
 
