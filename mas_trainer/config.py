@@ -22,7 +22,7 @@ from mas_trainer.rollout.config import ENGINES, ReplicaConfig
 from mas_trainer.runtime.plan import Resources
 from mas_trainer.runtime.tracking import TRACKERS, check_trackers
 
-__all__ = ["FitConfig", "PolicyConfig", "RuntimeConfig", "load_config", "describe_keys", "ConfigError"]
+__all__ = ["FitConfig", "PolicyConfig", "RuntimeConfig", "load_config", "describe_keys", "check_torch_only", "ConfigError"]
 
 
 class ConfigError(UserError):
@@ -36,7 +36,7 @@ class _Strict(BaseModel):
 class RolloutConfig(_Strict):
     tasks_per_step: int = Field(8, ge=1, description="tasks drawn per training step")
     n: int = Field(4, ge=1, description="rollouts per task (the group the advantages compare within)")
-    max_in_flight: int = Field(64, ge=1, description="rollouts running at once")
+    max_in_flight: int | None = Field(None, ge=1, description="rollouts running at once (default: runtime.max_batch_size, the rows an engine decodes together: more only wait for a row, and run into timeout_s)")
     timeout_s: float = Field(300.0, gt=0, description="a rollout running longer is stopped (status timeout)")
     max_tokens: int = Field(64, ge=1, description="max_tokens of requests that set none")
     recursion_limit: int = Field(50, ge=1, description="LangGraph recursion limit per rollout")
@@ -238,6 +238,8 @@ def _check_learner(cfg: FitConfig) -> None:
                               "(or auto on GPUs) and runtime.backend=ray, or runtime.engine=embedded")
         if "torch-replica" in engines and rt.replica.tensor_parallel_size != 1:
             raise ConfigError("engine torch-replica is one process a replica: set runtime.replica.tensor_parallel_size=1")
+    if rt.learner == "verl" or engines:
+        check_torch_only(cfg, "runtime.learner=torch and runtime.engine=embedded")
     for name in ["", *cfg.policies]:
         old = cfg.learner_for(name).old_logprobs if name else cfg.learner.old_logprobs
         if old in ("recompute", "rollout_correction") and rt.learner == "torch":
@@ -256,6 +258,17 @@ def _check_learner(cfg: FitConfig) -> None:
                     where = f"policies.{name}.{part}.mini_batch_size" if name else f"{part}.mini_batch_size"
                     raise ConfigError(f"{where}={mini} must be a multiple of the worker group's world size {world} "
                                       "(resources.nodes x resources.procs_per_node): each rank takes an equal share")
+
+
+def check_torch_only(cfg: FitConfig, fix: str) -> None:
+    """LoRA and skip_zero_advantage exist on the torch learner only in this version."""
+    for name in ["", *cfg.policies]:
+        learner = cfg.learner_for(name) if name else cfg.learner
+        for key, on in (("lora_rank", learner.lora_rank), ("skip_zero_advantage", learner.skip_zero_advantage)):
+            if on:
+                where = f"policies.{name}.learner.{key}" if name else f"learner.{key}"
+                raise ConfigError(f"{where} runs on the torch learner with the embedded engine only in this version: "
+                                  f"set {fix}, or turn {key} off")
 
 
 def describe_keys(model: type[BaseModel] = FitConfig, prefix: str = "") -> list[str]:

@@ -258,6 +258,10 @@ def load_tokenizer(spec: str) -> Any:
 
     if spec in ("tiny", "default"):
         return AutoTokenizer.from_pretrained(tokenizer_dir())
+    from mas_trainer.learners.lora import is_adapter, load_merged
+
+    if is_adapter(spec):  # a policy trained with learner.lora_rank: its base + the adapter, merged
+        return load_merged(spec, dtype=dtype, seed=seed)
     path, gguf_file = _resolve(spec)
     try:
         tok = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file, local_files_only=True)
@@ -340,6 +344,10 @@ def load_model(spec: str, *, dtype: "torch.dtype | None" = None, seed: int = 0) 
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
         tok = fix_tokenizer(AutoTokenizer.from_pretrained(folder), model)
         return model.eval(), tok
+    from mas_trainer.learners.lora import is_adapter, load_merged
+
+    if is_adapter(spec):  # a policy trained with learner.lora_rank: its base + the adapter, merged
+        return load_merged(spec, dtype=dtype, seed=seed)
     path, gguf_file = _resolve(spec)
     try:
         tok = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file, local_files_only=True)

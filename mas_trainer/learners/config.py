@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = ["LearnerConfig", "CriticConfig", "LOSS_AGG_MODES", "KL_PENALTIES"]
 
@@ -72,6 +72,24 @@ class LearnerConfig(BaseModel):
         "(verl's rollout correction, TIS); bypass = the engine's own (no forward; the torch learner always does this). auto: "
         "recompute on the verl learner, bypass on the torch learner.")
     rollout_is_threshold: float = Field(2.0, gt=1, description="rollout_correction: upper truncation of the per-token importance weight.")
+    lora_rank: int = Field(
+        0, ge=0, description="Train a peft LoRA adapter of this rank instead of every weight (0: full fine-tuning; verl's name). "
+        "The base stays frozen, so the update computes no weight gradients for it and keeps no AdamW state for it; "
+        "checkpoints hold the adapter, and eval/serve/export load base + adapter (see docs/training.md).")
+    lora_alpha: float = Field(16.0, gt=0, description="LoRA scaling numerator: the adapter's output is scaled by lora_alpha / lora_rank.")
+    target_modules: str | list[str] = Field(
+        "all-linear", description="Modules that get an adapter: peft's 'all-linear' (every linear layer but the output head) or a list of names (q_proj, v_proj, ...).")
+    skip_zero_advantage: bool = Field(
+        False, description="Leave out of the update every turn whose advantage is zero at every token (e.g. a GRPO group whose rollouts "
+        "all scored the same): they add nothing to the policy gradient, only to the token count it is averaged over "
+        "(DAPO's filter). A step whose turns all have zero advantage then costs no update at all.")
+
+    @model_validator(mode="after")
+    def _skip_needs_pg_only(self) -> "LearnerConfig":
+        if self.skip_zero_advantage and (self.kl_coef > 0 or self.entropy_coeff != 0):
+            raise ValueError("skip_zero_advantage would drop turns whose KL or entropy term still has a gradient; "
+                             "set kl_coef=0 and entropy_coeff=0, or skip_zero_advantage=false")
+        return self
 
     @field_validator("kl_penalty")
     @classmethod

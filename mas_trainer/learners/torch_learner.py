@@ -21,6 +21,11 @@ How one update runs (``update(turns)``):
 - forward and backward run under bf16 autocast (fp32 weights and optimiser state): on the
   2-core reference CPU a 4 x 256-token step takes ~2 s instead of ~4.5 s in fp32.
 
+With ``lora_rank > 0`` the learner first injects a peft LoRA adapter into that model
+(``learners/lora.py``) and trains only the adapter; between updates the adapter is merged
+into the weights the engine generates with, and the KL reference is the base itself (the
+adapter switched off), so no copy of the model is kept for it.
+
 The learner updates the very model object its engine generates with, so the next
 generation uses the new weights without any copy: run updates on the engine's worker
 thread (``engine.run_exclusive(lambda _model: learner.update(turns))``, as the worker group
@@ -109,7 +114,10 @@ class TorchLearner:
     """AdamW + verl policy loss over one policy's model (shared with its engine).
 
     ``reference``: a frozen model for the KL loss; without one a deep copy of ``model`` is
-    taken at construction when ``config.kl_coef > 0`` (and none is kept otherwise).
+    taken at construction when ``config.kl_coef > 0`` (and none is kept otherwise; with LoRA
+    the reference is ``model`` with its adapter off). ``adapter``: a saved adapter folder to
+    continue training (LoRA, on resume); ``base_spec``: the model spec a new adapter records
+    as its base.
     """
 
     def __init__(
@@ -119,6 +127,8 @@ class TorchLearner:
         *,
         reference: Any = None,
         pad_id: int | None = None,
+        adapter: str | Path | None = None,
+        base_spec: str = "default",
     ) -> None:
         from verl.trainer.ppo import core_algos
         from verl.utils import torch_functional as verl_F
@@ -131,6 +141,12 @@ class TorchLearner:
         first = next(model.parameters())
         self.device = first.device
         self.bf16 = config.bf16 if isinstance(config.bf16, bool) else bf16_is_fast(self.device)
+        self.peft: Any = None
+        if config.lora_rank:
+            from mas_trainer.learners import lora
+
+            self.peft = lora.open_adapter(model, adapter) if adapter is not None else lora.add_adapter(
+                model, rank=config.lora_rank, alpha=config.lora_alpha, target_modules=config.target_modules, base_spec=base_spec)
         self._params = [p for p in model.parameters() if p.requires_grad]
         fused = config.fused_adamw if isinstance(config.fused_adamw, bool) else (
             self.device.type in ("cpu", "cuda") and all(p.dtype in (torch.float32, torch.bfloat16) for p in self._params)
@@ -139,11 +155,12 @@ class TorchLearner:
             self._params, lr=config.lr, betas=config.betas, eps=config.eps,
             weight_decay=config.weight_decay, fused=fused or None,
         )
-        if config.kl_coef > 0:
+        self._kl = config.kl_coef > 0
+        if self._kl and self.peft is None:
             if reference is None:
                 reference = copy.deepcopy(model)
             reference.requires_grad_(False).eval()
-        self.reference = reference if config.kl_coef > 0 else None
+        self.reference = reference if self._kl and self.peft is None else None
         if pad_id is None:
             pad_id = getattr(model.config, "pad_token_id", None)
             if isinstance(pad_id, (list, tuple)):
@@ -152,6 +169,22 @@ class TorchLearner:
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.updates = 0  # update() calls that trained on at least one turn
         self.optimizer_steps = 0
+        self.merged = False  # LoRA: whether the adapter is folded into the weights now
+        self._merge()
+
+    # ---------------------------------------------------------------- LoRA
+
+    def _merge(self) -> None:
+        """Fold the adapter into the weights, so the engine generates at plain-model speed."""
+        if self.peft is not None and not self.merged:
+            self.peft.merge_adapter()
+            self.merged = True
+
+    def _unmerge(self) -> None:
+        """Take the adapter back out of the weights: the update trains the adapter alone."""
+        if self.peft is not None and self.merged:
+            self.peft.unmerge_adapter()
+            self.merged = False
 
     # ---------------------------------------------------------------- log-probs
 
@@ -209,16 +242,30 @@ class TorchLearner:
         verl loss reports, without its ``actor/`` prefix), loss, grad_norm (pre-clip; absent
         when no step was taken), kl and kl_loss (only with a reference), entropy (only when
         computed), optimizer_steps (taken), skipped_steps (non-finite gradient norm: no
-        step), turns, tokens (real tokens forwarded and backwarded, all epochs),
-        response_tokens, seconds, tokens_per_s. With no turns nothing changes (no optimiser
-        step, so no weight decay either).
+        step), turns (trained on), skipped_turns (left out by ``skip_zero_advantage``), tokens
+        (real tokens forwarded and backwarded, all epochs), response_tokens, seconds,
+        tokens_per_s. With no turns (to train on) nothing changes (no optimiser step, so no
+        weight decay either).
         """
         t0 = time.perf_counter()
         turns = list(turns)
+        cfg = self.config
+        skipped_turns = 0
+        if cfg.skip_zero_advantage:
+            kept = [t for t in turns if any(a != 0 for a in t.advantage_list())]
+            skipped_turns, turns = len(turns) - len(kept), kept
         if not turns:
-            return {"turns": 0.0, "tokens": 0.0, "response_tokens": 0.0, "optimizer_steps": 0.0, "seconds": 0.0}
-        if self.reference is not None:
-            turns = self._with_reference(turns)
+            return {"turns": 0.0, "skipped_turns": float(skipped_turns), "tokens": 0.0, "response_tokens": 0.0,
+                    "optimizer_steps": 0.0, "seconds": 0.0}
+        self._unmerge()
+        try:
+            if self._kl:
+                turns = self._with_reference(turns)
+            return self._update(turns, skipped_turns, t0)
+        finally:
+            self._merge()
+
+    def _update(self, turns: list[Turn], skipped_turns: int, t0: float) -> dict[str, float]:
         cfg = self.config
         sums: dict[str, float] = defaultdict(float)
         weights: dict[str, float] = defaultdict(float)
@@ -244,6 +291,7 @@ class TorchLearner:
             optimizer_steps=float(steps - skipped),
             skipped_steps=float(skipped),
             turns=float(len(turns)),
+            skipped_turns=float(skipped_turns),
             tokens=float(sums.pop("_tokens", 0.0)),
             response_tokens=float(sum(len(t.response_ids) for t in turns) * cfg.ppo_epochs),
             seconds=seconds,
@@ -256,7 +304,12 @@ class TorchLearner:
         missing = [t for t in turns if t.ref_logprobs is None]
         if not missing:
             return turns
-        values = dict(zip(map(id, missing), self.log_probs(missing, model=self.reference)))
+        if self.peft is not None:  # the reference is the base: the same modules with the adapter off
+            with self.peft.disable_adapter():
+                computed = self.log_probs(missing)
+        else:
+            computed = self.log_probs(missing, model=self.reference)
+        values = dict(zip(map(id, missing), computed))
         return [
             t if t.ref_logprobs is not None else dataclasses.replace(t, ref_logprobs=values[id(t)].tolist())
             for t in turns
@@ -329,7 +382,7 @@ class TorchLearner:
             if cfg.entropy_coeff:
                 loss = loss - cfg.entropy_coeff * ent_loss
             token_stats["entropy"] = self._verl_F.masked_mean(entropy.detach(), mask)
-        if self.reference is not None:
+        if self._kl:
             if batch.ref_log_prob is None:
                 raise ValueError("a learner with kl_coef > 0 needs ref_logprobs on every turn")
             kld = core.kl_penalty(logprob=log_prob, ref_logprob=batch.ref_log_prob[:, s:], kl_penalty=cfg.kl_penalty)
@@ -368,8 +421,15 @@ class TorchLearner:
 
     def save_pretrained(self, path: str | Path, tokenizer: Any = None) -> Path:
         """Write the policy as a Hugging Face folder (safetensors, config, tokenizer) that
-        `from_pretrained` and `vllm serve` load. Call it where the weights are not being
-        changed (e.g. through ``engine.run_exclusive``)."""
+        `from_pretrained` and `vllm serve` load, or with LoRA as a peft adapter folder
+        (`load_model` merges it; `export` writes either form). Call it where the weights are
+        not being changed (e.g. through ``engine.run_exclusive``)."""
         from mas_trainer.engines.models import save_pretrained
 
-        return save_pretrained(self.model, tokenizer, path)
+        if self.peft is None:
+            return save_pretrained(self.model, tokenizer, path)
+        # the adapter's own weights, merged or not; no embedding layers (none are adapted), so peft does not look the base up online
+        self.peft.save_pretrained(str(path), save_embedding_layers=False)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+        return Path(path)

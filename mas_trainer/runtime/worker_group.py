@@ -56,23 +56,28 @@ class WorkerGroup:
 
         if plan.torch_threads:
             torch.set_num_threads(plan.torch_threads)
+        from mas_trainer.learners.lora import is_adapter
+
         self.policy = plan.policy
-        model, self.tokenizer = load_model(plan.model, seed=plan.seed)
+        learner = LearnerConfig.model_validate(plan.learner)
+        # resuming a LoRA policy: the base again, and its saved adapter trains on (not merged into a new base)
+        adapter = plan.model if learner.lora_rank and is_adapter(plan.model) else None
+        model, self.tokenizer = load_model(plan.reference if adapter else plan.model, seed=plan.seed)
         self.engine = TorchEngine(model, self.tokenizer, model_name=plan.policy, max_batch_size=plan.max_batch_size,
                                   bf16_autocast=plan.engine_bf16, batch_wait_ms=plan.batch_wait_ms, device=plan.device)
         self.buffer: dict[str, BufferedTurn] = {}
         self._seen: dict[str, int] = {}
-        learner = LearnerConfig.model_validate(plan.learner)
         reference = None
-        if learner.kl_coef > 0 and plan.reference is not None:  # resumed: the reference stays the base model
+        if learner.kl_coef > 0 and not learner.lora_rank and plan.reference is not None:  # resumed: the reference stays the base model
             reference = load_model(plan.reference, seed=plan.seed)[0].to(plan.device)
-        self.learner = TorchLearner(model, learner, reference=reference)
         self.advantage_config = AdvantageConfig.model_validate(plan.advantage)
         self.critic = None
         if self.advantage_config.estimator == "gae":  # GAE bootstraps from a learned value model
             from mas_trainer.learners.critic import CriticConfig, TorchCritic
 
+            # built before a LoRA adapter is injected: the value model copies the plain body
             self.critic = TorchCritic(model, CriticConfig.model_validate(plan.critic))
+        self.learner = TorchLearner(model, learner, reference=reference, adapter=adapter, base_spec=plan.reference or plan.model)
 
     # --- serving ---------------------------------------------------------------------------
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, turn_id: str | None = None) -> list[Generation]:

@@ -220,3 +220,37 @@ def test_full_separation_and_a_frozen_node(tmp_path):
     critic = [c for c in traj["llm_calls"] if c["node"] == "critic"]
     assert critic and all(c["policy"] == "frozen" and not c["trainable"] for c in critic)
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoint" / "policies").iterdir()) == ["a", "b"]
+
+
+def test_lora_policy_checkpoints_an_adapter_that_resumes_evals_and_exports(tmp_path):
+    """learner.lora_rank: the checkpoint is a peft adapter; --resume trains it on, eval and
+    serve load it merged, export writes it merged (plain folder) or as the adapter."""
+    from safetensors.torch import load_file
+
+    from mas_trainer.engines.models import load_model
+    from mas_trainer.learners.lora import adapter_base, is_adapter
+    from mas_trainer.runtime.evaluate import evaluate
+    from mas_trainer.runtime.export import export
+
+    out = tmp_path / "run"
+    lora = ("learner.lora_rank=4", "learner.lora_alpha=8", "learner.lr=5e-2", "save_every=1", "eval_every=10")
+    fit(f"{APP}:single", TASKS[:4], _cfg("steps=2", *lora), out)
+    folder = out / "checkpoint" / "policies" / "solo"
+    assert is_adapter(folder) and adapter_base(folder) == "tiny"
+    at_two = load_file(folder / "adapter_model.safetensors")
+    rows = fit(f"{APP}:single", TASKS[:4], _cfg("steps=3", *lora), out, resume=True)
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3]
+    at_three = load_file(folder / "adapter_model.safetensors")
+    assert at_two.keys() == at_three.keys() and any(not torch.equal(at_two[k], at_three[k]) for k in at_two)
+
+    result = evaluate(f"{APP}:single", TASKS[4:6], run_dir=out)
+    assert result["policies"]["solo"] == str(folder) and result["rollouts/ok"] == 2
+
+    merged_dir = export(out, tmp_path / "merged") / "solo"
+    assert not is_adapter(merged_dir)
+    plain = AutoModelForCausalLM.from_pretrained(merged_dir)  # transformers alone, no peft
+    ids = torch.tensor([[1, 5, 9, 200, 31]])
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids).logits, load_model(str(folder), seed=3)[0](ids).logits, atol=1e-5, rtol=1e-5)
+    adapter_dir = export(out, tmp_path / "adapter", adapter=True) / "solo"
+    assert is_adapter(adapter_dir) and json.loads((tmp_path / "adapter" / "mas-trainer.json").read_text())["policies"]["solo"]["adapter"]

@@ -1,0 +1,93 @@
+"""LoRA adapters through `peft` (``learner.lora_rank``): one policy = a frozen base + an adapter.
+
+Why: the update then computes no weight gradients and keeps no AdamW state for the base,
+only for the adapter's small matrices; RL updates are low-rank enough for an adapter to
+learn them (see docs/training.md for what was measured here).
+
+The adapter is injected into the very model object the engine generates with (peft wraps
+its linear layers in place), so, as with full fine-tuning, there is no copy to keep in
+step. Between updates the adapter is *merged* into the base weights (``W + B A`` written
+into ``W``), so generation runs the plain linear layers at full speed; the learner unmerges
+it before it trains. In float32 a merge/unmerge round trip changes a weight by rounding
+only (~1e-7 relative), far below what the update moves.
+
+On disk a policy trained with LoRA is a peft adapter folder (``adapter_config.json``,
+``adapter_model.safetensors``, the tokenizer), whose ``base_model_name_or_path`` is the
+mas-trainer model spec it was trained on (``default``, ``tiny`` or a folder):
+`load_model` turns such a folder into the merged model (eval, serve), `open_adapter` into a
+trainable one (``fit --resume``), and ``export`` writes it merged (a plain Hugging Face
+folder) or, with ``--adapter``, as the adapter itself.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from mas_trainer.errors import UserError
+
+__all__ = ["ADAPTER_CONFIG", "is_adapter", "adapter_base", "add_adapter", "open_adapter", "load_merged", "save_merged"]
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def is_adapter(folder: str | Path | None) -> bool:
+    """Whether `folder` holds a peft adapter (rather than a whole model)."""
+    return folder is not None and (Path(str(folder)).expanduser() / ADAPTER_CONFIG).is_file()
+
+
+def adapter_base(folder: str | Path) -> str:
+    """The model spec the adapter in `folder` was trained on."""
+    path = Path(folder).expanduser() / ADAPTER_CONFIG
+    try:
+        base = json.loads(path.read_text())["base_model_name_or_path"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise UserError(f"{path}: not a readable peft adapter config ({exc}); re-export the policy") from None
+    if not base:
+        raise UserError(f"{path} names no base model (base_model_name_or_path); set it to the model the adapter was trained on")
+    return str(base)
+
+
+def add_adapter(model: Any, *, rank: int, alpha: float, target_modules: str | list[str], base_spec: str) -> Any:
+    """Inject a fresh, trainable LoRA adapter into `model` (in place); returns the `PeftModel`.
+
+    Only the adapter requires grad afterwards. peft initialises B = 0, so the policy's
+    function is the base model's until the first update."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0, bias="none",
+                        task_type="CAUSAL_LM")
+    try:
+        peft_model = get_peft_model(model, config)
+    except ValueError as exc:  # e.g. a target module name the model does not have
+        raise UserError(f"learner.target_modules={target_modules!r}: {str(exc).splitlines()[0]}") from None
+    # peft records the model's own name_or_path (none for `tiny`); the spec is what loads the base again
+    peft_model.peft_config["default"].base_model_name_or_path = base_spec
+    return peft_model
+
+
+def open_adapter(model: Any, folder: str | Path) -> Any:
+    """Load the adapter saved in `folder` into `model` (in place), trainable; returns the `PeftModel`."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(model, str(folder), is_trainable=True)
+
+
+def load_merged(folder: str | Path, *, dtype: Any = None, seed: int = 0) -> tuple[Any, Any]:
+    """(model, tokenizer) of base + the adapter in `folder`, merged into plain weights."""
+    from peft import PeftModel
+
+    from mas_trainer.engines.models import load_model
+
+    base, tokenizer = load_model(adapter_base(folder), dtype=dtype, seed=seed)
+    merged = PeftModel.from_pretrained(base, str(Path(folder).expanduser())).merge_and_unload()
+    return merged.eval(), tokenizer
+
+
+def save_merged(folder: str | Path, out: str | Path, *, seed: int = 0) -> Path:
+    """Write base + the adapter in `folder` as one plain Hugging Face folder at `out`."""
+    from mas_trainer.engines.models import save_pretrained
+
+    model, tokenizer = load_merged(folder, seed=seed)
+    return save_pretrained(model, tokenizer, out)
