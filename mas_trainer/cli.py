@@ -167,20 +167,32 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from mas_trainer.runtime.evaluate import evaluate
+    from mas_trainer.runtime.evaluate import evaluate, timeout_warning
 
     _check_model(args.model)
+    if args.max_in_flight is not None and args.max_in_flight < 1:
+        raise UsageError(f"--max-in-flight {args.max_in_flight}: run at least 1 rollout at once")
+    if args.timeout is not None and not args.timeout > 0:
+        raise UsageError(f"--timeout {args.timeout:g}: give the seconds a rollout may run, more than 0")
     tasks = _load_tasks(argparse.Namespace(input=None, data=args.data))
     result = evaluate(args.app, tasks, run_dir=args.run, model=args.model, n=args.n, seed=args.seed, max_tokens=args.max_tokens,
-                      temperature=args.temperature)
+                      temperature=args.temperature, max_in_flight=args.max_in_flight, timeout_s=args.timeout)
     table = Table(title=f"reward on {len(tasks)} tasks x {args.n} ({'trained: ' + args.run if args.run else 'base models'})")
     table.add_column("")
     table.add_column("mean reward", justify="right")
-    table.add_row("overall", f"{result['reward/mean']:.4f}" if result["reward/mean"] is not None else "-")
+    table.add_column("rollouts scored", justify="right")
+    table.add_column("timed out (not scored)", justify="right")
+    timed_out = result.get("rollouts/timeout", 0)
+    table.add_row("overall", f"{result['reward/mean']:.4f}" if result["reward/mean"] is not None else "-",
+                  str(result["rollouts"] - timed_out), str(timed_out))
     for key, value in result.items():
         if key.startswith("reward/role/"):
-            table.add_row(f"role {key.split('/', 2)[2]}", f"{value:.4f}")
-    Console(stderr=True).print(table)
+            table.add_row(f"role {key.split('/', 2)[2]}", f"{value:.4f}", "", "")
+    console = Console(stderr=True)
+    console.print(table)
+    warning = timeout_warning(result)
+    if warning:
+        console.print(warning, markup=False, highlight=False, soft_wrap=True)
     text = json.dumps(result, indent=1)
     if args.output:
         Path(args.output).write_text(text + "\n")
@@ -191,8 +203,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from mas_trainer.runtime.export import export
 
-    out = export(args.run_dir, args.out_dir)
-    print(f"exported to {out}: one Hugging Face folder per policy and mas-trainer.json (role -> model)")
+    out = export(args.run_dir, args.out_dir, adapter=args.adapter)
+    kind = "LoRA adapters kept as adapters" if args.adapter else "one Hugging Face folder per policy"
+    print(f"exported to {out}: {kind} and mas-trainer.json (role -> model)")
     return 0
 
 
@@ -274,6 +287,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=None, help="max_tokens for requests that set none (default: the run's rollout.max_tokens, else 64)")
     p.add_argument("--temperature", type=float, default=None, help="temperature of every LLM call (0: greedy; default: the run's "
                                                                     "rollout.val_temperature, else the app's own)")
+    p.add_argument("--max-in-flight", type=int, default=None, help="rollouts running at once (default: the run's "
+                                                                    "rollout.max_in_flight, else runtime.max_batch_size)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds a rollout may run; longer ones are counted as timed "
+                                                                "out, not scored (default: the run's rollout.timeout_s, else 300)")
     p.add_argument("--output", default=None, help="also write the JSON here")
     p.set_defaults(func=cmd_eval)
 
@@ -281,6 +298,9 @@ def _parser() -> argparse.ArgumentParser:
                        description="Copy a run's trained policies out as Hugging Face folders (transformers, vllm serve).")
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("out_dir", metavar="OUT_DIR")
+    p.add_argument("--adapter", action="store_true",
+                   help="policies trained with learner.lora_rank: write the peft adapter (small; PeftModel.from_pretrained, "
+                        "vllm --enable-lora) instead of base + adapter merged into one plain folder")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("serve", help="serve a run's trained policies behind one OpenAI-compatible endpoint",

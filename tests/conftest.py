@@ -12,5 +12,5 @@ def fake_backend(_base_model: str) -> PolicyBackend:
 @pytest.fixture
 def fake_session():
     """A gateway on 127.0.0.1 with fake engines, OPENAI_BASE_URL pointing at it."""
-    with Session(backend_factory=fake_backend, timeout_s=20) as session:
+    with Session(backend_factory=fake_backend, timeout_s=20, max_in_flight=64) as session:
         yield session

@@ -20,7 +20,12 @@ and read under a deadline; parsing large bodies, chat templating and tokenisatio
 the event loop; `max_tokens` is capped by the model's context; a client that hangs up
 cancels its generation (the engine drops its rows); streams send tokens as they are sampled.
 
-Refused requests (4xx) are logged at INFO on `mas_trainer.gateway.server`.
+Ending with calls in flight (`flights.py`). The owner ends unfinished rollouts with
+`end_rollouts` (their calls in flight are answered 503 and later ones refused) and the run
+with `close()` (every call answered or refused with a 503, before the engines close), so a
+run that ends with calls in flight prints no tracebacks.
+
+Refused requests (4xx, and the 503s above) are logged at INFO on `mas_trainer.gateway.server`.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from pydantic import ValidationError
 
 from mas_trainer.engines.base import (ChatFormat, Delta, Engine, EngineUnavailable, Generation, SamplingParams, max_context,
                                       stream_generation)
+from mas_trainer.gateway.flights import Flight, Flights, Stopped
 from mas_trainer.gateway.ledger import Ledger
 from mas_trainer.gateway.protocol import MAX_DEPTH, ChatRequest, bound_schema, error_body, json_schema_of, nested_too_deep
 from mas_trainer.gateway.router import RouteDecision, Router, UnknownModel, UnknownNode
@@ -80,9 +86,15 @@ class RequestLimits:
 
 class _Refused(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error", close: bool = False) -> None:
+                 kind: str = "invalid_request_error", close: bool = False, retry: bool = True) -> None:
         super().__init__(message)
         self.status, self.body, self.close = status, error_body(message, param=param, code=code, kind=kind), close
+        self.retry = retry
+
+    @classmethod
+    def stopped(cls, exc: Stopped) -> "_Refused":
+        # retrying cannot help: the rollout is over, or the whole run is
+        return cls(503, str(exc), code=exc.code, kind="server_error", retry=False)
 
 
 class _ClientGone(Exception):
@@ -145,10 +157,21 @@ class Gateway:
         self.limits = limits or RequestLimits()
         # Owned by the session when there is one; a gateway alone (serve) never reseeds it.
         self.sampling = sampling or RolloutSampling()
+        self.flights = Flights()
         self.app = self._build_app()
 
     def add_policy(self, name: str, backend: PolicyBackend) -> None:
         self.backends[name] = backend
+
+    def end_rollouts(self, rollout_ids: Any) -> None:
+        """These rollouts ended unfinished: answer their calls in flight 503 now and refuse
+        their later ones (from any thread; returns at once)."""
+        self.flights.end_rollouts(rollout_ids)
+
+    def close(self, timeout_s: float = 5.0) -> int:
+        """Stop accepting calls and answer those in flight 503, waiting until they are answered
+        (from any thread but the server's); then the engines can close. Returns how many."""
+        return self.flights.close(timeout_s)
 
     def protection(self) -> str:
         """One line saying who this gateway answers, for the verbs to print."""
@@ -287,7 +310,7 @@ class Gateway:
         for i, gen in enumerate(gens):
             self.ledger.file(call.decision.rollout_id, _llm_call(call, i, gen, *parsed[i], end))
 
-    async def _sse(self, call: _Call, first: Delta, deltas: AsyncIterator[Delta]) -> AsyncIterator[str]:
+    async def _sse(self, call: _Call, first: Delta, deltas: AsyncIterator[Delta], flight: Flight) -> AsyncIterator[str]:
         base = {"id": f"chatcmpl-{call.call_id}", "object": "chat.completion.chunk", "created": int(call.start),
                 "model": call.req.model}
         # tool calls are known only once the whole text is: buffer it when tools are active
@@ -320,13 +343,25 @@ class Gateway:
 
         try:
             yield events(first)
-            async for d in deltas:
+            while True:
+                try:
+                    d = await flight.until_stopped(deltas.__anext__())
+                except StopAsyncIteration:
+                    break
                 yield events(d)
+        except Stopped as exc:  # the rollout ended or the gateway is closing: end the stream
+            log.info("stream %s stopped: %s", call.call_id, exc)
+            yield f"data: {json.dumps(error_body(str(exc), code=exc.code, kind='server_error'))}\n\n"
+            return
         except Exception as exc:  # noqa: BLE001 - the status line is sent: the error goes in the stream
-            log.warning("stream %s failed: %s", call.call_id, exc)
+            if flight.stopped.done():  # the engine closed under a stopped stream: not a failure
+                log.info("stream %s stopped: %s", call.call_id, flight.reason())
+            else:
+                log.warning("stream %s failed: %s", call.call_id, exc)
             yield f"data: {json.dumps(error_body(str(exc), kind='server_error'))}\n\n"
             return
         finally:
+            Flights.finish(flight)
             await deltas.aclose()  # on a hang-up too: the engine stops generating now
         done = [g for g in gens if g is not None]
         self._file(call, done, parsed)
@@ -340,10 +375,19 @@ class Gateway:
         ctx = propagate.extract(request.headers)
         bag = dict(baggage.get_all(ctx))
         rollout = self._admit(request, bag)
-        raw = await self._read_body(request)
-        req = self._decode(raw) if len(raw) <= _INLINE_BODY_BYTES else await asyncio.to_thread(self._decode, raw)
         try:
-            return await _unless_gone(request, self._answer(req, ctx, bag, rollout))
+            flight = self.flights.open(str(bag.get(A.BAGGAGE_ROLLOUT)) if rollout else None)
+        except Stopped as exc:
+            raise _Refused.stopped(exc) from None
+        streaming = False
+        try:
+            raw = await self._read_body(request)
+            req = self._decode(raw) if len(raw) <= _INLINE_BODY_BYTES else await asyncio.to_thread(self._decode, raw)
+            response = await _unless_gone(request, flight.until_stopped(self._answer(req, ctx, bag, rollout, flight)))
+            streaming = isinstance(response, StreamingResponse)  # its flight ends with the stream
+            return response
+        except Stopped as exc:  # its rollout ended, or the gateway is closing
+            raise _Refused.stopped(exc) from None
         except ValidationError as exc:
             raise _Refused(400, _describe(exc.errors()), param=_first_loc(exc.errors())) from None
         except UnknownNode as exc:
@@ -354,8 +398,17 @@ class Gateway:
             raise _Refused(503, str(exc), code="engine_unavailable", kind="server_error") from None
         except ValueError as exc:
             raise _Refused(400, str(exc)) from None
+        except (_Refused, _ClientGone):
+            raise
+        except Exception:
+            if flight.stopped.done():  # the engine closed under a call that was being stopped
+                raise _Refused.stopped(flight.reason()) from None
+            raise
+        finally:
+            if not streaming:
+                Flights.finish(flight)
 
-    async def _answer(self, req: ChatRequest, ctx: Any, bag: dict[str, object], rollout: bool) -> Response:
+    async def _answer(self, req: ChatRequest, ctx: Any, bag: dict[str, object], rollout: bool, flight: Flight) -> Response:
         call = await self._prepare(req, ctx, bag, rollout)
         if not req.stream:
             return JSONResponse(await self._complete(call))
@@ -368,7 +421,7 @@ class Gateway:
             await deltas.aclose()
             raise
         # from here Starlette cancels the stream when the client hangs up
-        return StreamingResponse(self._sse(call, first, deltas), media_type="text/event-stream",
+        return StreamingResponse(self._sse(call, first, deltas, flight), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})
 
     # --- HTTP --------------------------------------------------------------------------------
@@ -411,7 +464,7 @@ class Gateway:
             try:
                 return await self._chat(request)
             except _Refused as exc:
-                return _refuse(exc.status, exc.body, close=exc.close)
+                return _refuse(exc.status, exc.body, close=exc.close, retry=exc.retry)
             except _ClientGone:
                 log.info("client went away; its request was dropped")
                 return Response(status_code=499)
@@ -445,14 +498,16 @@ async def _unless_gone(request: Request, work: Awaitable[T]) -> T:
         watcher.cancel()
 
 
-def _refuse(status: int, body: dict[str, Any], *, close: bool = False) -> JSONResponse:
+def _refuse(status: int, body: dict[str, Any], *, close: bool = False, retry: bool = True) -> JSONResponse:
     # The client gets the reason, but apps and their libraries often swallow errors (a
     # retry, a fallback): the log is where a user sees why calls went unanswered.
     log.info("refused a request (%d): %s", status, body["error"]["message"])
     # close: the connection's deadline is past. A refused body that was not read is drained by
     # the server (bounded by the read deadline): closing at once would reset the connection
     # and the client could lose the response before it finished sending.
-    return JSONResponse(body, status_code=status, headers={"connection": "close"} if close else None)
+    # retry=False: `x-should-retry: false`, which the OpenAI client obeys (it retries 5xx by default)
+    headers = {**({"connection": "close"} if close else {}), **({} if retry else {"x-should-retry": "false"})}
+    return JSONResponse(body, status_code=status, headers=headers or None)
 
 
 def _loc(err: dict[str, Any]) -> str:

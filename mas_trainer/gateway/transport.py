@@ -125,6 +125,11 @@ class GatewayServer:
         return self
 
     def stop(self) -> None:
+        # Stop accepting calls and answer those in flight (503) first: uvicorn would wait for
+        # them, and the caller may close their engines next.
+        close = getattr(self.gateway, "close", None)
+        if callable(close) and self._thread.is_alive():
+            close()
         self._server.should_exit = True
         self._thread.join(timeout=5)
         self._sock.close()

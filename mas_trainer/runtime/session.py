@@ -3,6 +3,13 @@
 Order matters: the gateway starts and OPENAI_BASE_URL points at it *before* the app is
 imported, because apps build their OpenAI clients at import time; the engines start after,
 since which policies exist is only known once the app's spec is read.
+
+Ending has an order too. A rollout that times out is cancelled, but an LLM call made from a
+sync node runs on in its executor thread; so the gateway is told as soon as a rollout ends
+unfinished (its calls are answered 503 and its engine rows freed). A session ends by
+refusing new calls, cancelling the rollouts still running (an interrupted `run`) and
+answering the calls still in flight, and only then closes the engines: otherwise every call
+still running fails with "engine ... is closed" and prints a traceback.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ import asyncio
 import logging
 import os
 import secrets
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
@@ -48,7 +56,9 @@ def _rollout_loop() -> asyncio.AbstractEventLoop:
 class Session:
     """`engine` configures the engines `load_app` starts (default: `fit`'s defaults) and
     `seed` builds their base models; `backend_factory` (model -> backend) replaces the
-    embedded engine, e.g. with fake engines in tests."""
+    embedded engine, e.g. with fake engines in tests. `max_in_flight` rollouts run at once
+    (default: `engine.max_batch_size`, one engine batch: more would only queue for a row
+    and spend their `timeout_s` waiting)."""
 
     def __init__(
         self,
@@ -56,7 +66,7 @@ class Session:
         model: str | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
-        max_in_flight: int = 64,
+        max_in_flight: int | None = None,
         timeout_s: float | None = 300.0,
         otel_exporter: str | None = None,
         default_max_tokens: int = 256,
@@ -65,9 +75,9 @@ class Session:
         backend_factory: Callable[[str], PolicyBackend] | None = None,
     ) -> None:
         self.model = model
-        self.max_in_flight = max_in_flight
         self.timeout_s = timeout_s
         self.engine = engine or RuntimeConfig()
+        self.max_in_flight = max_in_flight or self.engine.max_batch_size
         self.seed = seed
         self.backend_factory = backend_factory
         self.ledger = Ledger()
@@ -88,7 +98,7 @@ class Session:
         # Sync nodes run in the loop's default executor (LangGraph's run_in_executor). Its
         # default size (cores + 4) would cap the LLM calls in flight, and with them the
         # engine's batch, far below max_in_flight.
-        self.loop.set_default_executor(ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="mas-node"))
+        self.loop.set_default_executor(ThreadPoolExecutor(max_workers=self.max_in_flight, thread_name_prefix="mas-node"))
 
     def __enter__(self) -> "Session":
         self.server.start()
@@ -104,9 +114,38 @@ class Session:
         return f"{self.server.base_url} ({self.gateway.protection()})"
 
     def __exit__(self, *exc: object) -> None:
-        for backend in self.gateway.backends.values():
-            backend.engine.close()
-        self.server.stop()
+        try:
+            self.stop_calls()
+            for backend in self.gateway.backends.values():
+                backend.engine.close()
+        finally:
+            self.server.stop()
+            self._restore_env()
+
+    def _cancel(self, tasks: Iterable[asyncio.Task], timeout_s: float = 10.0) -> None:
+        tasks = [t for t in tasks if not t.done()]
+        for t in tasks:
+            t.cancel()
+        if not tasks:
+            return
+        waiter = asyncio.gather(*tasks, return_exceptions=True)
+        deadline = time.monotonic() + timeout_s
+        while not waiter.done() and time.monotonic() < deadline:
+            try:
+                self.loop.run_until_complete(asyncio.wait({waiter}, timeout=max(0.0, deadline - time.monotonic())))
+            except (KeyboardInterrupt, SystemExit):
+                pass  # the interruption again, from a task that awaited the one it was raised in
+        if not waiter.done():
+            log.warning("%d rollouts did not stop within %g s of being cancelled", sum(not t.done() for t in tasks), timeout_s)
+
+    def stop_calls(self, timeout_s: float = 5.0) -> None:
+        """Refuse every new LLM call and answer those in flight (503) before engines close:
+        call it before closing engines that the session did not start (worker groups)."""
+        stopped = self.gateway.close(timeout_s)
+        if stopped:
+            log.info("answered %d LLM calls still in flight at the end of the session (503)", stopped)
+
+    def _restore_env(self) -> None:
         for key, value in self._saved_env.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -152,7 +191,26 @@ class Session:
         if self.app is None:
             raise RuntimeError("load_app() first")
         controller = Controller(self.app, self.ledger, max_in_flight=self.max_in_flight, timeout_s=self.timeout_s)
-        return await controller.run(tasks, n=n, ids=ids, on_done=on_done)
+
+        def done(traj: Trajectory) -> None:
+            if traj.status != "ok":  # timed out or failed: calls its threads still make are not its own any more
+                self.gateway.end_rollouts([traj.rollout_id])
+            if on_done is not None:
+                on_done(traj)
+
+        return await controller.run(tasks, n=n, ids=ids, on_done=done)
 
     def run(self, tasks: Iterable[dict[str, Any]], *, n: int = 1, on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
-        return self.loop.run_until_complete(self.rollouts(list(tasks), n=n, on_done=on_done))
+        """Run every task n times and return their trajectories. If the run is interrupted, its
+        rollouts are cancelled and the gateway answers no more calls: the session is over."""
+        before = asyncio.all_tasks(self.loop)
+        try:
+            return self.loop.run_until_complete(self.rollouts(list(tasks), n=n, on_done=on_done))
+        except BaseException:
+            # Interrupted (Ctrl-C, or on_done raised): the session is ending. Stop accepting
+            # calls and answer those in flight first (a cancelled rollout waits for the threads
+            # of its sync nodes, and they wait for their calls), then cancel this run's
+            # rollouts rather than leave them pending on the loop.
+            self.stop_calls()
+            self._cancel(t for t in asyncio.all_tasks(self.loop) if t not in before)
+            raise

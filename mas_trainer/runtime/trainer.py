@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import yaml
 from rich.console import Console
 
-from mas_trainer.config import ConfigError, FitConfig
+from mas_trainer.config import ConfigError, FitConfig, check_torch_only
 from mas_trainer.errors import UserError
 from mas_trainer.gateway import PolicyBackend
 from mas_trainer.rewards import RewardSpec, assign_rewards, check_allocator, is_dropped
@@ -67,14 +67,23 @@ def _rollout_reward(t: Trajectory) -> float | None:
     return sum(turns) / len(turns) if turns else None
 
 
-def summarize(trajs: list[Trajectory]) -> dict[str, Any]:
-    """Reward and status figures of a batch of scored trajectories."""
+def summarize(trajs: list[Trajectory], *, timeouts_apart: bool = False) -> dict[str, Any]:
+    """Reward and status figures of a batch of scored trajectories.
+
+    `timeouts_apart` (evaluations): rollouts cut by rollout.timeout_s are counted
+    (`rollouts/timeout`) but left out of the reward figures, which are then over the rollouts
+    that finished: a timeout says the machine was too slow, not how well the app did.
+    Without it (training rows) they count as what they were trained with (reward.on_failure)."""
     row: dict[str, Any] = {"rollouts": len(trajs)}
     status = defaultdict(int)
     for t in trajs:
         status[t.status] += 1
     row.update({f"rollouts/{k}": v for k, v in sorted(status.items())})
     row["rollouts/dropped"] = sum(is_dropped(t) for t in trajs)
+    row["tokens/response"] = sum(len(c.response_ids) for t in trajs for c in t.llm_calls)
+    if timeouts_apart:
+        row["rollouts/timeout"] = status["timeout"]
+        trajs = [t for t in trajs if t.status != "timeout"]
     rewards = [r for r in map(_rollout_reward, trajs) if r is not None]
     row["reward/mean"] = statistics.fmean(rewards) if rewards else None
     row["reward/std"] = statistics.pstdev(rewards) if len(rewards) > 1 else 0.0
@@ -85,7 +94,6 @@ def summarize(trajs: list[Trajectory]) -> dict[str, Any]:
                 by_role[c.role].append(t.rewards.turns[c.id])
     for role, vals in sorted(by_role.items()):
         row[f"reward/role/{role}"] = statistics.fmean(vals)
-    row["tokens/response"] = sum(len(c.response_ids) for t in trajs for c in t.llm_calls)
     return row
 
 
@@ -145,7 +153,7 @@ class _Fit:
                                     temperature=self.cfg.rollout.val_temperature)
         await asyncio.gather(*(h.call("discard") for h in self.handles.values()))
         self.rundir.write_trajectories(step, (t.to_json() for t in trajs), name=f"step_{step:06d}_val")
-        return {"kind": "val", "step": step, **summarize(trajs), "time/eval_s": time.perf_counter() - t0}
+        return {"kind": "val", "step": step, **summarize(trajs, timeouts_apart=True), "time/eval_s": time.perf_counter() - t0}
 
     async def checkpoint(self, step: int, position: int) -> None:
         staging = self.rundir.staging()
@@ -158,6 +166,8 @@ class _Fit:
     def record(self, row: dict[str, Any] | None) -> None:
         if row is None:
             return
+        # wall time of the run so far, start-up included, continued across resumes (time-to-target figures)
+        row["time/elapsed_s"] = self._elapsed_before + time.perf_counter() - self._started
         self.rundir.append_metrics(row)
         self.rows.append(row)
         if self.trackers is not None:
@@ -207,6 +217,7 @@ class _Fit:
         from mas_trainer.engines.chat import HFChatFormat
         from mas_trainer.engines.models import load_tokenizer
 
+        self._started = time.perf_counter()
         c, run = self.cfg, self.rundir
         state = run.load_state()  # also without --resume: it tells a run with a checkpoint from one killed before it
         if not resume and run.holds_run():
@@ -225,7 +236,8 @@ class _Fit:
         run.create(yaml.safe_dump(c.model_dump(mode="json"), sort_keys=False))
         run.truncate_to(state["step"] if state else -1)
         self.rows = run.metrics()
-        with Session(model=c.model, max_in_flight=c.rollout.max_in_flight, timeout_s=c.rollout.timeout_s,
+        self._elapsed_before = next((r["time/elapsed_s"] for r in reversed(self.rows) if "time/elapsed_s" in r), 0.0)
+        with Session(model=c.model, max_in_flight=c.rollout.max_in_flight or c.runtime.max_batch_size, timeout_s=c.rollout.timeout_s,
                      default_max_tokens=c.rollout.max_tokens) as session:
             app = session.load_app(self.app_ref, start_engines=False, recursion_limit=c.rollout.recursion_limit)
             check_allocator(c.reward.allocator, c.reward.options)  # one the app registers exists only now
@@ -237,6 +249,8 @@ class _Fit:
             replicated = any(c.engine_for(p) != "embedded" for p in spec.policies)
             learner = rt.learner if rt.learner != "auto" else (
                 "verl" if (device == "cuda" or replicated) and rt.backend == "ray" else "torch")
+            if learner == "verl":
+                check_torch_only(c, "runtime.learner=torch")
             plans = {
                 p: WorkerPlan(policy=p, model=str(run.policy_dir(p)) if state else pol.base_model, reference=pol.base_model,
                               learner=c.learner_for(p).model_dump(), advantage=c.advantage_for(p).model_dump(),
@@ -257,6 +271,7 @@ class _Fit:
                 with self.watch(state) as progress:
                     session.loop.run_until_complete(self.loop(session, state, progress))
             finally:
+                session.stop_calls()  # calls in flight are answered before their worker groups' engines close
                 for h in self.handles.values():
                     h.close()
         return self.rows

@@ -264,3 +264,85 @@ def test_fit_one_step_turn_delta(tmp_path):
         assert t["rewards"]["detail"]["allocator"] == "turn_delta"
         assert set(t["rewards"]["turns"]) == {c["id"] for c in t["llm_calls"]}
     assert sorted(p.name for p in (out / "checkpoint" / "policies").iterdir()) == ["coder", "planner"]
+
+
+# ---------------------------------------------------------------- the measured split and its report
+
+def test_split_is_deterministic_and_train_jsonl_is_the_shipped_training_split(code_gen):
+    _, tasks = code_gen
+    easy = tasks.load_easy()
+    train, held = tasks.split_easy()
+    assert [t["task_id"] for t in held] == [easy[i]["task_id"] for i in (3, 7, 11, 15, 19, 23, 27)]
+    assert sorted(t["task_id"] for t in train + held) == sorted(t["task_id"] for t in easy)
+    assert tasks.load_jsonl(APP_DIR / "train.jsonl") == train  # the shipped file is the split, not a copy that drifts
+
+
+def test_humaneval_short_split_is_the_shortest_prompts_with_one_attempt(code_gen):
+    _, tasks = code_gen
+    every = tasks.load_humaneval()
+    short = tasks.humaneval_short(5)
+    assert [t["task_id"] for t in short] == ["HumanEval/53", "HumanEval/55", "HumanEval/23", "HumanEval/45", "HumanEval/34"]
+    longest = max(len(t["prompt"]) for t in short)
+    assert sum(len(t["prompt"]) < longest for t in every) < 5  # nothing shorter was left out
+    assert all(t["max_rounds"] == 1 for t in short)
+    held = tasks.load_heldout(3)
+    assert [t["task_id"] for t in held] == [t["task_id"] for t in tasks.split_easy()[1]] + ["HumanEval/53", "HumanEval/55", "HumanEval/23"]
+
+
+def test_tasks_script_writes_the_heldout_split(tmp_path):
+    out = tmp_path / "heldout.jsonl"
+    subprocess.run([sys.executable, str(APP_DIR / "tasks.py"), "heldout", "--humaneval", "2", "--output", str(out)],
+                   check=True, capture_output=True, timeout=60)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 7 + 2 and [r.get("max_rounds") for r in rows] == [None] * 7 + [1, 1]
+
+
+def test_max_rounds_of_a_task_ends_the_loop_after_that_many_rounds(app_module):
+    from langgraph.graph import END
+
+    after = app_module.after_verifier
+    assert after({"rounds": 1, "all_passed": False}) == "reflector"  # default: up to MAX_ROUNDS
+    assert after({"rounds": 1, "max_rounds": 1, "all_passed": False}) == END
+    assert after({"rounds": 3, "all_passed": False}) == END
+    # the runner passes the graph the task's fields its input schema names: max_rounds is one of them
+    from mas_trainer.adapters.langgraph import LangGraphApp
+
+    task = {"task_id": "t", "prompt": "p", "entry_point": "f", "tests": [], "max_rounds": 1}
+    assert LangGraphApp(app_module.graph).graph_input(task)["max_rounds"] == 1
+
+
+def _val_row(task_id, status="ok", final=None, attempts=()):
+    state = {"all_passed": final, "attempts": [{"all_passed": a} for a in attempts]}
+    return {"task": {"task_id": task_id}, "status": status, "final_state": state if status != "timeout" else None}
+
+
+def test_report_prints_before_and_after_with_the_spread_and_plots(tmp_path):
+    folder = tmp_path / "run" / "trajectories"
+    folder.mkdir(parents=True)
+    before = [
+        _val_row("easy/a", final=True, attempts=[False, True]), _val_row("easy/b", final=False, attempts=[False] * 3),
+        _val_row("easy/c", status="timeout"), _val_row("easy/d", status="error"),
+        # pass@1 is the first attempt, whatever later rounds did
+        _val_row("HumanEval/1", final=True, attempts=[False, True]), _val_row("HumanEval/2", final=True, attempts=[True]),
+    ]
+    after = [
+        _val_row("easy/a", final=True, attempts=[True]), _val_row("easy/b", final=True, attempts=[True]),
+        _val_row("easy/c", final=True, attempts=[True]), _val_row("easy/d", final=False, attempts=[False]),
+        _val_row("HumanEval/1", final=True, attempts=[True]), _val_row("HumanEval/2", final=True, attempts=[True]),
+    ]
+    for step, rows in ((0, before), (10, after)):
+        (folder / f"step_{step:06d}_val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = subprocess.run([sys.executable, str(APP_DIR / "report.py"), str(tmp_path / "run"), "--json", str(tmp_path / "s.json")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    scores = json.loads((tmp_path / "s.json").read_text())
+    easy0, he0 = scores["0"]["easy"], scores["0"]["humaneval"]
+    assert (easy0["tasks"], easy0["timed_out"]) == (3, 1)  # the timeout is not scored; the error counts as failed
+    assert easy0["score"]["mean"] == pytest.approx(1 / 3) and easy0["score"]["std"] == pytest.approx(0.4714045)
+    assert easy0["score"]["sem"] == pytest.approx(0.4714045 / 3 ** 0.5)
+    assert he0["score"]["mean"] == 0.5 and scores["10"]["humaneval"]["score"]["mean"] == 1.0
+    assert scores["10"]["easy"]["score"]["mean"] == 0.75
+    assert "held-out all-passed: before (step 0) 0.333 (sd 0.471, se 0.272, 3 tasks), 1 timed out (not scored)" in r.stdout
+    assert "-> after (step 10) 0.750 (sd 0.433, se 0.217, 4 tasks)" in r.stdout
+    assert "HumanEval pass@1: before (step 0) 0.500" in r.stdout
+    assert (tmp_path / "run" / "heldout_pass.png").stat().st_size > 1000

@@ -1,11 +1,20 @@
-"""eval with base and trained policies (as fit measured them); export as Hugging Face folders."""
+"""eval with base and trained policies (as fit measured them); export as Hugging Face folders;
+timed-out rollouts counted apart; the default number of rollouts in flight."""
 
 import json
 import subprocess
 import sys
+import textwrap
+import threading
+import time
 from pathlib import Path
+from typing import TypedDict
 
+from langchain_openai import ChatOpenAI
+from langgraph.graph import END, START, StateGraph
 from transformers import AutoModelForCausalLM
+
+from mas_trainer import trainable
 
 from mas_trainer.config import load_config
 from mas_trainer.runtime import evaluate as evaluate_module
@@ -75,3 +84,101 @@ def test_eval_cli_prints_json_and_rejects_a_non_run(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "mas_trainer.cli", "eval", APP, "--data", str(DATA), "--run", str(tmp_path)],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "has no checkpoint" in bad.stderr
+
+
+# --- timeouts apart, and a default concurrency that fits the engine ---------------------------
+
+class _Load:
+    """How many rollouts are inside the app's node at once."""
+
+    def __init__(self) -> None:
+        self.lock, self.now, self.peak = threading.Lock(), 0, 0
+
+    def __enter__(self):
+        with self.lock:
+            self.now += 1
+            self.peak = max(self.peak, self.now)
+
+    def __exit__(self, *exc):
+        with self.lock:
+            self.now -= 1
+
+
+def _timed_app(load: _Load):
+    """One node: it sleeps `sleep_s` (a slow task), then asks the model if the task says `ask`;
+    every finished rollout scores 1."""
+
+    class S(TypedDict, total=False):
+        sleep_s: float
+        ask: bool
+        answer: str
+
+    def work(s: S) -> S:
+        with load:
+            time.sleep(s.get("sleep_s", 0.0))
+        return {"answer": ChatOpenAI(model="m", max_retries=0).invoke("hi").content if s.get("ask") else "-"}
+
+    g = StateGraph(S)
+    g.add_node("work", work)
+    g.add_edge(START, "work")
+    g.add_edge("work", END)
+    return trainable(g.compile(), roles={"work": "p"}, policies={"p": "tiny"}, reward=lambda task, state, traj: 1.0)
+
+
+def test_eval_counts_timed_out_rollouts_apart_instead_of_scoring_them_zero():
+    tasks = [{"sleep_s": 0.0}, {"sleep_s": 0.0, "ask": True}, {"sleep_s": 60.0, "ask": True}]
+    result = evaluate(_timed_app(_Load()), tasks, max_tokens=4, timeout_s=5)
+    assert result["rollouts"] == 3 and result["rollouts/timeout"] == 1
+    assert result["reward/mean"] == 1.0  # over the 2 that finished; scoring the timeout 0 would say 0.667
+    assert result["timeout_s"] == 5
+    warning = evaluate_module.timeout_warning(result)
+    assert warning.startswith("warning: 1 of 3 rollouts ran past rollout.timeout_s (5 s)")
+    assert "--max-in-flight" in warning and "--timeout" in warning
+    assert evaluate_module.timeout_warning({**result, "rollouts/timeout": 0}) is None
+
+
+def test_eval_runs_one_engine_batch_of_rollouts_at_once_by_default():
+    load = _Load()
+    batch = load_config().runtime.max_batch_size
+    result = evaluate(_timed_app(load), [{"sleep_s": 0.3}] * (2 * batch + 4), max_tokens=2)
+    assert result["max_in_flight"] == batch and result["rollouts/timeout"] == 0
+    assert load.peak == batch  # every rollout at once (20) before
+    load = _Load()
+    assert evaluate(_timed_app(load), [{"sleep_s": 0.3}] * 6, max_tokens=2, max_in_flight=2)["max_in_flight"] == 2
+    assert load.peak == 2
+
+
+def test_eval_cli_reports_timeouts_beside_the_mean_and_checks_its_numbers(tmp_path):
+    app = tmp_path / "slow_app.py"
+    app.write_text(textwrap.dedent('''
+        import time
+        from typing import TypedDict
+        from langgraph.graph import END, START, StateGraph
+        from mas_trainer import trainable
+
+        class S(TypedDict, total=False):
+            sleep_s: float
+
+        def work(s):
+            time.sleep(s.get("sleep_s", 0.0))
+            return {}
+
+        g = StateGraph(S)
+        g.add_node("work", work)
+        g.add_edge(START, "work")
+        g.add_edge("work", END)
+        graph = trainable(g.compile(), roles={"work": "p"}, policies={"p": "tiny"}, reward=lambda task, state, traj: 1.0)
+    '''))
+    data = tmp_path / "tasks.jsonl"
+    data.write_text('{"sleep_s": 0}\n{"sleep_s": 30}\n')
+    r = subprocess.run([sys.executable, "-m", "mas_trainer.cli", "eval", f"{app}:graph", "--data", str(data), "--timeout", "2",
+                        "--max-in-flight", "2"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(r.stdout)
+    assert result["rollouts/timeout"] == 1 and result["reward/mean"] == 1.0 and result["max_in_flight"] == 2
+    assert "timed out (not scored)" in r.stderr and "warning: 1 of 2 rollouts ran past rollout.timeout_s (2 s)" in r.stderr
+    assert "Traceback" not in r.stderr and "Exception in ASGI" not in r.stderr
+    bad = subprocess.run([sys.executable, "-m", "mas_trainer.cli", "eval", f"{app}:graph", "--data", str(data),
+                          "--max-in-flight", "0"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "mas-trainer eval: error: --max-in-flight 0: run at least 1 rollout at once"]

@@ -10,7 +10,8 @@ turns into R_i - R_{i-1}: a coder call is credited with how many tests its edit 
 
 Flow: planner (short plan) -> coder (writes the function) -> verifier (runs the tests, time
 limit ``TIME_LIMIT_S``) -> END when every test passes or after ``MAX_ROUNDS`` coding rounds,
-otherwise reflector (reads the failures, says what to fix) -> coder -> verifier ...
+otherwise reflector (reads the failures, says what to fix) -> coder -> verifier ... A task may
+set ``max_rounds`` (1: the first attempt only, as pass@1 measures it).
 
 The requests set no ``max_tokens``: under ``mas-trainer`` the run's ``rollout.max_tokens``
 (``--max-tokens`` for ``trace``/``eval``) applies; give the coder room (e.g. 256).
@@ -53,6 +54,7 @@ class State(TypedDict, total=False):
     entry_point: str
     tests: list[str]
     setup: str
+    max_rounds: int  # optional: coding rounds for this task (default MAX_ROUNDS; 1: first attempt only, pass@1)
     # the work
     plan: str
     code: str
@@ -175,7 +177,7 @@ def reflector(state: State) -> dict:
 
 
 def after_verifier(state: State) -> str:
-    if state.get("all_passed") or state.get("rounds", 0) >= MAX_ROUNDS:
+    if state.get("all_passed") or state.get("rounds", 0) >= (state.get("max_rounds") or MAX_ROUNDS):
         return END
     return "reflector"
 

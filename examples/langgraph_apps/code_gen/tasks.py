@@ -23,9 +23,18 @@ Every task has one shape (one JSON object per line):
   the fraction of tests passed is meaningful; a ``check`` that is more than a list of asserts
   stays one test (``check(candidate)``).
 
+The split `fit` is measured on (deterministic, nothing random):
+
+- ``train.jsonl`` (beside this file): the easy tasks but every fourth (file order 3, 7, 11,
+  ...), which ``split_easy`` holds out;
+- the held-out file ``tasks.py heldout`` writes: those 7 held-out easy tasks plus the
+  ``HUMANEVAL_SHORT`` HumanEval problems with the shortest prompts (ties by task id), each
+  with ``max_rounds: 1``, so the app makes one attempt and its all-passed rate is pass@1.
+
 Write the held-out file for ``mas-trainer fit --val-data``::
 
-    python examples/langgraph_apps/code_gen/tasks.py humaneval --output humaneval.jsonl
+    python examples/langgraph_apps/code_gen/tasks.py heldout --output heldout.jsonl
+    python examples/langgraph_apps/code_gen/tasks.py humaneval --output humaneval.jsonl   # all 164
 """
 
 from __future__ import annotations
@@ -38,9 +47,13 @@ import json
 import sys
 from pathlib import Path
 
-__all__ = ["EASY_PATH", "HumanEvalUnavailable", "load_easy", "load_humaneval", "humaneval_path", "convert_humaneval"]
+__all__ = ["EASY_PATH", "TRAIN_PATH", "HELDOUT_EVERY", "HUMANEVAL_SHORT", "HumanEvalUnavailable", "load_easy",
+           "load_humaneval", "humaneval_path", "convert_humaneval", "split_easy", "humaneval_short", "load_heldout"]
 
 EASY_PATH = Path(__file__).resolve().parent / "easy.jsonl"
+TRAIN_PATH = Path(__file__).resolve().parent / "train.jsonl"
+HELDOUT_EVERY = 4  # every 4th easy task is held out (7 of 28)
+HUMANEVAL_SHORT = 12  # HumanEval problems in the held-out split: pass@1 costs minutes per evaluation on CPU
 
 
 class HumanEvalUnavailable(RuntimeError):
@@ -123,14 +136,43 @@ def load_humaneval(path: str | Path | None = None) -> list[dict]:
     return [convert_humaneval(p) for p in problems]
 
 
+def split_easy(tasks: list[dict] | None = None) -> tuple[list[dict], list[dict]]:
+    """(train, held out): every ``HELDOUT_EVERY``-th easy task, in file order, is held out."""
+    tasks = load_easy() if tasks is None else tasks
+    held = [t for i, t in enumerate(tasks) if i % HELDOUT_EVERY == HELDOUT_EVERY - 1]
+    return [t for i, t in enumerate(tasks) if i % HELDOUT_EVERY != HELDOUT_EVERY - 1], held
+
+
+def humaneval_short(k: int = HUMANEVAL_SHORT, tasks: list[dict] | None = None) -> list[dict]:
+    """The ``k`` HumanEval problems with the shortest prompts (characters; ties by task id),
+    in that order, each with ``max_rounds: 1``: one attempt, so all-passed is pass@1."""
+    tasks = load_humaneval() if tasks is None else tasks
+    short = sorted(tasks, key=lambda t: (len(t["prompt"]), t["task_id"]))[:k]
+    return [{**t, "max_rounds": 1} for t in short]
+
+
+def load_heldout(k: int = HUMANEVAL_SHORT) -> list[dict]:
+    """The held-out split: the held-out easy tasks, then ``humaneval_short(k)``."""
+    return split_easy()[1] + humaneval_short(k)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Write the code_gen tasks as JSON lines (for --data / --val-data).")
-    parser.add_argument("split", choices=["easy", "humaneval"])
+    parser.add_argument("split", choices=["easy", "humaneval", "train", "heldout"],
+                        help="easy: all 28; humaneval: all 164; train: the easy training split (train.jsonl); heldout: "
+                             "the held-out easy tasks + the shortest HumanEval problems, one attempt each")
     parser.add_argument("--output", "-o", default="-", help="file to write (default: stdout)")
     parser.add_argument("--limit", type=int, default=None, help="only the first N tasks")
+    parser.add_argument("--humaneval", type=int, default=HUMANEVAL_SHORT, metavar="K",
+                        help=f"heldout: how many HumanEval problems, shortest prompts first (default {HUMANEVAL_SHORT})")
     args = parser.parse_args(argv)
     try:
-        tasks = load_easy() if args.split == "easy" else load_humaneval()
+        if args.split == "train":
+            tasks = split_easy()[0]
+        elif args.split == "heldout":
+            tasks = load_heldout(args.humaneval)
+        else:
+            tasks = load_easy() if args.split == "easy" else load_humaneval()
     except HumanEvalUnavailable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

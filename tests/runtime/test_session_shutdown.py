@@ -1,0 +1,155 @@
+"""A session that ends with LLM calls in flight ends quietly and at once.
+
+The engine below answers nothing until it is closed and then fails the way the torch engine
+does ("engine ... is closed"). Before the gateway tracked its calls, each call still running
+when the session ended printed that error twice (the gateway's "request failed" and
+uvicorn's "Exception in ASGI application"), and the app's thread retried the 500s.
+"""
+
+import asyncio
+import logging
+import threading
+import time
+from typing import TypedDict
+
+import httpx
+import pytest
+from langchain_openai import ChatOpenAI
+from langgraph.graph import END, START, StateGraph
+
+from mas_trainer import trainable
+from mas_trainer.engines.fake import FakeChatFormat, FakeEngine
+from mas_trainer.gateway import PolicyBackend
+from mas_trainer.runtime.session import Session
+
+NOISE = ("Traceback", "Exception in ASGI application", "is closed", "request failed")
+
+
+class HangingEngine:
+    """Never answers; when closed, fails what it holds like `TorchEngine._shutdown`."""
+
+    model_name = "hanging"
+
+    def __init__(self) -> None:
+        self.closed = threading.Event()
+        self.started = threading.Event()
+        self.calls = 0
+        self.cancelled = 0
+
+    async def generate(self, prompt_ids, params, *, turn_id=None):
+        self.calls += 1
+        self.started.set()
+        try:
+            while not self.closed.is_set():
+                await asyncio.sleep(0.01)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        raise RuntimeError(f"engine {self.model_name!r} is closed")
+
+    def close(self) -> None:
+        self.closed.set()
+
+
+class State(TypedDict, total=False):
+    question: str
+    answer: str
+    quick: bool
+
+
+def _app():
+    llm = ChatOpenAI(model="m", max_retries=2)  # the default retries: a 5xx would be retried
+
+    def ask(s: State) -> State:  # a sync node: it runs on in its thread after its rollout is cancelled
+        if s.get("quick"):
+            return {"answer": "-"}
+        return {"answer": llm.invoke(s["question"]).content}
+
+    g = StateGraph(State)
+    g.add_node("ask", ask)
+    g.add_edge(START, "ask")
+    g.add_edge("ask", END)
+    return trainable(g.compile(), roles={"ask": "p"}, policies={"p": "base"}, reward=lambda task, state, traj: 1.0)
+
+
+def _noise(capfd, caplog) -> list[str]:
+    out, err = capfd.readouterr()
+    text = out + err + "\n".join(r.getMessage() + (" Traceback" if r.exc_info else "") for r in caplog.records)
+    return [line for line in text.splitlines() if any(n in line for n in NOISE)]
+
+
+def test_timed_out_rollouts_free_their_calls_and_the_session_ends_quietly(capfd, caplog):
+    caplog.set_level(logging.INFO)
+    engine = HangingEngine()
+    # long enough for both calls to reach the engine before their rollouts time out
+    with Session(backend_factory=lambda _m: PolicyBackend(engine, FakeChatFormat()), timeout_s=2) as session:
+        session.load_app(_app())
+        t0 = time.monotonic()
+        trajs = session.run([{"question": "q1"}, {"question": "q2"}])
+        assert [t.status for t in trajs] == ["timeout", "timeout"]
+        # the rollouts' calls were cancelled in the engine when the rollouts ended, not when the session did
+        deadline = time.monotonic() + 5
+        while engine.cancelled < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.cancelled == 2 and not engine.closed.is_set()
+    assert time.monotonic() - t0 < 10
+    assert engine.calls == 2  # answered 503 with x-should-retry: false, so the client did not retry
+    assert _noise(capfd, caplog) == []
+    assert any("has ended (timed out or failed)" in r.getMessage() for r in caplog.records)
+
+
+def test_a_call_in_flight_when_the_session_ends_is_answered_503_before_the_engine_closes(capfd, caplog):
+    caplog.set_level(logging.INFO)
+    engine = HangingEngine()
+    replies: list[httpx.Response] = []
+    with Session(backend_factory=lambda _m: PolicyBackend(engine, FakeChatFormat())) as session:
+        session.load_app(_app())
+        url, key = session.server.base_url, session.api_key
+
+        def call() -> None:  # a call naming no rollout (the API key), e.g. from the app's own thread
+            replies.append(httpx.post(f"{url}/chat/completions", json={"model": "p", "messages": [{"role": "user", "content": "x"}]},
+                                      headers={"authorization": f"Bearer {key}"}, timeout=30))
+
+        thread = threading.Thread(target=call)
+        thread.start()
+        assert engine.started.wait(10)
+        t0 = time.monotonic()
+    thread.join(10)
+    assert time.monotonic() - t0 < 5
+    (reply,) = replies
+    assert reply.status_code == 503 and reply.headers["x-should-retry"] == "false"
+    assert reply.json()["error"]["code"] == "shutting_down"
+    assert engine.cancelled == 1  # stopped before the engine closed: it never failed a call
+    assert _noise(capfd, caplog) == []
+
+
+def test_an_interrupted_run_cancels_its_rollouts_and_ends_quietly(capfd, caplog):
+    caplog.set_level(logging.INFO)
+    engine = HangingEngine()
+
+    def interrupt(traj):  # the quick rollout ends while the other waits on the engine: Ctrl-C now
+        assert engine.started.wait(10)
+        raise KeyboardInterrupt
+
+    with Session(backend_factory=lambda _m: PolicyBackend(engine, FakeChatFormat()), timeout_s=60) as session:
+        session.load_app(_app())
+        with pytest.raises(KeyboardInterrupt):
+            session.run([{"question": "q1"}, {"question": "q2", "quick": True}], on_done=interrupt)
+        pending = [t for t in asyncio.all_tasks(session.loop) if not t.done()]
+        assert pending == []  # the hanging rollout was cancelled, not left on the loop
+        t0 = time.monotonic()
+    assert time.monotonic() - t0 < 5
+    assert _noise(capfd, caplog) == []
+
+
+def test_a_session_that_ends_with_nothing_in_flight_still_answers_later_calls_503(capfd):
+    with Session(backend_factory=lambda _m: PolicyBackend(FakeEngine(reply="hi"), FakeChatFormat())) as session:
+        session.load_app(_app())
+        url, key = session.server.base_url, session.api_key
+        ok = httpx.post(f"{url}/chat/completions", json={"model": "p", "messages": [{"role": "user", "content": "x"}]},
+                        headers={"authorization": f"Bearer {key}"}, timeout=30)
+        assert ok.status_code == 200
+        session.stop_calls()  # what fit does before it closes its worker groups
+        refused = httpx.post(f"{url}/chat/completions", json={"model": "p", "messages": [{"role": "user", "content": "x"}]},
+                             headers={"authorization": f"Bearer {key}"}, timeout=30)
+        assert refused.status_code == 503 and refused.headers["x-should-retry"] == "false"
