@@ -6,12 +6,18 @@ import json
 import sys
 from pathlib import Path
 
+import openai
 import pytest
+from langchain_core.messages import AIMessage
+from openai.types.chat import ChatCompletion
 
+from mas_trainer.adapters.langgraph import spec_of
 from mas_trainer.config import load_config
 from mas_trainer.rewards import RewardSpec, assign_rewards
+from mas_trainer.rewards.levels import evaluate_levels
 from mas_trainer.runtime.session import Session
 from mas_trainer.runtime.trainer import fit
+from mas_trainer.trace.schema import LLMCall, Trajectory
 
 ROOT = Path(__file__).resolve().parents[2]
 APPS = ROOT / "examples" / "langgraph_apps"
@@ -101,14 +107,211 @@ def test_bm25_finds_the_gold_passage_for_most_questions(dummy_openai):
     assert hop["passage_ids"][0] not in [p["id"] for p in retriever.search(hop["question"], 2, exclude={hop["passage_ids"][0]})]
 
 
-def test_agentic_search_parses_the_plan(dummy_openai):
-    from agentic_search.app import parse_plan
+# ----- agentic search: the plan, the loop and the turn rewards, with scripted models ----------
 
-    assert parse_plan("SEARCH: founder of Brindlecorp", "q") == ("search", "founder of Brindlecorp")
-    assert parse_plan("ANSWER", "q") == ("answer", "")
-    assert parse_plan("\nanswer: Quellmoor", "q") == ("answer", "")
-    assert parse_plan("Brindlecorp founder", "q") == ("search", "Brindlecorp founder")
-    assert parse_plan("", "q") == ("search", "q")
+
+class _Scripted:
+    """A chat model stand-in: the replies in order (the last one again once they run out);
+    an exception in the list is raised. Keeps the prompts it was sent and what was bound."""
+
+    def __init__(self, *replies):
+        self.replies, self.prompts, self.bound = list(replies), [], []
+
+    def bind(self, **kwargs):
+        self.bound.append(kwargs)
+        return self
+
+    def invoke(self, messages):
+        self.prompts.append(messages)
+        reply = self.replies.pop(0) if len(self.replies) > 1 else self.replies[0]
+        if isinstance(reply, Exception):
+            raise reply
+        return AIMessage(reply)
+
+
+def _plan(action, query=""):
+    return json.dumps({"action": action, "query": query})
+
+
+def _fact(text):
+    return json.dumps({"fact": text})
+
+
+def _answer(text):
+    return json.dumps({"answer": text})
+
+
+@pytest.fixture
+def search_app(dummy_openai):
+    from agentic_search import app
+
+    return app
+
+
+def _script(app, monkeypatch, first, then=(), notes=("a note",), answer="Quellmoor"):
+    llms = {"first_planner_llm": _Scripted(first), "planner_llm": _Scripted(*(then or [_plan("answer")])),
+            "summariser_llm": _Scripted(*map(_fact, notes)), "answer_llm": _Scripted(_answer(answer))}
+    for name, fake in llms.items():
+        monkeypatch.setattr(app, name, fake)
+    return llms
+
+
+def test_agentic_search_parses_the_plan(search_app):
+    parse_plan = search_app.parse_plan
+    assert parse_plan('{"action": "search", "query": " Brindlecorp "}') == ("search", "Brindlecorp")
+    assert parse_plan('{"action": "answer", "query": "Quellmoor"}') == ("answer", "")
+    assert parse_plan('{"action": "search", "query": ""}') == ("search", "")
+    for bad in ['{"action": "search", "query": "Brindl', "SEARCH Brindlecorp", '{"action": "look", "query": "x"}',
+                '["search", "x"]', '{"action": "search", "query": 3}', '{"action": "search"}', "", None]:
+        assert parse_plan(bad) is None, bad
+    # the first plan can only search; the query is bounded, so decoding under the schema ends
+    first = search_app.plan_format(["search"])["json_schema"]["schema"]
+    assert first["properties"]["action"]["enum"] == ["search"] and list(first["properties"]) == ["action", "query"]
+    assert first["properties"]["query"]["maxLength"] == search_app.MAX_QUERY_CHARS
+    # the notes and the answer are JSON too: a field that is missing or cut off reads as ""
+    assert search_app.parse_field('{"answer": " Quellmoor "}', "answer") == "Quellmoor"
+    for bad in ['{"answer": "Quell', '{"fact": "x"}', '{"answer": 1}', "Quellmoor", None]:
+        assert search_app.parse_field(bad, "answer") == "", bad
+    assert search_app.sentences([{"text": "A is b. It is c."}, {"text": "A is b. D is 1.5 m."}]) == \
+        ["A is b.", "It is c.", "D is 1.5 m."]
+
+
+def test_agentic_search_loops_at_most_max_turns(search_app, monkeypatch):
+    app = search_app
+    llms = _script(app, monkeypatch, _plan("search", "Brindlecorp"), [_plan("search", "Mirela Vostok")],
+                   notes=["note one", "note two"])
+    out = app.build_graph().invoke({"question": "In which town was the founder of Brindlecorp born?"})
+    assert len(out["searches"]) == app.MAX_TURNS == 2 and out["notes"] == ["note one", "note two"]
+    assert len(llms["first_planner_llm"].prompts) == 1 and len(llms["planner_llm"].prompts) == app.MAX_TURNS - 1
+    assert "- note one" in llms["planner_llm"].prompts[0][1].content  # the planner reads the notes so far
+    ids = [p["id"] for s in out["searches"] for p in s["passages"]]
+    assert ids[0] == "company_brindlecorp" and len(ids) == len(set(ids))  # a search never fetches a passage twice
+    # the summariser picks one of the sentences its search fetched, under an enum
+    for search, bound in zip(out["searches"], llms["summariser_llm"].bound):
+        enum = bound["response_format"]["json_schema"]["schema"]["properties"]["fact"]["enum"]
+        assert enum == app.sentences(search["passages"]) and len(enum) >= 2
+    assert "- note two" in llms["answer_llm"].prompts[0][1].content and out["prediction"] == "Quellmoor"
+
+
+_LENGTH = openai.LengthFinishReasonError(completion=ChatCompletion.model_construct(usage=None))
+
+
+@pytest.mark.parametrize("first, then, searches", [
+    (_plan("search", "Mirela Vostok"), [_plan("answer")], 1),
+    (_plan("search", "Mirela Vostok"), ["SEARCH Quellmoor"], 1),  # a malformed later plan ends the search
+    ('{"action": "search", "query": "Mirela', [], 0),  # a malformed first plan: straight to the answerer
+    (_LENGTH, [], 0),  # what the OpenAI client raises for a structured reply cut off by max_tokens
+])
+def test_agentic_search_answers_on_answer_or_a_malformed_plan(search_app, monkeypatch, first, then, searches):
+    llms = _script(search_app, monkeypatch, first, then)
+    out = search_app.build_graph().invoke({"question": "In which town was Mirela Vostok born?"})
+    assert len(out.get("searches", [])) == searches and len(llms["summariser_llm"].prompts) == searches
+    assert out["prediction"] == "Quellmoor" and out["action"] == "answer"
+
+
+def test_agentic_search_skips_the_summariser_when_nothing_is_found(search_app, monkeypatch):
+    llms = _script(search_app, monkeypatch, _plan("search", "zzz"), [_plan("search", "")])
+    out = search_app.build_graph().invoke({"question": "In which town was Mirela Vostok born?"})
+    assert [s["passages"] for s in out["searches"]] == [[], []] and out["notes"] == ["(nothing found)"] * 2
+    assert llms["summariser_llm"].prompts == []
+
+
+def _traj(task, final_state, outputs):
+    calls = [LLMCall(id=f"c{i}", node_id=None, node=role, role=role, policy="p", messages=[], output_text=text,
+                     prompt_ids=[1], response_ids=[2], response_logprobs=[-0.5], finish_reason="stop")
+             for i, (role, text) in enumerate(outputs)]
+    return Trajectory(rollout_id="r", task=task, status="ok", llm_calls=calls, final_state=final_state)
+
+
+def _search_rewards(app):
+    spec = spec_of(app.graph)  # what @trainable attached to the graph fit loads
+    return RewardSpec(spec.reward, spec.role_rewards, spec.turn_rewards)
+
+
+def _scores(app, traj):
+    values = evaluate_levels(_search_rewards(app), traj)
+    return [values.turns[c.id] for c in traj.llm_calls]
+
+
+@pytest.mark.parametrize("second_query, fetched", [("Mirela Vostok", 1.0), ("salt market", 0.0),
+                                                    ("Tinderbox Analytics", 0.0)])
+def test_agentic_search_planner_is_credited_when_its_search_fetches_the_answer(search_app, monkeypatch,
+                                                                                second_query, fetched):
+    app = search_app
+    task = {"question": "In which town was the founder of Brindlecorp born?", "answer": "Quellmoor"}
+    plans = [_plan("search", "Brindlecorp"), _plan("search", second_query)]
+    _script(app, monkeypatch, plans[0], plans[1:], notes=["founded by Mirela Vostok", "born in Quellmoor"],
+            answer="Quellmoor town")
+    state = app.build_graph().invoke({"question": task["question"]})
+    held = "Quellmoor" in " ".join(p["text"] for p in state["searches"][1]["passages"])
+    assert held == bool(fetched)  # the cases: the founder's name fetches the answer, the others do not
+    traj = _traj(task, state, [("planner", plans[0]), ("summariser", _fact(state["notes"][0])), ("planner", plans[1]),
+                               ("summariser", _fact(state["notes"][1])), ("answerer", _answer(state["prediction"]))])
+    # the first search fetched the company (no answer), the second the founder when it named her;
+    # the second note holds the answer whatever the search fetched (scripted), the answer is half right
+    assert _scores(app, traj) == [0.0, 0.0, fetched, 1.0, pytest.approx(2 / 3)]
+    assign_rewards(traj, _search_rewards(app), allocator="turn_delta", weights={"trajectory": 0.0})
+    gains = [traj.rewards.turns[c.id] for c in traj.llm_calls]
+    assert gains == [0.0, 0.0, fetched, 1.0 - fetched, pytest.approx(2 / 3 - 1)]
+    assert sum(gains) == pytest.approx(2 / 3)  # the gains telescope to the final F1
+    assign_rewards(traj, _search_rewards(app), allocator="broadcast")
+    assert traj.rewards.turns["c2"] == pytest.approx(2 / 3 + fetched)
+
+
+def test_agentic_search_scores_a_plan_by_what_the_rollout_holds_and_a_malformed_one_zero(search_app, monkeypatch):
+    app = search_app
+    task = {"question": "In which town was Mirela Vostok born?", "answer": "Quellmoor"}
+    _script(app, monkeypatch, _plan("search", "Mirela Vostok"), [_plan("answer")], notes=["born in Quellmoor"])
+    state = app.build_graph().invoke({"question": task["question"]})
+    outputs = [("planner", _plan("search", "Mirela Vostok")), ("summariser", _fact("born in Quellmoor")),
+               ("planner", _plan("answer")), ("answerer", _answer("Quellmoor"))]
+    assert _scores(app, _traj(task, state, outputs)) == [1.0, 1.0, 1.0, 1.0]
+    outputs[1] = ("summariser", _fact("Mirela is a ferryman"))  # the note lost the answer: answering now scores 0
+    assert _scores(app, _traj(task, state, outputs))[1:3] == [0.0, 0.0]
+    # the notes hold the answer and the planner searches again (fetching nothing new): it scores
+    # what the rollout holds, so under turn_delta the redundant search gains nothing
+    again = [*outputs[:1], ("summariser", _fact("born in Quellmoor")), ("planner", _plan("search", "zzz")),
+             ("answerer", _answer("Quellmoor"))]
+    state = {**state, "searches": [*state["searches"], {"query": "zzz", "passages": []}]}
+    traj = _traj(task, state, again)
+    assert _scores(app, traj) == [1.0, 1.0, 1.0, 1.0]
+    assign_rewards(traj, _search_rewards(app), allocator="turn_delta", weights={"trajectory": 0.0})
+    assert [traj.rewards.turns[c.id] for c in traj.llm_calls] == [1.0, 0.0, 0.0, 0.0]
+    malformed = _traj(task, {"prediction": ""}, [("planner", '{"action": "search", "query": "Mire'),
+                                                 ("answerer", _answer("x"))])
+    assert _scores(app, malformed) == [0.0, 0.0]
+
+
+def test_agentic_search_data_is_what_make_data_writes_and_mixes_hops(tmp_path):
+    spec = importlib.util.spec_from_file_location("_search_make_data", SEARCH / "make_data.py")
+    make_data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_data)
+    for name in ("train", "heldout"):  # the two-fact questions rag_qa/make_data.py writes
+        (tmp_path / f"{name}.jsonl").write_bytes((SEARCH / f"{name}.jsonl").read_bytes())
+    make_data.main(here=tmp_path)
+    for name in ("mixed_train", "mixed_heldout"):
+        assert (tmp_path / f"{name}.jsonl").read_bytes() == (SEARCH / f"{name}.jsonl").read_bytes(), name
+    train, heldout = _jsonl(SEARCH / "mixed_train.jsonl"), _jsonl(SEARCH / "mixed_heldout.jsonl")
+    assert sum(q["hops"] == 1 for q in train) >= 2 * sum(q["hops"] == 2 for q in train) > 0  # mostly one search
+    assert sum(q["hops"] == 1 for q in heldout) == sum(q["hops"] == 2 for q in heldout) == 24
+    assert not {q["question"] for q in train} & {q["question"] for q in heldout}
+
+
+def test_agentic_search_one_search_can_fetch_every_answer(dummy_openai):
+    """Reachable rewards: for a one-fact question the question's own words fetch the answer; for
+    a two-fact one the first passage names the entity whose passage holds it."""
+    from rag_qa.app import get_retriever
+    from rag_qa.metrics import recall as holds
+
+    retriever = get_retriever()
+    texts = {p["id"]: p["text"] for p in retriever.passages}
+    for q in _jsonl(SEARCH / "mixed_train.jsonl") + _jsonl(SEARCH / "mixed_heldout.jsonl"):
+        if q["hops"] == 1:
+            found = retriever.search(q["question"], 2)
+            assert holds(" ".join(p["text"] for p in found), q["answer"]) == 1.0, q
+        else:
+            first, second = q["passage_ids"]
+            assert holds(texts[first], q["answer"]) < 1.0 <= holds(texts[second], q["answer"]), q
 
 
 # ----- tracing on the tiny model -------------------------------------------------------------
@@ -140,34 +343,28 @@ def test_rag_qa_traces_on_tiny(attr, policies):
         assert 0.0 <= t.rewards.trajectory <= 1.0 and t.rewards.roles["rewrite"] == 1.0
 
 
-def test_agentic_search_traces_on_tiny_and_turn_rewards_telescope():
-    tasks = _jsonl(SEARCH / "train.jsonl")[:2]
+def test_agentic_search_traces_on_tiny_with_plans_decoded_under_the_schema(search_app):
+    MAX_TURNS, parse_plan = search_app.MAX_TURNS, search_app.parse_plan
+    held = _jsonl(SEARCH / "mixed_heldout.jsonl")
+    tasks = [held[0], held[-1]]  # a one-fact and a two-fact question
     app, trajs = _trace(f"{SEARCH / 'app.py'}:graph", tasks)
+
     roles = {"planner": "planner", "summariser": "reader", "answerer": "reader"}
     for t in trajs:
         assert t.status == "ok", t.error
         assert {(c.role, c.policy) for c in t.llm_calls} <= set(roles.items())
         assert t.llm_calls[-1].role == "answerer"
-        searches = sum(n.name == "search" for n in t.nodes)
-        assert searches <= 3 and sum(c.role == "summariser" for c in t.llm_calls) == searches
-        assert sum(c.role == "planner" for c in t.llm_calls) <= 3
-
-    # a made-up run: the second note finds the answer, the answer is half right
-    t = next(t for t in trajs if sum(c.role == "summariser" for c in t.llm_calls) >= 2)
-    answer = t.task["answer"]
-    notes = [c for c in t.llm_calls if c.role == "summariser"]
-    for i, c in enumerate(notes):
-        c.output_text = f"{answer} is it" if i == 1 else "nothing useful"
-    t.llm_calls[-1].output_text = f"{answer} perhaps maybe"
-    t.final_state["prediction"] = t.llm_calls[-1].output_text
-    spec = app.spec.spec
-    assign_rewards(t, RewardSpec(spec.reward, spec.role_rewards, spec.turn_rewards),
-                   allocator="turn_delta", weights={"trajectory": 0.0})
-    final_f1 = f1(t.final_state["prediction"], answer)
-    assert 0 < final_f1 < 1
-    assert t.rewards.turns[notes[0].id] == 0.0 and t.rewards.turns[notes[1].id] == 1.0
-    assert t.rewards.turns[t.llm_calls[-1].id] == pytest.approx(final_f1 - 1.0)
-    assert sum(t.rewards.turns.values()) == pytest.approx(final_f1)
+        plans = [parse_plan(c.output_text) for c in t.llm_calls if c.role == "planner"]
+        # a random 2-layer model writes a well-formed plan only because the gateway decodes it under the schema
+        assert None not in plans and plans[0][0] == "search" and len(plans) <= MAX_TURNS
+        searches = t.final_state["searches"]
+        assert 1 <= len(searches) <= MAX_TURNS  # the summariser has nothing to pick when a search found nothing
+        assert sum(c.role == "summariser" for c in t.llm_calls) == sum(bool(s["passages"]) for s in searches)
+        assert [s["query"] for s in searches] == [p[1] for p in plans if p[0] == "search"]
+        assert [tc.name for tc in t.tool_calls] == ["search_passages"] * len(searches)
+        spec = app.spec.spec
+        assign_rewards(t, RewardSpec(spec.reward, spec.role_rewards, spec.turn_rewards), allocator="turn_delta")
+        assert all("turn" in t.rewards.detail["calls"][c.id]["parts"] for c in t.llm_calls)  # every call scored
 
 
 # ----- one fit step each ---------------------------------------------------------------------
@@ -187,16 +384,16 @@ def test_fit_one_step_rag_qa(tmp_path):
 
 
 def test_fit_one_step_agentic_search_turn_delta(tmp_path):
-    rows = fit(f"{SEARCH / 'app.py'}:graph", _jsonl(SEARCH / "train.jsonl")[:4],
+    rows = fit(f"{SEARCH / 'app.py'}:graph", _jsonl(SEARCH / "mixed_train.jsonl")[-4:],
                _cfg("reward.allocator=turn_delta"), tmp_path / "run")
     train = [r for r in rows if r["kind"] == "train"]
     assert len(train) == 1 and train[0]["policy/planner/turns"] >= 4 and train[0]["policy/reader/turns"] >= 4
     traj = json.loads((tmp_path / "run" / "trajectories" / "step_000001.jsonl").read_text().splitlines()[0])
     detail = traj["rewards"]["detail"]
     assert detail["allocator"] == "turn_delta"
-    for call in traj["llm_calls"]:  # scored roles get a turn part (their gain), the planner none
+    for call in traj["llm_calls"]:  # every role, the planner too, gets its gain on top of the final F1
         parts = detail["calls"][call["id"]]["parts"]
-        assert ("turn" in parts) == (call["role"] != "planner") and "trajectory" in parts, (call["role"], parts)
+        assert "turn" in parts and "trajectory" in parts, (call["role"], parts)
 
 
 def test_fit_answerer_only_greedy_eval_and_report(tmp_path):
@@ -241,5 +438,55 @@ def test_report_spread_counts_failed_rollouts_as_wrong(tmp_path):
     s = report.report(tmp_path)[5]
     assert s["exact_match"] == pytest.approx({"mean": 0.25, "std": 0.25 ** 0.5 * 0.75 ** 0.5, "sem": (0.1875 ** 0.5) / 2})
     assert s["f1"]["mean"] == pytest.approx((1 + 0 + 0 + 2 / 3) / 4)
+    with pytest.raises(SystemExit, match="no held-out evaluations"):
+        report.report(tmp_path / "elsewhere")
+
+
+def test_agentic_search_report_on_a_synthetic_run(tmp_path):
+    spec = importlib.util.spec_from_file_location("_search_report", SEARCH / "report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+
+    def rollout(answer, prediction, hops=1, fetched=(), notes=(), rewards=None, status="ok"):
+        calls = [{"id": f"{answer}-{prediction}-{i}", "role": role} for i, role in enumerate(rewards or {})]
+        return {"status": status, "task": {"answer": answer, "hops": hops},
+                "final_state": {"prediction": prediction, "notes": list(notes),
+                                "searches": [{"query": "q", "passages": [{"id": "p", "text": t} for t in fetched]}]},
+                "llm_calls": calls, "rewards": {"turns": {c["id"]: r for c, r in zip(calls, (rewards or {}).values())}}}
+
+    def write(run, name, rows):
+        (run / "trajectories").mkdir(parents=True, exist_ok=True)
+        (run / "trajectories" / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    runs = [tmp_path / "broadcast", tmp_path / "turn_delta"]
+    for run in runs:
+        write(run, "step_000000_val.jsonl", [rollout("Quellmoor", "born in Quellmoor"),
+                                             rollout("teal", "olive", hops=2)])
+        write(run, "step_000002_val.jsonl", [rollout("Quellmoor", "Quellmoor"),
+                                             rollout("teal", "teal", hops=2, status="error")])
+        # step 1: group "Quellmoor" differs for the planner, agrees for the answerer; group "teal" agrees
+        write(run, "step_000001.jsonl", [
+            rollout("Quellmoor", "Quellmoor", fetched=["in Quellmoor"], notes=["born in Quellmoor"],
+                    rewards={"planner": 1.0, "answerer": 1.0}),
+            rollout("Quellmoor", "Quellmoor", fetched=["in Dunsmere"], rewards={"planner": 0.0, "answerer": 1.0}),
+            rollout("teal", "x", hops=2, rewards={"planner": 0.0}),
+            rollout("teal", "y", hops=2, rewards={"planner": 0.0})])
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+            {"kind": "val", "step": 0, "time/eval_s": 30.0}, {"kind": "train", "step": 1, "time/step_s": 60.0},
+            {"kind": "val", "step": 2, "time/eval_s": 30.0}]))
+    scores = report.report(runs[0])
+    before, after = scores["val"][0], scores["val"][2]
+    assert before["exact_match"]["mean"] == 0.0 and before["f1"]["mean"] == pytest.approx(0.25)  # F1 1/2 and 0
+    assert before["f1_by_hops"] == {"1": {"mean": 0.5, "std": 0.0, "sem": 0.0},
+                                    "2": {"mean": 0.0, "std": 0.0, "sem": 0.0}}
+    assert after["exact_match"] == pytest.approx({"mean": 0.5, "std": 0.5, "sem": 0.5 / 2 ** 0.5})  # the error counts 0
+    train = scores["train"][1]
+    assert train["rollouts"] == 4 and train["f1"] == 0.5 and train["fetched"] == train["noted"] == 0.25
+    assert train["groups_with_signal"] == pytest.approx(1 / 3)  # (Quellmoor, planner) of three (task, role) groups
+    assert scores["wall_s"] == 120.0
+    out = tmp_path / "scores.json"
+    assert report.main([str(r) for r in runs] + ["--json", str(out)]) == 0
+    assert all((r / "agentic_search_report.png").stat().st_size > 0 for r in runs)
+    assert sorted(json.loads(out.read_text())) == sorted(str(r) for r in runs)
     with pytest.raises(SystemExit, match="no held-out evaluations"):
         report.report(tmp_path / "elsewhere")
