@@ -240,6 +240,8 @@ def test_lora_policy_checkpoints_an_adapter_that_resumes_evals_and_exports(tmp_p
     at_two = load_file(folder / "adapter_model.safetensors")
     rows = fit(f"{APP}:single", TASKS[:4], _cfg("steps=3", *lora), out, resume=True)
     assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3]
+    elapsed = [r["time/elapsed_s"] for r in rows]  # the run's wall time goes on across the resume
+    assert elapsed[0] > 0 and elapsed == sorted(elapsed) and len(set(elapsed)) == len(elapsed)
     at_three = load_file(folder / "adapter_model.safetensors")
     assert at_two.keys() == at_three.keys() and any(not torch.equal(at_two[k], at_three[k]) for k in at_two)
 

@@ -1,0 +1,53 @@
+"""bench/bench_time_to_target.py: its baseline is the command the README and scripts/demo.sh
+give, and it scores a run folder as the README's figures do."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_time_to_target", ROOT / "bench" / "bench_time_to_target.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _overrides(text: str) -> list[str]:
+    """The key=value overrides of the first `mas-trainer fit` command in a shell text."""
+    block = text[text.index("mas-trainer fit"):]
+    block = block[: block.index("\n\n") if "\n\n" in block else len(block)].replace("\\\n", " ")
+    command = block.splitlines()[0]
+    return [w for w in command.split() if re.fullmatch(r"[a-z_.]+=[^\s]+", w)]
+
+
+def test_the_baseline_is_the_demo_and_the_readme_command():
+    bench = _bench()
+    assert _overrides((ROOT / "scripts" / "demo.sh").read_text()) == bench.OLD
+    assert _overrides((ROOT / "README.md").read_text()) == bench.OLD
+    assert bench.OLD != bench.NEW
+
+
+def test_time_to_target_is_the_wall_time_of_the_first_evaluation_at_target(tmp_path):
+    bench = _bench()
+    run = tmp_path / "new-0"
+    (run / "trajectories").mkdir(parents=True)
+    answers = {0: ["no", "no"], 5: ["Oslo", "no"], 10: ["Oslo", "Lima"], 15: ["Oslo", "no"]}
+    rows = []
+    for step, preds in answers.items():
+        lines = [json.dumps({"status": "ok", "task": {"answer": ref}, "final_state": {"prediction": p}})
+                 for p, ref in zip(preds, ["Oslo", "Lima"])]
+        (run / "trajectories" / f"step_{step:06d}_val.jsonl").write_text("\n".join(lines) + "\n")
+        rows.append({"kind": "val", "step": step, "time/elapsed_s": 100.0 + 10 * step})
+    rows.append({"kind": "train", "step": 15, "time/elapsed_s": 400.0})
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    result = bench.analyze(run, 0.9)
+    assert result["reached"] and result["reached_step"] == 10 and result["time_to_target_s"] == 200.0
+    assert result["final_em"] == 0.5 and result["best_em"] == 1.0 and result["wall_s"] == 400.0
+    never = bench.analyze(run, 1.01)
+    assert not never["reached"] and never["time_to_target_s"] == 400.0  # counted as the whole run
