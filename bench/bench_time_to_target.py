@@ -102,12 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--old", type=int, default=1, help="runs of the old command")
     ap.add_argument("--new", type=int, default=3, help="runs of the new command")
-    ap.add_argument("--out", default="runs/ttt")
+    ap.add_argument("--out", default=None, help="folder of the runs and the summary (default runs/ttt; with --analyze: "
+                    "the first run's parent)")
     ap.add_argument("--target", type=float, default=0.9)
     ap.add_argument("--analyze", nargs="+", default=None, help="only score these finished run folders")
     ap.add_argument("extra", nargs="*", help="config overrides added to both commands (e.g. seed=1)")
     args = ap.parse_args(argv)
-    out = Path(args.out)
+    out = Path(args.out or (Path(args.analyze[0]).parent if args.analyze else "runs/ttt"))
     if args.analyze:
         dirs = [Path(d) for d in args.analyze]
     else:
@@ -141,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         ratio = summary["new"]["median_time_to_target_s"] / summary["old"]["median_time_to_target_s"]
         summary["ratio_new_over_old"] = ratio
         print(f"ratio new / old (medians): {ratio:.2f}  (goal <= 0.5)")
-    folder = out if not args.analyze else Path(args.analyze[0]).parent
+    folder = out
+    folder.mkdir(parents=True, exist_ok=True)
     (folder / "time_to_target.json").write_text(json.dumps({"runs": results, "summary": summary}, indent=1) + "\n")
     plot(results, folder / "time_to_target.png", args.target)
     print(f"wrote {folder / 'time_to_target.json'} and {folder / 'time_to_target.png'}")
