@@ -254,5 +254,8 @@ def test_lora_policy_checkpoints_an_adapter_that_resumes_evals_and_exports(tmp_p
     ids = torch.tensor([[1, 5, 9, 200, 31]])
     with torch.no_grad():
         torch.testing.assert_close(plain(ids).logits, load_model(str(folder), seed=3)[0](ids).logits, atol=1e-5, rtol=1e-5)
-    adapter_dir = export(out, tmp_path / "adapter", adapter=True) / "solo"
+    from mas_trainer.cli import main
+
+    assert main(["export", str(out), str(tmp_path / "adapter"), "--adapter"]) == 0
+    adapter_dir = tmp_path / "adapter" / "solo"
     assert is_adapter(adapter_dir) and json.loads((tmp_path / "adapter" / "mas-trainer.json").read_text())["policies"]["solo"]["adapter"]
