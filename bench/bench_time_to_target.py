@@ -80,7 +80,7 @@ def plot(results: list[dict], path: Path, target: float) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     for r in results:
-        old = "/old-" in r["run"] or Path(r["run"]).name.startswith("old")
+        old = Path(r["run"]).name.startswith("old")
         t, em = [c[0] / 60 for c in r["curve"]], [c[1] for c in r["curve"]]
         ax.plot(t, em, marker="o", ms=3, color="tab:grey" if old else "tab:blue", alpha=0.8,
                 label=("old command" if old else "new command"))

@@ -12,7 +12,7 @@ import json
 import shutil
 from pathlib import Path
 
-from mas_trainer.learners.lora import ADAPTER_CONFIG, adapter_base, is_adapter
+from mas_trainer.learners.lora import ADAPTER_CONFIG, adapter_base, is_adapter, save_merged
 from mas_trainer.runtime.backends import run_config, trained_policies
 from mas_trainer.runtime.rundir import RunDir
 
@@ -29,8 +29,6 @@ def export(run_dir: str | Path, out_dir: str | Path, *, adapter: bool = False) -
     adapters = {p for p, folder in folders.items() if is_adapter(folder)}
     for policy, folder in folders.items():
         if policy in adapters and not adapter:
-            from mas_trainer.learners.lora import save_merged
-
             save_merged(folder, out / policy, seed=run_config(run_dir).seed)  # `tiny`'s weights depend on the seed
             continue
         shutil.copytree(folder, out / policy, dirs_exist_ok=True)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import statistics
 import sys
@@ -31,19 +30,15 @@ from pathlib import Path
 
 try:
     from ..rag_qa.metrics import exact_match, f1, recall
+    from ..rag_qa.report import spread
 except ImportError:  # run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from rag_qa.metrics import exact_match, f1, recall
+    from rag_qa.report import spread
 
 _VAL = re.compile(r"step_(\d+)_val\.jsonl$")
 SMOOTH = 5  # steps in the trailing mean of the training F1
 _TRAIN = re.compile(r"step_(\d+)\.jsonl$")
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    """Mean, population standard deviation and standard error of the mean."""
-    std = statistics.pstdev(values)
-    return {"mean": statistics.fmean(values), "std": std, "sem": std / math.sqrt(len(values))}
 
 
 def _rows(path: Path) -> list[dict]:
