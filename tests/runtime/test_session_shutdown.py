@@ -79,7 +79,7 @@ def _noise(capfd, caplog) -> list[str]:
 
 
 def test_timed_out_rollouts_free_their_calls_and_the_session_ends_quietly(capfd, caplog):
-    caplog.set_level(logging.INFO)
+    caplog.set_level(logging.INFO, logger="mas_trainer")  # an in-process CLI test may have left it at WARNING
     engine = HangingEngine()
     # long enough for both calls to reach the engine before their rollouts time out
     with Session(backend_factory=lambda _m: PolicyBackend(engine, FakeChatFormat()), timeout_s=2) as session:
@@ -104,7 +104,7 @@ def _ended_logged(caplog) -> bool:
 
 
 def test_a_call_in_flight_when_the_session_ends_is_answered_503_before_the_engine_closes(capfd, caplog):
-    caplog.set_level(logging.INFO)
+    caplog.set_level(logging.INFO, logger="mas_trainer")  # an in-process CLI test may have left it at WARNING
     engine = HangingEngine()
     replies: list[httpx.Response] = []
     with Session(backend_factory=lambda _m: PolicyBackend(engine, FakeChatFormat())) as session:
@@ -129,7 +129,7 @@ def test_a_call_in_flight_when_the_session_ends_is_answered_503_before_the_engin
 
 
 def test_an_interrupted_run_cancels_its_rollouts_and_ends_quietly(capfd, caplog):
-    caplog.set_level(logging.INFO)
+    caplog.set_level(logging.INFO, logger="mas_trainer")  # an in-process CLI test may have left it at WARNING
     engine = HangingEngine()
 
     def interrupt(traj):  # the quick rollout ends while the other waits on the engine: Ctrl-C now
