@@ -266,6 +266,30 @@ def test_fit_one_step_turn_delta(tmp_path):
     assert sorted(p.name for p in (out / "checkpoint" / "policies").iterdir()) == ["coder", "planner"]
 
 
+def test_graph_coder_trains_the_coder_alone_and_caps_the_notes(tmp_path):
+    """`graph_coder`: planner and reflector are served by the base model and never trained, and
+    their replies stop at NOTE_TOKENS while the coder's length is the run's max_tokens."""
+    from mas_trainer.config import load_config
+    from mas_trainer.runtime.trainer import fit
+
+    task = json.loads(EASY.read_text().splitlines()[0])
+    cfg = load_config(overrides=[
+        "runtime.backend=local", "model=tiny", "steps=1", "rollout.tasks_per_step=1", "rollout.n=2",
+        "rollout.max_tokens=200", "eval_every=1000", "save_every=1000",
+    ])
+    out = tmp_path / "run"
+    rows = fit(f"{APP}:graph_coder", [task], cfg, out)
+    (train,) = [r for r in rows if r["kind"] == "train"]
+    assert train["policy/coder/turns"] > 0 and not any(k.startswith(("policy/planner", "policy/frozen")) for k in train)
+    assert sorted(p.name for p in (out / "checkpoint" / "policies").iterdir()) == ["coder"]
+    trajs = [json.loads(line) for line in (out / "trajectories" / "step_000001.jsonl").read_text().splitlines()]
+    calls = [c for t in trajs for c in t["llm_calls"]]
+    assert {(c["node"], c["policy"]) for c in calls} == {("planner", "frozen"), ("coder", "coder"), ("reflector", "frozen")}
+    notes = [len(c["response_ids"]) for c in calls if c["node"] != "coder"]
+    code = [len(c["response_ids"]) for c in calls if c["node"] == "coder"]
+    assert max(notes) == 128 and max(code) == 200  # the random model rarely stops before its cap
+
+
 # ---------------------------------------------------------------- the measured split and its report
 
 def test_split_is_deterministic_and_train_jsonl_is_the_shipped_training_split(code_gen):

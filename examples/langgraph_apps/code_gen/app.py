@@ -13,8 +13,9 @@ limit ``TIME_LIMIT_S``) -> END when every test passes or after ``MAX_ROUNDS`` co
 otherwise reflector (reads the failures, says what to fix) -> coder -> verifier ... A task may
 set ``max_rounds`` (1: the first attempt only, as pass@1 measures it).
 
-The requests set no ``max_tokens``: under ``mas-trainer`` the run's ``rollout.max_tokens``
-(``--max-tokens`` for ``trace``/``eval``) applies; give the coder room (e.g. 256).
+The coder's requests set no ``max_tokens``: under ``mas-trainer`` the run's ``rollout.max_tokens``
+(``--max-tokens`` for ``trace``/``eval``) applies; give the coder room (e.g. 256). Planner and
+reflector replies stop at ``NOTE_TOKENS``.
 
 Input: a task from ``tasks.py`` (``prompt``, ``entry_point``, ``tests``, optional ``setup``);
 the result is ``final_state["code"]`` with ``passed`` / ``total`` / ``all_passed``.
@@ -43,8 +44,12 @@ MAX_CODE_CHARS = 6000
 
 ROLES = {"planner": "planner", "coder": "coder", "reflector": "planner"}
 POLICIES = {"planner": "default", "coder": "default"}
+CODER_ROLES = {"coder": "coder"}  # `graph_coder`: only the coder learns
+CODER_POLICIES = {"coder": "default"}
+NOTE_TOKENS = 128  # a plan of 2-4 steps or 1-3 sentences of advice; the coder's length is the run's max_tokens
 
 llm = ChatOpenAI(model="gpt-4o-mini", temperature=0.7)
+note_llm = ChatOpenAI(model="gpt-4o-mini", temperature=0.7, max_tokens=NOTE_TOKENS)
 
 
 class State(TypedDict, total=False):
@@ -125,7 +130,7 @@ def tests_passed_after(task: dict, llm_call, trajectory) -> float | None:
 
 
 def planner(state: State) -> dict:
-    reply = llm.invoke([SystemMessage(PLANNER_PROMPT), HumanMessage(state["prompt"])])
+    reply = note_llm.invoke([SystemMessage(PLANNER_PROMPT), HumanMessage(state["prompt"])])
     return {"plan": reply.text.strip(), "rounds": 0}
 
 
@@ -163,7 +168,7 @@ def verifier(state: State) -> dict:
 
 
 def reflector(state: State) -> dict:
-    reply = llm.invoke(
+    reply = note_llm.invoke(
         [
             SystemMessage(REFLECTOR_PROMPT),
             HumanMessage(
@@ -197,6 +202,17 @@ graph = trainable(
     builder.compile(),
     roles=ROLES,
     policies=POLICIES,
+    reward=all_passed,
+    turn_rewards={"coder": tests_passed_after},
+)
+
+# only the coder is trained; planner and reflector stay the base model: half the update cost per
+# step, for the role whose output the tests judge (the 30-minute CPU run in CODE_GEN.md)
+graph_coder = trainable(
+    builder.compile(),
+    roles=CODER_ROLES,
+    policies=CODER_POLICIES,
+    frozen=["planner", "reflector"],
     reward=all_passed,
     turn_rewards={"coder": tests_passed_after},
 )
