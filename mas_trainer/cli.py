@@ -97,6 +97,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
     from mas_trainer.runtime.session import Session
     from mas_trainer.trace.report import print_trajectories
 
+    if args.concurrency is not None and args.concurrency < 1:
+        raise UsageError(f"--concurrency {args.concurrency}: run at least 1 rollout at once")
     tasks = _load_tasks(args)
     _check_model(args.model)
     console = Console(stderr=False)
@@ -250,7 +252,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="base model of every policy: tiny | default | PATH (default: as the app says)")
     p.add_argument("--output", default="trajectories.jsonl", help="where to write trajectories (JSON lines)")
     p.add_argument("--n", type=int, default=1, help="rollouts per task")
-    p.add_argument("--concurrency", type=int, default=64, help="rollouts in flight at once")
+    p.add_argument("--concurrency", type=int, default=None, help="rollouts in flight at once (default: the engine's "
+                                                                   "max batch size, so the tool's own load does not "
+                                                                   "time rollouts out)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a rollout is stopped (status timeout)")
     p.add_argument("--max-tokens", type=int, default=256, help="max_tokens for requests that set none")
     p.add_argument("--otel", choices=["none", "console", "otlp"], default=None, help="also export spans (otlp: OTEL_EXPORTER_OTLP_* env)")

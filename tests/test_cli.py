@@ -63,6 +63,7 @@ def test_trace_undecorated_graph_with_input(tmp_path):
         (["examples/langgraph_apps/map_reduce.py:graph", "--input", "[1]"], "must be a JSON object"),
         (["examples/langgraph_apps/map_reduce.py:graph", "--data", "missing.jsonl"], "data file not found"),
         (["examples/langgraph_apps/map_reduce.py:graph", "--input", "{}", "--model", "./no/such/model"], "--model"),
+        (["examples/langgraph_apps/map_reduce.py:graph", "--input", "{}", "--concurrency", "0"], "--concurrency 0"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, needle):
