@@ -150,7 +150,10 @@ def cmd_fit(args: argparse.Namespace) -> int:
     session_log = logging.getLogger("mas_trainer.runtime.session")
     if session_log.getEffectiveLevel() > logging.INFO:
         session_log.setLevel(logging.INFO)
-    rows = fit(args.app, tasks, cfg, args.output, val_tasks=val, resume=args.resume, console=console)
+    try:
+        rows = fit(args.app, tasks, cfg, args.output, val_tasks=val, resume=args.resume, console=console)
+    except KeyboardInterrupt as exc:  # __context__: a second Ctrl-C came while the first waited for an update
+        return _interrupted_fit(args.output, forced=isinstance(exc.__context__, KeyboardInterrupt))
     vals = [r for r in rows if r.get("kind") == "val"]
     if vals:
         first, last = vals[0], vals[-1]
@@ -163,6 +166,29 @@ def cmd_fit(args: argparse.Namespace) -> int:
     console.print(f"run directory: {args.output} (metrics.jsonl, trajectories/, checkpoint/, rewards.png"
                   f"{''.join(', ' + t for t in trackers)})", markup=False, highlight=False, soft_wrap=True)
     return 0
+
+
+def _interrupted_fit(output: str, *, forced: bool) -> int:
+    """Ctrl-C in `fit`: one line saying what was kept; exit status 130. Everything kept was
+    committed by an atomic rename (runtime/rundir.py), so a step cut short is neither kept nor
+    counted. After a second Ctrl-C the engine threads may still be inside torch, which aborts at
+    interpreter exit: then Ray is shut down and the process leaves at once."""
+    from mas_trainer.runtime.rundir import RunDir
+
+    try:
+        state = RunDir(output).load_state()
+    except Exception:  # a run directory cut mid-write is not worth a traceback here
+        state = None
+    kept = (f"its last checkpoint, step {state['step']}, is kept: add --resume to continue from it"
+            if state else "no checkpoint was written yet")
+    print(f"mas-trainer fit: interrupted; {output}: {kept}", file=sys.stderr, flush=True)
+    if not forced:
+        return 130
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+    sys.stdout.flush()
+    os._exit(130)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

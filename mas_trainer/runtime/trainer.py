@@ -270,6 +270,11 @@ class _Fit:
                     session.attach(p, backend)
                 with self.watch(state) as progress:
                     session.loop.run_until_complete(self.loop(session, state, progress))
+            except KeyboardInterrupt:
+                # closing a worker group waits for an update it is running (minutes on a CPU): say so
+                self.console.print("interrupted: stopping the rollouts; an update in progress ends first "
+                                   "(Ctrl-C again to quit at once)", markup=False, highlight=False)
+                raise
             finally:
                 session.stop_calls()  # calls in flight are answered before their worker groups' engines close
                 for h in self.handles.values():

@@ -287,6 +287,29 @@ def test_kill_9_anywhere_then_resume_loses_and_repeats_nothing(forks, whole, tmp
     assert not leftovers, why
 
 
+def test_ctrl_c_says_what_was_kept_and_resume_loses_and_repeats_nothing(forks, whole, tmp_path):
+    """Ctrl-C (SIGINT) in the middle of a run: no traceback, exit status 130, one line naming the
+    checkpoint kept; `--resume` then finishes the run exactly as the uninterrupted one."""
+    out = tmp_path / "run"
+    pid, log = forks.start(out)
+    state = out / "checkpoint" / "state.json"
+    deadline = time.time() + 300
+    while time.time() < deadline and not state.exists():
+        time.sleep(0.02)
+    time.sleep(0.5)  # into the next step's rollouts or update
+    os.kill(pid, signal.SIGINT)
+    rc = forks.wait(timeout_s=120)
+    text = log.read_text()
+    assert rc == 130, text[-2000:]
+    assert "Traceback" not in text
+    kept = json.loads(state.read_text())["step"]
+    assert f"mas-trainer fit: interrupted; {out}: its last checkpoint, step {kept}, is kept: add --resume" in text
+    rc, text = forks.run(out, "--resume")
+    assert rc == 0, text[-2000:]
+    assert _comparable(_rows(out)) == _comparable(_rows(whole))
+    assert _trajectories(out) == _trajectories(whole)
+
+
 def test_commit_makes_records_and_checkpoint_durable_before_the_rename(tmp_path, monkeypatch):
     """Power loss: the trajectory files, metrics rows and staged files a checkpoint covers are
     fsynced before the rename that commits it; the run directory right after it."""
