@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Literal, Protocol, Sequence, runtime_checkable
 
 __all__ = ["SamplingParams", "Generation", "Delta", "Engine", "StreamingEngine", "ChatFormat", "stream_generation",
-           "max_context", "EngineUnavailable"]
+           "max_context", "cut_at_stop", "EngineUnavailable"]
 
 
 class EngineUnavailable(RuntimeError):
@@ -121,6 +121,13 @@ async def stream_generation(
         return
     for i, gen in enumerate(await engine.generate(prompt_ids, params, turn_id=turn_id)):
         yield Delta(i, list(gen.token_ids), gen.text, gen)
+
+
+def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+    """OpenAI's `stop`: the text before the earliest stop string, which is not returned; and
+    whether one was found. Every engine applies it to its decoded text the same way."""
+    cuts = [text.find(s) for s in stop if s and s in text]
+    return (text[: min(cuts)], True) if cuts else (text, False)
 
 
 def max_context(engine: Engine) -> int | None:

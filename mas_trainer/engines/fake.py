@@ -13,7 +13,7 @@ import json
 import time
 from typing import Any, AsyncIterator, Callable, Sequence
 
-from mas_trainer.engines.base import Delta, Generation, SamplingParams
+from mas_trainer.engines.base import Delta, Generation, SamplingParams, cut_at_stop
 from mas_trainer.engines.chat import parse_tool_calls
 from mas_trainer.engines.streaming import TextStream
 
@@ -86,10 +86,9 @@ class FakeEngine:
         reason = "stop"
         if len(ids) > params.max_tokens:
             ids, reason = ids[: params.max_tokens], "length"
-        out = self._decode([i for i in ids if i != self._eos()])
-        cuts = [out.find(s) for s in params.stop if s and s in out]
-        if cuts:
-            out, reason = out[: min(cuts)], "stop"
+        out, cut = cut_at_stop(self._decode([i for i in ids if i != self._eos()]), params.stop)
+        if cut:
+            reason = "stop"
         return Generation(ids, [-0.5] * len(ids), out, reason, list(prompt_ids))
 
     def generate_sync(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[Generation]:

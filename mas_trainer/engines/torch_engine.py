@@ -39,7 +39,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 import torch
 
-from mas_trainer.engines.base import Delta, Generation, SamplingParams
+from mas_trainer.engines.base import Delta, Generation, SamplingParams, cut_at_stop
 from mas_trainer.engines.streaming import TextStream
 
 __all__ = ["TorchEngine"]
@@ -561,10 +561,9 @@ class TorchEngine:
         if reason is None:
             return False
         ids = row.tokens[:-1] if token in self.eos_ids and reason == "stop" else row.tokens
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        cuts = [text.find(s) for s in params.stop if s and s in text]
-        if cuts:
-            text, reason = text[: min(cuts)], "stop"
+        text, cut = cut_at_stop(self.tokenizer.decode(ids, skip_special_tokens=True), params.stop)
+        if cut:
+            reason = "stop"
         req = row.req
         req.results[row.index] = Generation(row.tokens, row.logprobs, text, reason, list(req.prompt_ids))
         req.remaining -= 1

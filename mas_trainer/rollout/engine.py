@@ -24,7 +24,7 @@ import time
 import uuid
 from typing import Any, Callable, Protocol, Sequence
 
-from mas_trainer.engines.base import EngineUnavailable, Generation, SamplingParams
+from mas_trainer.engines.base import EngineUnavailable, Generation, SamplingParams, cut_at_stop
 from mas_trainer.errors import UserError
 
 __all__ = ["ReplicaClient", "ReplicaEngine", "ReplicaError", "vllm_sampling"]
@@ -126,11 +126,8 @@ class ReplicaEngine:
     def _generation(self, ids: list[int], logprobs: list[float], params: SamplingParams, prompt_ids: list[int]) -> Generation:
         # verl reports "completed" for both of vLLM's "stop" and "length": tell them apart here
         ended = bool(ids) and ids[-1] in self._eos and not params.ignore_eos
-        text = self._decode(ids[:-1] if ended else ids)
-        cuts = [text.find(s) for s in params.stop if s and s in text]
-        if cuts:
-            text = text[: min(cuts)]
-        reason = "stop" if ended or cuts or (len(ids) < params.max_tokens) else "length"
+        text, cut = cut_at_stop(self._decode(ids[:-1] if ended else ids), params.stop)
+        reason = "stop" if ended or cut or (len(ids) < params.max_tokens) else "length"
         return Generation(ids, logprobs, text, reason, list(prompt_ids))
 
     def _fail(self, why: str) -> ReplicaError:
