@@ -70,6 +70,9 @@ class GraphTracer(BaseCallbackHandler):
         self._nodes: list[_NodeRun] = []
         self._open: dict[str, _NodeRun] = {}  # checkpoint ns -> running node call
         self._opened_by: dict[UUID, _NodeRun] = {}  # the run that opened each node call
+        # node calls cancelled with their rollout: a sync node's thread runs on, and its later
+        # LLM calls must still name this rollout, so that the gateway refuses them
+        self._cancelled: dict[str, _NodeRun] = {}
         self._tool_calls: list[ToolCall] = []
         self._open_tools: dict[UUID, tuple[ToolCall, trace.Span]] = {}
         self._attempts: dict[str, int] = {}
@@ -86,7 +89,7 @@ class GraphTracer(BaseCallbackHandler):
         if not ns:
             return None
         with self._lock:
-            return self._open.get(ns)
+            return self._open.get(ns) or self._cancelled.get(ns)
 
     def call_context(self, ns: str | None) -> CallContext | None:
         node = self.node_for(ns)
@@ -163,6 +166,8 @@ class GraphTracer(BaseCallbackHandler):
             node.record.status = "interrupted"
         elif kind == "CancelledError":  # the rollout was stopped (timeout) while this node ran
             node.record.status = "cancelled"
+            with self._lock:
+                self._cancelled[node.ns] = node
             node.span.set_status(StatusCode.ERROR, "cancelled")
         elif error is not None and kind not in _CONTROL_FLOW:
             node.record.status = "error"

@@ -158,3 +158,36 @@ def test_a_session_that_ends_with_nothing_in_flight_still_answers_later_calls_50
         refused = httpx.post(f"{url}/chat/completions", json={"model": "p", "messages": [{"role": "user", "content": "x"}]},
                              headers={"authorization": f"Bearer {key}"}, timeout=30)
         assert refused.status_code == 503 and refused.headers["x-should-retry"] == "false"
+
+
+def test_a_call_a_sync_node_starts_after_its_rollout_timed_out_is_refused_not_served(caplog):
+    """A sync node runs on in its thread after its rollout is cancelled; an LLM call it makes
+    then still names that rollout, so the gateway refuses it (503, rollout ended) instead of
+    serving it, untagged, on the policy its node maps to."""
+    caplog.set_level(logging.INFO, logger="mas_trainer")
+    engine = FakeEngine(reply="late")
+    outcome: list[object] = []
+    done = threading.Event()
+    def slow(s: State) -> State:
+        time.sleep(2.5)  # the rollout times out meanwhile (timeout_s=1)
+        try:
+            outcome.append(ChatOpenAI(model="m", max_retries=2).invoke(s["question"]).content)
+        except Exception as exc:  # noqa: BLE001 - what the thread got is the assertion
+            outcome.append(exc)
+        finally:
+            done.set()
+        return {"answer": "-"}
+
+    g = StateGraph(State)
+    g.add_node("slow", slow)
+    g.add_edge(START, "slow")
+    g.add_edge("slow", END)
+    app = trainable(g.compile(), roles={"slow": "p"}, policies={"p": "base"}, reward=lambda task, state, traj: 1.0)
+    with Session(backend_factory=lambda _m: PolicyBackend(engine, FakeChatFormat()), timeout_s=1) as session:
+        session.load_app(app)
+        (traj,) = session.run([{"question": "q"}])
+        assert traj.status == "timeout"
+        assert done.wait(10)
+    (got,) = outcome
+    assert isinstance(got, Exception) and "has ended" in str(got), got
+    assert engine.calls == []  # never reached the engine
