@@ -214,26 +214,61 @@ def _torch_threads(n_policies: int, configured: int | None) -> int:
 # actors are not detached, so they follow; but its dashboard and runtime-env agents, when the
 # driver is killed (-9), wait about a minute on the dead GCS before they exit. The watchdog
 # ends everything the local instance started as soon as the driver is gone, however it died.
+# A process is the instance's when the mark is in its environment or when its parent is the
+# instance's: Ray's agents retitle themselves (setproctitle), which may overwrite the part of
+# the environment block the kernel shows, and once the raylet is dead they are orphans, so the
+# watchdog remembers them (pid and start time) while the driver lives.
 RAY_OWNER_ENV = "MAS_TRAINER_RAY_OWNER"
 _WATCHDOG = r"""
 import os, select, signal, sys, time
 tag = sys.argv[1].encode() + b"\0"
-parent = os.getppid()
+parent, me = os.getppid(), os.getpid()
+known = {}  # pid -> start time
+
+def scan():
+    procs = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != me:
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+                procs[int(name)] = (int(fields[1]), fields[19])  # ppid, start time: fields 4 and 22 of proc(5)
+            except (OSError, IndexError, ValueError):
+                pass
+    for pid in [p for p, start in known.items() if procs.get(p, (0, None))[1] != start]:
+        del known[pid]  # gone, or its pid was reused
+    for pid, (ppid, start) in procs.items():
+        if pid not in known:
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if tag in f.read():
+                        known[pid] = start
+            except OSError:
+                pass
+    grown = True
+    while grown:
+        grown = False
+        for pid, (ppid, start) in procs.items():
+            if pid not in known and ppid in known:
+                known[pid] = start
+                grown = True
+    return procs
+
 # the driver is gone when its end of the pipe closes, or when this process is re-parented (a
 # forked child of the driver could keep the pipe open after the driver died)
 while os.getppid() == parent:
-    if select.select([sys.stdin], [], [], 0.5)[0] and not os.read(sys.stdin.fileno(), 4096):
+    if select.select([sys.stdin], [], [], 1.0)[0] and not os.read(sys.stdin.fileno(), 4096):
         break
+    scan()
 quiet = 0
 for _ in range(40):  # sweep until two passes in a row find nothing: Ray may still be starting one
+    procs = scan()
     hit = False
-    for name in os.listdir("/proc"):
-        if name.isdigit() and int(name) != os.getpid():
+    for pid, start in list(known.items()):
+        if procs.get(pid, (0, None))[1] == start:
             try:
-                with open(f"/proc/{name}/environ", "rb") as f:
-                    if tag in f.read():
-                        os.kill(int(name), signal.SIGKILL)
-                        hit = True
+                os.kill(pid, signal.SIGKILL)
+                hit = True
             except OSError:
                 pass
     quiet = 0 if hit else quiet + 1

@@ -27,8 +27,10 @@ pytestmark = pytest.mark.verl
 ROOT = Path(__file__).resolve().parents[2]
 WORDS = ROOT / "tests" / "fixtures" / "words_app.py"
 WORDS_DATA = ROOT / "tests" / "fixtures" / "words.jsonl"
+# fp32 on both sides whatever the CPU: "auto" picks bf16 where the CPU has AVX512-BF16 or AMX
 REPLICA = ["runtime.learner=verl", "runtime.engine=torch-replica", "learner.mini_batch_size=4", "learner.micro_batch_size=2",
-           "model=tiny", "rollout.tasks_per_step=2", "rollout.n=2", "learner.lr=1e-2"]
+           "model=tiny", "rollout.tasks_per_step=2", "rollout.n=2", "learner.lr=1e-2",
+           "learner.bf16=false", "runtime.engine_bf16=false"]
 
 
 @pytest.fixture(autouse=True)

@@ -146,6 +146,9 @@ def _zygote() -> None:
                 os.dup2(fd, 1)
                 os.dup2(fd, 2)
                 os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+                # Ctrl-C as in a terminal: a job a non-interactive shell starts in the background
+                # (CI's, often) inherits SIGINT ignored, and Python then leaves it ignored
+                signal.signal(signal.SIGINT, signal.default_int_handler)
                 if req["crash"]:
                     _crash_at(*req["crash"])
                 rc = main(req["args"])
@@ -387,6 +390,56 @@ def _processes_marked(mark: str) -> dict[int, str]:
         except OSError:  # gone, or not ours
             pass
     return found
+
+
+_DRIVER = """
+import os, subprocess, sys, time
+from mas_trainer.runtime import star
+mark = star._ray_watchdog()
+# the raylet: marked, it starts an agent whose environment block does not show the mark (as one
+# that retitles itself may), and dies, which leaves the agent an orphan
+raylet = subprocess.Popen([sys.executable, "-c", sys.argv[1]], env={**os.environ, star.RAY_OWNER_ENV: mark},
+                          stdout=subprocess.PIPE, text=True)
+print(raylet.stdout.readline().strip(), flush=True)
+time.sleep(600)
+"""
+_RAYLET = """
+import subprocess, sys, time
+agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], env={})
+print(agent.pid, flush=True)
+time.sleep(2.5)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def test_the_watchdog_ends_an_orphan_of_the_instance_whose_environment_hides_the_mark():
+    """What the Ray test above meets now and then: Ray's dashboard agent retitles itself, which
+    may overwrite the environment block /proc shows, and the raylet that started it dies with the
+    driver; the watchdog remembered it as the raylet's child while the driver lived."""
+    if not Path("/proc/self/environ").exists():
+        pytest.skip("needs /proc")
+    driver = subprocess.Popen([sys.executable, "-c", _DRIVER, _RAYLET], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    agent = int(driver.stdout.readline())
+    try:
+        time.sleep(4)  # the raylet has died; the agent is an orphan with no mark to find
+        assert _alive(agent) and b"MAS_TRAINER_RAY_OWNER" not in Path(f"/proc/{agent}/environ").read_bytes()
+        driver.kill()
+        driver.wait()
+        deadline = time.time() + 10
+        while _alive(agent) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not _alive(agent)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        if _alive(agent):
+            os.kill(agent, signal.SIGKILL)
 
 
 def test_killing_the_driver_of_a_ray_run_leaves_no_ray_process(tmp_path):
