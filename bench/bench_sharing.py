@@ -25,13 +25,16 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import re
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = "examples/langgraph_apps/rag_qa/app.py"
+_OVERRIDE = re.compile(r"[A-Za-z_][\w.]*=.*")
 MODES = {"answerer": "graph_answerer", "shared": "graph_shared", "separate": "graph"}
 
 
@@ -104,14 +107,22 @@ def analyze(run_dir: Path) -> dict:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
     ap.add_argument("--out", default=None, help="folder of the runs and the summary (default runs/sharing)")
     ap.add_argument("--analyze", nargs="+", default=None, help="only score these finished run folders (MODE-SEED)")
     ap.add_argument("extra", nargs="*", help="config overrides added to every run (e.g. steps=30)")
-    args = ap.parse_args(argv)
+    # key=value words are overrides wherever they stand (after --modes or --seeds too)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = ap.parse_args([a for a in argv if not _OVERRIDE.fullmatch(a)])
+    args.extra = [*args.extra, *(a for a in argv if _OVERRIDE.fullmatch(a))]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
     out = Path(args.out or (Path(args.analyze[0]).parent if args.analyze else "runs/sharing"))
     if args.analyze:
         dirs = [Path(d) for d in args.analyze]

@@ -72,3 +72,9 @@ def test_runs_are_scored_and_grouped_by_mode(tmp_path):
     assert bench.main(["--analyze", *(str(tmp_path / d) for d in ("shared-0", "separate-0"))]) == 0
     assert (tmp_path / "sharing.png").stat().st_size > 0
     assert json.loads((tmp_path / "sharing.json").read_text())["summary"]["separate"]["runs"] == 1
+
+
+def test_overrides_may_follow_the_lists_of_modes_and_seeds():
+    args = _bench().parse(["--modes", "separate", "steps=30", "--seeds", "0", "1", "learner.lr=1e-5"])
+    assert args.modes == ["separate"] and args.seeds == [0, 1] and args.extra == ["steps=30", "learner.lr=1e-5"]
+    assert _bench().parse(["--out=runs/x", "steps=5"]).out == "runs/x"
