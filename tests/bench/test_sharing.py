@@ -3,7 +3,6 @@ is the demo's command on that object, and a run folder is scored as the README's
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -13,27 +12,19 @@ from mas_trainer.apps import load_object
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_sharing", ROOT / "bench" / "bench_sharing.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
-
-def test_each_mode_is_the_policy_map_it_claims(monkeypatch):
+def test_each_mode_is_the_policy_map_it_claims(monkeypatch, load_bench):
     monkeypatch.setenv("OPENAI_API_KEY", "sk-dummy-for-tests")  # the app builds its client at import, as fit lets it
-    bench = _bench()
+    bench = load_bench("bench_sharing")
     specs = {mode: spec_of(load_object(f"{ROOT / bench.APP}:{obj}")) for mode, obj in bench.MODES.items()}
     assert set(specs["shared"].roles.values()) == {"qa"} and set(specs["shared"].roles) == {"rewrite", "answer"}
     assert specs["separate"].roles == {"rewrite": "rewriter", "answer": "answerer"}
     assert specs["answerer"].roles == {"answer": "answerer"} and specs["answerer"].frozen == {"rewrite"}
 
 
-def test_every_mode_runs_the_demo_command_on_its_own_object(tmp_path):
-    bench = _bench()
-    ttt = importlib.util.spec_from_file_location("bench_time_to_target", ROOT / "bench" / "bench_time_to_target.py")
-    old = importlib.util.module_from_spec(ttt)
-    ttt.loader.exec_module(old)
+def test_every_mode_runs_the_demo_command_on_its_own_object(tmp_path, load_bench):
+    bench = load_bench("bench_sharing")
+    old = load_bench("bench_time_to_target")
     commands = {mode: bench.command(mode, tmp_path / f"{mode}-1", 1, ["steps=30"]) for mode in bench.MODES}
     for mode, cmd in commands.items():
         assert cmd[1] == "fit" and cmd[2].endswith(f"rag_qa/app.py:{bench.MODES[mode]}")
@@ -55,8 +46,8 @@ def _run(folder: Path, answers: dict[int, list[str]], wall: float) -> None:
     (folder / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
 
 
-def test_runs_are_scored_and_grouped_by_mode(tmp_path):
-    bench = _bench()
+def test_runs_are_scored_and_grouped_by_mode(tmp_path, load_bench):
+    bench = load_bench("bench_sharing")
     _run(tmp_path / "shared-0", {0: ["no", "no"], 10: ["Oslo", "Lima"]}, 300.0)
     _run(tmp_path / "shared-1", {0: ["no", "no"], 10: ["Oslo", "no"]}, 500.0)
     _run(tmp_path / "separate-0", {0: ["Oslo", "no"], 10: ["no", "no"]}, 700.0)
@@ -74,7 +65,7 @@ def test_runs_are_scored_and_grouped_by_mode(tmp_path):
     assert json.loads((tmp_path / "sharing.json").read_text())["summary"]["separate"]["runs"] == 1
 
 
-def test_overrides_may_follow_the_lists_of_modes_and_seeds():
-    args = _bench().parse(["--modes", "separate", "steps=30", "--seeds", "0", "1", "learner.lr=1e-5"])
+def test_overrides_may_follow_the_lists_of_modes_and_seeds(load_bench):
+    args = load_bench("bench_sharing").parse(["--modes", "separate", "steps=30", "--seeds", "0", "1", "learner.lr=1e-5"])
     assert args.modes == ["separate"] and args.seeds == [0, 1] and args.extra == ["steps=30", "learner.lr=1e-5"]
-    assert _bench().parse(["--out=runs/x", "steps=5"]).out == "runs/x"
+    assert load_bench("bench_sharing").parse(["--out=runs/x", "steps=5"]).out == "runs/x"

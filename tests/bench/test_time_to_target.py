@@ -3,19 +3,12 @@ give, and it scores a run folder as the README's figures do."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_time_to_target", ROOT / "bench" / "bench_time_to_target.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _overrides(text: str) -> list[str]:
@@ -26,15 +19,15 @@ def _overrides(text: str) -> list[str]:
     return [w for w in command.split() if re.fullmatch(r"[a-z_.]+=[^\s]+", w)]
 
 
-def test_the_baseline_is_the_demo_and_the_readme_command():
-    bench = _bench()
+def test_the_baseline_is_the_demo_and_the_readme_command(load_bench):
+    bench = load_bench("bench_time_to_target")
     assert _overrides((ROOT / "scripts" / "demo.sh").read_text()) == bench.OLD
     assert _overrides((ROOT / "README.md").read_text()) == bench.OLD
     assert bench.OLD != bench.NEW
 
 
-def test_time_to_target_is_the_wall_time_of_the_first_evaluation_at_target(tmp_path):
-    bench = _bench()
+def test_time_to_target_is_the_wall_time_of_the_first_evaluation_at_target(tmp_path, load_bench):
+    bench = load_bench("bench_time_to_target")
     run = tmp_path / "new-0"
     (run / "trajectories").mkdir(parents=True)
     answers = {0: ["no", "no"], 5: ["Oslo", "no"], 10: ["Oslo", "Lima"], 15: ["Oslo", "no"]}
