@@ -23,7 +23,6 @@ match per step, every run).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import re
 import statistics
@@ -37,17 +36,12 @@ APP = "examples/langgraph_apps/rag_qa/app.py"
 _OVERRIDE = re.compile(r"[A-Za-z_][\w.]*=.*")
 MODES = {"answerer": "graph_answerer", "shared": "graph_shared", "separate": "graph"}
 
-
-def _ttt():
-    spec = importlib.util.spec_from_file_location("bench_time_to_target", ROOT / "bench" / "bench_time_to_target.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, str(ROOT / "bench"))
+import bench_time_to_target as ttt  # noqa: E402  (the demo's command, and how a run is scored)
 
 
 def command(mode: str, out: Path, seed: int, extra: list[str]) -> list[str]:
     """The fit command of one run: the demo's arguments on this mode's graph object."""
-    ttt = _ttt()
     common = [f"{APP}:{MODES[mode]}", *ttt.COMMON[1:]]
     return [str(ROOT / ".venv" / "bin" / "mas-trainer"), "fit", *common, "--output", str(out),
             *ttt.OLD, f"seed={seed}", *extra]
@@ -97,7 +91,6 @@ def plot(results: list[dict], path: Path) -> None:
 
 def analyze(run_dir: Path) -> dict:
     """One finished run: the time-to-target analysis plus its first evaluation and its curve by step."""
-    ttt = _ttt()
     result = ttt.analyze(run_dir, 0.9)
     scores = ttt.report(run_dir)
     first = scores[min(scores)]

@@ -12,7 +12,6 @@ from mas_trainer.apps import load_object
 ROOT = Path(__file__).resolve().parents[2]
 
 
-
 def test_each_mode_is_the_policy_map_it_claims(monkeypatch, load_bench):
     monkeypatch.setenv("OPENAI_API_KEY", "sk-dummy-for-tests")  # the app builds its client at import, as fit lets it
     bench = load_bench("bench_sharing")

@@ -10,7 +10,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-
 def _overrides(text: str) -> list[str]:
     """The key=value overrides of the first `mas-trainer fit` command in a shell text."""
     block = text[text.index("mas-trainer fit"):]

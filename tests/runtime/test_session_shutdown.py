@@ -168,6 +168,7 @@ def test_a_call_a_sync_node_starts_after_its_rollout_timed_out_is_refused_not_se
     engine = FakeEngine(reply="late")
     outcome: list[object] = []
     done = threading.Event()
+
     def slow(s: State) -> State:
         time.sleep(2.5)  # the rollout times out meanwhile (timeout_s=1)
         try:
