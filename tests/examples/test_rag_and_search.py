@@ -460,6 +460,8 @@ def test_agentic_search_report_on_a_synthetic_run(tmp_path):
 
     runs = [tmp_path / "broadcast", tmp_path / "turn_delta"]
     for run in runs:
+        run.mkdir()
+        (run / "config.yaml").write_text(f"seed: 0\nreward:\n  allocator: {run.name}\n")
         write(run, "step_000000_val.jsonl", [rollout("Quellmoor", "born in Quellmoor"),
                                              rollout("teal", "olive", hops=2)])
         write(run, "step_000002_val.jsonl", [rollout("Quellmoor", "Quellmoor"),
@@ -487,6 +489,9 @@ def test_agentic_search_report_on_a_synthetic_run(tmp_path):
     out = tmp_path / "scores.json"
     assert report.main([str(r) for r in runs] + ["--json", str(out)]) == 0
     assert all((r / "agentic_search_report.png").stat().st_size > 0 for r in runs)
-    assert sorted(json.loads(out.read_text())) == sorted(str(r) for r in runs)
+    written = json.loads(out.read_text())
+    assert sorted(written) == sorted([str(r) for r in runs] + ["over runs"])
+    assert [g["runs"] for g in written["over runs"]] == [[str(runs[0])], [str(runs[1])]]  # two commands, not replicates
+    assert (tmp_path / "agentic_search_runs.png").stat().st_size > 0
     with pytest.raises(SystemExit, match="no held-out evaluations"):
         report.report(tmp_path / "elsewhere")

@@ -15,7 +15,11 @@ For each run (e.g. one with ``reward.allocator=broadcast``, one with ``turn_delt
 - the wall time, from ``metrics.jsonl`` (training steps plus evaluations).
 
 It prints them and plots both to ``RUN_DIR/agentic_search_report.png``; with several runs a
-last table compares them.
+last table compares them, and runs of one command under different seeds (``seed=N``) are
+summarised over runs: held-out exact match and F1 before and after, and the gain, as mean,
+standard deviation over runs and range (``replicates.py``), plotted to
+``agentic_search_runs.png`` beside the runs (``--runs-plot`` for elsewhere); ``--json`` keeps
+that summary under ``"over runs"``.
 """
 
 from __future__ import annotations
@@ -31,10 +35,12 @@ from pathlib import Path
 try:
     from ..rag_qa.metrics import exact_match, f1, recall
     from ..rag_qa.report import spread
+    from ..replicates import common_parent, report_over_runs, wall_time
 except ImportError:  # run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from rag_qa.metrics import exact_match, f1, recall
     from rag_qa.report import spread
+    from replicates import common_parent, report_over_runs, wall_time
 
 _VAL = re.compile(r"step_(\d+)_val\.jsonl$")
 SMOOTH = 5  # steps in the trailing mean of the training F1
@@ -92,15 +98,6 @@ def score_train(path: Path) -> dict[str, float]:
             "fetched": statistics.fmean(holds_answer(r, "searches") for r in rows) if rows else 0.0,
             "noted": statistics.fmean(holds_answer(r, "notes") for r in rows) if rows else 0.0,
             "groups_with_signal": statistics.fmean(max(v) - min(v) > 1e-9 for v in groups.values()) if groups else 0.0}
-
-
-def wall_time(run_dir: Path) -> float | None:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return None
-    rows = _rows(path)
-    return sum(r.get("time/step_s") or 0.0 for r in rows if r.get("kind") == "train") + \
-        sum(r.get("time/eval_s") or 0.0 for r in rows if r.get("kind") == "val")
 
 
 def report(run_dir: str | Path) -> dict[str, object]:
@@ -164,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     ap.add_argument("--json", default=None, help="also write the scores here")
+    ap.add_argument("--runs-plot", default=None, help="with several runs: where to plot them together "
+                    "(default: agentic_search_runs.png in their common parent folder)")
     args = ap.parse_args(argv)
     results, summary = {}, []
     for run_dir in args.run_dirs:
@@ -187,6 +186,11 @@ def main(argv: list[str] | None = None) -> int:
         summary.append(f"{run_dir}: {line}")
     if len(summary) > 1:
         print("== comparison", *summary, sep="\n")
+        scores = {r: {step: {"exact match": v["exact_match"]["mean"], "F1": v["f1"]["mean"]}
+                      for step, v in results[r]["val"].items()} for r in args.run_dirs}
+        plot_path = Path(args.runs_plot) if args.runs_plot else common_parent(args.run_dirs) / "agentic_search_runs.png"
+        results["over runs"] = report_over_runs(scores, {r: results[r]["wall_s"] for r in args.run_dirs}, plot_path,
+                                                "agentic search: held-out scores of each run")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
     return 0

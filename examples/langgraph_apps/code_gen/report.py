@@ -1,6 +1,6 @@
 """Held-out all-passed rate and HumanEval pass@1 of a code_gen run, before and after training, and their plot.
 
-    python examples/langgraph_apps/code_gen/report.py RUN_DIR [--json OUT.json]
+    python examples/langgraph_apps/code_gen/report.py RUN_DIR [RUN_DIR ...] [--json OUT.json]
 
 Reads the held-out evaluations `fit` wrote (``RUN_DIR/trajectories/step_N_val.jsonl``, the
 held-out file of ``tasks.py heldout``) and splits them by task id:
@@ -16,6 +16,12 @@ that failed otherwise (the app raised) counts as not passed. With several rollou
 (``val_n``) a task scores the share of its rollouts that passed. Each line gives the mean over
 tasks, the standard deviation over tasks and the standard error of the mean; the plot goes to
 ``RUN_DIR/heldout_pass.png``.
+
+With several runs, each is reported as above, and runs of one command under different seeds
+(``seed=N``) are summarised over runs: both rates before and after, and the gain, as mean,
+standard deviation over runs and range (``replicates.py``), with every run's curve in
+``code_gen_runs.png`` beside the runs (``--runs-plot`` for elsewhere). ``--json`` then writes
+``{RUN_DIR: scores, ..., "over runs": summary}``.
 """
 
 from __future__ import annotations
@@ -25,8 +31,15 @@ import json
 import math
 import re
 import statistics
+import sys
 from collections import defaultdict
 from pathlib import Path
+
+try:
+    from ..replicates import common_parent, report_over_runs, wall_time
+except ImportError:  # run as a script
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from replicates import common_parent, report_over_runs, wall_time
 
 _VAL = re.compile(r"step_(\d+)_val\.jsonl$")
 SPLITS = {"easy": ("easy/", "held-out all-passed"), "humaneval": ("HumanEval/", "HumanEval pass@1")}
@@ -122,12 +135,8 @@ def plot(scores: dict[int, dict[str, dict[str, object]]], path: Path) -> Path:
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("run_dir")
-    ap.add_argument("--json", default=None, help="also write the scores here")
-    args = ap.parse_args(argv)
-    scores = report(args.run_dir)
+def report_run(run_dir: str) -> dict[int, dict[str, dict[str, object]]]:
+    scores = report(run_dir)
     for step, s in scores.items():
         print(f"step {step:>4}  " + "  ".join(f"{label} {describe(s.get(split))}" for split, (_, label) in SPLITS.items()))
     first, last = scores[min(scores)], scores[max(scores)]
@@ -135,10 +144,34 @@ def main(argv: list[str] | None = None) -> int:
         before, after = first.get(split), last.get(split)
         if before or after:
             print(f"{label}: before (step {min(scores)}) {describe(before)} -> after (step {max(scores)}) {describe(after)}")
-    png = plot(scores, Path(args.run_dir) / "heldout_pass.png")
-    print(f"plot: {png}")
+    print(f"plot: {plot(scores, Path(run_dir) / 'heldout_pass.png')}")
+    return scores
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    ap.add_argument("--json", default=None, help="also write the scores here")
+    ap.add_argument("--runs-plot", default=None, help="with several runs: where to plot them together "
+                    "(default: code_gen_runs.png in their common parent folder)")
+    args = ap.parse_args(argv)
+    if len(args.run_dirs) == 1:
+        scores = report_run(args.run_dirs[0])
+        out: dict = {str(k): v for k, v in scores.items()}
+    else:
+        out, rates = {}, {}
+        for run_dir in args.run_dirs:
+            print(f"== {run_dir}")
+            scores = report_run(run_dir)
+            out[run_dir] = {str(k): v for k, v in scores.items()}
+            # a step where no rollout of a split finished has no rate for it
+            rates[run_dir] = {step: {label: s[split]["score"]["mean"] for split, (_, label) in SPLITS.items()
+                                     if s.get(split) and s[split]["score"]} for step, s in scores.items()}
+        plot_path = Path(args.runs_plot) if args.runs_plot else common_parent(args.run_dirs) / "code_gen_runs.png"
+        out["over runs"] = report_over_runs(rates, {r: wall_time(r) for r in args.run_dirs}, plot_path,
+                                            "code generation: held-out pass rates of each run")
     if args.json:
-        Path(args.json).write_text(json.dumps({str(k): v for k, v in scores.items()}, indent=1) + "\n")
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return 0
 
 
