@@ -261,10 +261,11 @@ def _check_learner(cfg: FitConfig) -> None:
 
 
 def check_torch_only(cfg: FitConfig, fix: str) -> None:
-    """LoRA and skip_zero_advantage exist on the torch learner only in this version."""
+    """LoRA, skip_zero_advantage and share_prompts exist on the torch learner only in this version."""
     for name in ["", *cfg.policies]:
         learner = cfg.learner_for(name) if name else cfg.learner
-        for key, on in (("lora_rank", learner.lora_rank), ("skip_zero_advantage", learner.skip_zero_advantage)):
+        for key, on in (("lora_rank", learner.lora_rank), ("skip_zero_advantage", learner.skip_zero_advantage),
+                        ("share_prompts", learner.share_prompts)):
             if on:
                 where = f"policies.{name}.learner.{key}" if name else f"learner.{key}"
                 raise ConfigError(f"{where} runs on the torch learner with the embedded engine only in this version: "

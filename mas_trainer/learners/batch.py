@@ -18,6 +18,14 @@ log-prob of token ``t`` comes from the logits at position ``t - 1``. Right paddi
 every real token's position id equal to its column, and since pads come after all real
 tokens a plain causal mask already keeps them out of every real token's attention.
 Prompts are never empty, so column 0 is never a response token.
+
+With ``share_prompts`` the turns of a micro-batch that have the very same prompt (a GRPO
+group's samples, wherever an app's earlier calls did not differ) are also laid out as one
+row of a :class:`SharedPrompts`: the prompt once, then each response, every response placed
+at the positions and attention it had alone (it sees the prompt and itself, not its
+siblings). The model runs on that layout, and the log-probs are put back into the
+token-aligned layout above, so the loss is computed exactly as without sharing; the prompt's
+forward and backward are done once per group instead of once per sample.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Turn", "PackedTurns", "pack_turns", "micro_batches", "mini_batches", "update_mini_batches"]
+__all__ = ["Turn", "PackedTurns", "SharedPrompts", "pack_turns", "micro_batches", "mini_batches", "update_mini_batches"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,77 @@ class Turn:
 
 
 @dataclass
+class SharedPrompts:
+    """Turns that share a prompt laid out as one row each: prompt, response 1, response 2, ...
+
+    Shapes: R = distinct prompts, L = longest row, N = response tokens of all turns.
+
+    - ``input_ids``: (R, L) int64, pads are ``pad_id``
+    - ``position_ids``: (R, L) int64: each response continues from its prompt's end, as alone
+    - ``attention_mask``: (R, 1, L, L) bool, True where a query column may attend a key
+      column: causal, and a response's tokens see the prompt and their own response only
+    - ``source``: (N, 2) int64, for each response token (turns in batch order, tokens in
+      order) the (row, column) whose logits predict it: the prompt's last column for the
+      first token, the previous token's column after that
+    - ``target``: (N, 2) int64, the (turn, column) of that token in the turn layout
+    - ``tokens``: (N,) int64, the token ids
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    source: torch.Tensor
+    target: torch.Tensor
+    tokens: torch.Tensor
+    num_tokens: int
+
+    def to(self, device: Any) -> "SharedPrompts":
+        return SharedPrompts(self.input_ids.to(device), self.position_ids.to(device), self.attention_mask.to(device),
+                             self.source.to(device), self.target.to(device), self.tokens.to(device), self.num_tokens)
+
+
+def share_prompts(turns: Sequence[Turn], *, pad_id: int = 0) -> SharedPrompts:
+    """The :class:`SharedPrompts` layout of ``turns`` (rows in order of each prompt's first turn)."""
+    rows: dict[tuple[int, ...], list[int]] = {}
+    for b, turn in enumerate(turns):
+        rows.setdefault(tuple(turn.prompt_ids), []).append(b)
+    width = max(len(p) + sum(len(turns[b].response_ids) for b in members) for p, members in rows.items())
+    shape = (len(rows), width)
+    input_ids = torch.full(shape, pad_id, dtype=torch.long)
+    position_ids = torch.zeros(shape, dtype=torch.long)
+    segment = torch.full(shape, -1, dtype=torch.long)  # 0: prompt, k: response k, -1: pad
+    where: dict[int, tuple[int, int]] = {}  # turn -> (row, column of its first response token)
+    for r, (prompt, members) in enumerate(rows.items()):
+        p = len(prompt)
+        input_ids[r, :p] = torch.tensor(prompt, dtype=torch.long)
+        position_ids[r, :p] = torch.arange(p)
+        segment[r, :p] = 0
+        col = p
+        for k, b in enumerate(members, start=1):
+            n = len(turns[b].response_ids)
+            input_ids[r, col : col + n] = torch.tensor(list(turns[b].response_ids), dtype=torch.long)
+            position_ids[r, col : col + n] = torch.arange(p, p + n)
+            segment[r, col : col + n] = k
+            where[b] = (r, col)
+            col += n
+    columns = torch.arange(width)
+    causal = columns[:, None] >= columns[None, :]
+    own = (segment[:, :, None] == segment[:, None, :]) | (segment[:, None, :] == 0)
+    source, target, tokens = [], [], []
+    for b, turn in enumerate(turns):
+        (r, col), p = where[b], len(turn.prompt_ids)
+        for j, token in enumerate(turn.response_ids):
+            source.append((r, p - 1 if j == 0 else col + j - 1))
+            target.append((b, p + j))
+            tokens.append(token)
+    return SharedPrompts(
+        input_ids=input_ids, position_ids=position_ids, attention_mask=(causal & own)[:, None],
+        source=torch.tensor(source, dtype=torch.long), target=torch.tensor(target, dtype=torch.long),
+        tokens=torch.tensor(tokens, dtype=torch.long), num_tokens=int((segment >= 0).sum()),
+    )
+
+
+@dataclass
 class PackedTurns:
     """Right-padded, token-aligned tensors of a list of turns (row b is ``turn_ids[b]``).
 
@@ -87,6 +166,8 @@ class PackedTurns:
     - ``response_start``: the first column holding any response token (shortest prompt);
       columns before it hold only prompt tokens, so the learner computes logits only from
       ``response_start - 1`` on.
+    - ``shared``: the same turns with each prompt once (``pack_turns(share_prompts=True)``):
+      the model runs on it instead of ``input_ids``.
     """
 
     turn_ids: list[str]
@@ -98,6 +179,7 @@ class PackedTurns:
     ref_log_prob: torch.Tensor | None
     prompt_lengths: list[int]
     response_lengths: list[int]
+    shared: SharedPrompts | None = None
 
     @property
     def response_start(self) -> int:
@@ -106,7 +188,7 @@ class PackedTurns:
     @property
     def num_tokens(self) -> int:
         """Real (non-pad) tokens: what a forward+backward pass processes."""
-        return int(self.attention_mask.sum())
+        return self.shared.num_tokens if self.shared is not None else int(self.attention_mask.sum())
 
     @property
     def num_response_tokens(self) -> int:
@@ -118,7 +200,7 @@ class PackedTurns:
         return PackedTurns(
             self.turn_ids, move(self.input_ids), move(self.attention_mask), move(self.response_mask),
             move(self.old_log_prob), move(self.advantages), move(self.ref_log_prob),
-            self.prompt_lengths, self.response_lengths,
+            self.prompt_lengths, self.response_lengths, None if self.shared is None else self.shared.to(device),
         )
 
     def response_values(self, values: torch.Tensor) -> list[torch.Tensor]:
@@ -129,10 +211,11 @@ class PackedTurns:
         ]
 
 
-def pack_turns(turns: Sequence[Turn], *, pad_id: int = 0) -> PackedTurns:
+def pack_turns(turns: Sequence[Turn], *, pad_id: int = 0, share: bool = False) -> PackedTurns:
     """Pack turns into a right-padded, token-aligned :class:`PackedTurns`.
 
-    ``ref_log_prob`` is filled only when every turn carries ``ref_logprobs``.
+    ``ref_log_prob`` is filled only when every turn carries ``ref_logprobs``; ``share`` adds
+    the :class:`SharedPrompts` layout (only where two turns have one prompt).
     """
     if not turns:
         raise ValueError("pack_turns needs at least one turn")
@@ -164,21 +247,52 @@ def pack_turns(turns: Sequence[Turn], *, pad_id: int = 0) -> PackedTurns:
         ref_log_prob=ref_log_prob,
         prompt_lengths=[len(t.prompt_ids) for t in turns],
         response_lengths=[len(t.response_ids) for t in turns],
+        shared=share_prompts(turns, pad_id=pad_id) if share and len({tuple(t.prompt_ids) for t in turns}) < len(turns)
+        else None,
     )
 
 
-def micro_batches(turns: Sequence[Turn], *, max_rows: int, max_tokens: int | None = None) -> list[list[Turn]]:
+def micro_batches(turns: Sequence[Turn], *, max_rows: int, max_tokens: int | None = None,
+                  share: bool = False) -> list[list[Turn]]:
     """`turns` split for gradient accumulation (learner and critic alike): longest first, so
     each micro-batch pads little, at most `max_rows` turns and, when set, `max_tokens` padded
-    tokens (rows x longest row; a single longer turn still gets a micro-batch of its own)."""
+    tokens (rows x longest row; a single longer turn still gets a micro-batch of its own).
+
+    With `share`, turns with one prompt are kept together (a group larger than `max_rows` is
+    cut) and a micro-batch is measured as :func:`share_prompts` lays it out: a row per prompt.
+    """
+    if not share:
+        units = [[t] for t in sorted(turns, key=lambda t: t.length, reverse=True)]
+    else:
+        groups: dict[tuple[int, ...], list[Turn]] = {}
+        for turn in turns:
+            groups.setdefault(tuple(turn.prompt_ids), []).append(turn)
+        units = []
+        for group in sorted(groups.values(), key=_row_width, reverse=True):
+            group = sorted(group, key=lambda t: len(t.response_ids), reverse=True)
+            units.extend(group[i : i + max_rows] for i in range(0, len(group), max_rows))
     out: list[list[Turn]] = []
-    for turn in sorted(turns, key=lambda t: t.length, reverse=True):
+    for unit in units:
         cur = out[-1] if out else None
-        if cur is None or len(cur) >= max_rows or (max_tokens is not None and (len(cur) + 1) * cur[0].length > max_tokens):
-            out.append([turn])
+        if cur is None or len(cur) + len(unit) > max_rows or (
+                max_tokens is not None and _padded_tokens(cur + unit, share) > max_tokens):
+            out.append(list(unit))
         else:
-            cur.append(turn)
+            cur.extend(unit)
     return out
+
+
+def _row_width(group: Sequence[Turn]) -> int:
+    return len(group[0].prompt_ids) + sum(len(t.response_ids) for t in group)
+
+
+def _padded_tokens(turns: Sequence[Turn], share: bool) -> int:
+    if not share:
+        return len(turns) * max(t.length for t in turns)
+    rows: dict[tuple[int, ...], list[Turn]] = {}
+    for turn in turns:
+        rows.setdefault(tuple(turn.prompt_ids), []).append(turn)
+    return len(rows) * max(_row_width(g) for g in rows.values())
 
 
 def mini_batches(turns: Sequence[Turn], size: int, *, shuffle: bool, seed: int) -> list[list[Turn]]:

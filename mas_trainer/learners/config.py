@@ -84,6 +84,12 @@ class LearnerConfig(BaseModel):
         "all scored the same): they add nothing to the policy gradient, only to the token count it is averaged over "
         "(DAPO's filter). A step whose turns all have zero advantage then costs no update at all.")
 
+    share_prompts: bool = Field(
+        False, description="Forward and backward each distinct prompt of a micro-batch once: turns with the very same prompt "
+        "(a GRPO group's samples) are laid out as one row, the prompt then every response, each response attending to the "
+        "prompt and itself only. The same loss and gradient (up to float rounding) for fewer tokens; micro-batches keep "
+        "such turns together.")
+
     @model_validator(mode="after")
     def _skip_needs_pg_only(self) -> "LearnerConfig":
         if self.skip_zero_advantage and (self.kl_coef > 0 or self.entropy_coeff != 0):

@@ -104,3 +104,49 @@ def test_micro_batches_longest_first_within_row_and_token_caps():
     # a turn longer than the token cap still gets a micro-batch of its own
     assert [[t.length for t in m] for m in micro_batches(turns, max_rows=8, max_tokens=5)] == [[12], [9], [7], [7], [5], [4], [3], [2]]
 
+
+
+# ---------------------------------------------------------------- shared prompts
+
+
+def _group_turns():
+    """Two samples of prompt P (as a GRPO group has), one of prompt Q, one more of P."""
+    p, q = [10, 11, 12], [30, 31]
+    return [Turn("a", p, [20, 21], [0.0] * 2, 1.0), Turn("b", q, [40], [0.0], 1.0),
+            Turn("c", p, [22, 23, 24], [0.0] * 3, 1.0), Turn("d", p, [25], [0.0], 1.0)]
+
+
+def test_shared_layout_puts_each_prompt_once_and_each_response_where_it_was_alone():
+    turns = _group_turns()
+    batch = pack_turns(turns, pad_id=0, share=True)
+    shared = batch.shared
+    assert shared.input_ids.tolist() == [[10, 11, 12, 20, 21, 22, 23, 24, 25], [30, 31, 40, 0, 0, 0, 0, 0, 0]]
+    assert shared.position_ids[0].tolist() == [0, 1, 2, 3, 4, 3, 4, 5, 3]  # every response starts after the prompt
+    assert batch.num_tokens == 9 + 3  # what the model runs on: each prompt once (unshared: 5 + 6 + 4 + 3 = 18)
+    mask = shared.attention_mask[0, 0]
+    # c's first token (column 5) sees the prompt and itself, not a's response (columns 3-4)
+    assert mask[5].tolist() == [True, True, True, False, False, True, False, False, False]
+    assert mask[8].tolist() == [True, True, True, False, False, False, False, False, True]  # d
+    # each response token is predicted from the prompt's last column, then from its own previous token
+    assert shared.source.tolist() == [[0, 2], [0, 3], [1, 1], [0, 2], [0, 5], [0, 6], [0, 2]]
+    assert shared.target.tolist() == [[0, 3], [0, 4], [1, 2], [2, 3], [2, 4], [2, 5], [3, 3]]
+    assert shared.tokens.tolist() == [20, 21, 40, 22, 23, 24, 25]
+    # the turn layout the loss reads is unchanged
+    assert torch.equal(batch.input_ids, pack_turns(turns, pad_id=0).input_ids)
+
+
+def test_no_shared_layout_where_no_two_turns_share_a_prompt():
+    assert pack_turns(make_turns(), share=True).shared is None
+    assert pack_turns(_group_turns(), share=False).shared is None
+
+
+def test_micro_batches_keep_a_prompts_turns_together_within_the_caps():
+    turns = _group_turns() + [Turn("e", [50] * 6, [60], [0.0], 1.0)]
+    micros = micro_batches(turns, max_rows=3, share=True)
+    ids = [[t.id for t in m] for m in micros]
+    assert sorted(sum(ids, [])) == ["a", "b", "c", "d", "e"]
+    assert ["c", "a", "d"] in ids  # the group of P (longest row first), cut at max_rows, longest responses first
+    assert all(len(m) <= 3 for m in micros)
+    # a token cap counts rows of the shared layout: P's row is 3 + 2 + 3 + 1 = 9 tokens
+    assert [[t.id for t in m] for m in micro_batches(turns, max_rows=8, max_tokens=9, share=True)] == \
+        [["c", "a", "d"], ["e"], ["b"]]

@@ -165,6 +165,67 @@ def test_gradient_accumulation_matches_one_big_micro_batch(mode):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
 
 
+def grouped_turns(prompts=3, samples=4, *, seed=0, vocab=1000):
+    """A GRPO-like batch: `samples` responses of varied length to each of `prompts` prompts."""
+    g = torch.Generator().manual_seed(seed)
+    turns = []
+    for i in range(prompts):
+        prompt = torch.randint(5, vocab, (6 + 5 * i,), generator=g).tolist()
+        for j in range(samples):
+            r = 1 + (2 * j + i) % 6
+            turns.append(Turn(f"p{i}s{j}", prompt, torch.randint(5, vocab, (r,), generator=g).tolist(), [0.0] * r,
+                              torch.randn(r, generator=g).tolist()))
+    return turns
+
+
+def test_shared_prompts_give_the_same_log_probs_entropies_and_gradients(tiny):
+    """Reference vs fast: each prompt forwarded once per micro-batch gives every response the
+    log-probs, entropies and update gradients it gets alone, for fewer tokens."""
+    turns = grouped_turns()
+    model, _ = tiny
+    plain = TorchLearner(model, LearnerConfig(micro_batch_size=5, **FP32))
+    shared = TorchLearner(model, LearnerConfig(micro_batch_size=5, share_prompts=True, **FP32))
+    for a, b in zip(plain.log_probs(turns), shared.log_probs(turns)):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    batch = pack_turns(turns, share=True)
+    assert batch.shared.input_ids.shape[0] == 3 and batch.num_tokens < pack_turns(turns).num_tokens
+    with torch.no_grad():
+        lp_a, ent_a = plain._forward(model, pack_turns(turns), entropy=True)
+        lp_b, ent_b = shared._forward(model, batch, entropy=True)
+    mask = pack_turns(turns).response_mask[:, batch.response_start:].bool()
+    torch.testing.assert_close(lp_b[mask], lp_a[mask], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent_b[mask], ent_a[mask], atol=1e-5, rtol=1e-5)
+    assert not lp_b[~mask].any()
+    grads, tokens = [], []
+    for share in (False, True):
+        model, _ = load_model("tiny", seed=0)
+        learner = TorchLearner(model, LearnerConfig(mini_batch_size=12, micro_batch_size=5, share_prompts=share, **FP32))
+        old = with_old_logprobs(learner, turns)
+        grads.append(step_gradients(learner, old))
+        tokens.append(TorchLearner(load_model("tiny", seed=0)[0], learner.config).update(old)["tokens"])
+    for a, b in zip(grads[0][0], grads[1][0]):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-4)
+    assert tokens[1] < 0.6 * tokens[0]  # 3 prompts of 6-16 tokens once instead of 4 times
+    # under bf16 autocast too (the mask is then additive bf16)
+    bf16 = [TorchLearner(model, LearnerConfig(bf16=True, share_prompts=share)).log_probs(turns) for share in (False, True)]
+    for a, b in zip(*bf16):
+        torch.testing.assert_close(b, a, atol=0.05, rtol=0.05)
+
+
+def test_share_prompts_refuses_attention_without_4d_masks(tiny):
+    model, _ = tiny
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(UserError, match="share_prompts needs attention that takes a 4D mask"):
+        TorchLearner(model, LearnerConfig(share_prompts=True, **FP32))
+
+
+def test_share_prompts_is_a_torch_learner_option():
+    from mas_trainer.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="learner.share_prompts runs on the torch learner"):
+        load_config(overrides=["learner.share_prompts=true", "runtime.learner=verl"])
+
+
 def test_micro_batches_respect_row_and_token_caps(tiny):
     model, _ = tiny
     learner = TorchLearner(model, LearnerConfig(micro_batch_size=3, micro_batch_tokens=40))
