@@ -10,6 +10,12 @@ spread over the mini-batches as in a run); the defaults are the RAG QA demo's an
 
     python bench/bench_share_prompts.py [--model default|tiny|PATH] [--prompts 8] [--samples 4]
         [--prompt 100] [--response 12] [--reps 3] [--fp32]
+    python bench/bench_share_prompts.py --trajectories RUN_DIR/trajectories/step_000001.jsonl [--role answerer]
+
+``--trajectories`` takes the turns of one training step of a run instead (the exact prompt
+and response ids its trainable calls had; advantages drawn at random, which changes no
+cost), so the figure is that of a real batch: in the RAG QA demo the rewriter is sampled, so
+only some of a group's answerer prompts are equal.
 
 Prints seconds per update of each, tokens forwarded, the ratio plain / shared (goal: above
 1, the more the longer the prompt) and a final JSON line; rounds interleave the two.
@@ -48,6 +54,20 @@ def grouped_turns(vocab: int, prompts: int, samples: int, prompt: int, response:
     return turns
 
 
+def run_turns(path: str, role: str | None) -> list[Turn]:
+    """The trainable calls (of `role`, if given) of one trajectories file, as turns."""
+    g = torch.Generator().manual_seed(0)
+    turns = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        for call in (json.loads(line).get("llm_calls") or []) if line.strip() else []:
+            if call.get("trainable") and call.get("response_ids") and (role is None or call.get("role") == role):
+                turns.append(Turn(call["id"], call["prompt_ids"], call["response_ids"], call["response_logprobs"],
+                                  float(torch.randn((), generator=g))))
+    if not turns:
+        raise SystemExit(f"{path} holds no trainable calls{f' of role {role!r}' if role else ''} with token ids")
+    return turns
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default", help="default (bundled SmolLM2-135M), tiny, or a path")
@@ -55,21 +75,28 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--prompt", type=int, default=100)
     parser.add_argument("--response", type=int, default=12)
+    parser.add_argument("--trajectories", default=None, help="a run's trajectories/step_N.jsonl: its turns instead")
+    parser.add_argument("--role", default=None, help="with --trajectories: only this role's calls")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--fp32", action="store_true", help="no bf16 autocast (default: the learner's `auto`)")
     args = parser.parse_args(argv)
     model, _ = load_model(args.model)
     vocab = model.get_output_embeddings().weight.shape[0]
-    turns = grouped_turns(vocab, args.prompts, args.samples, args.prompt, args.response)
+    turns = run_turns(args.trajectories, args.role) if args.trajectories else \
+        grouped_turns(vocab, args.prompts, args.samples, args.prompt, args.response)
     # a tiny learning rate: the weights barely move, so every repetition does the same work
     base = dict(lr=1e-7, mini_batch_size=16, micro_batch_size=4, **({"bf16": False} if args.fp32 else {}))
     plain = TorchLearner(model, LearnerConfig(**base))
     shared = TorchLearner(model, LearnerConfig(**base, share_prompts=True))
     tokens = {"plain": plain.update(turns)["tokens"], "shared": shared.update(turns)["tokens"]}
+    results: dict = {"model": args.model, "turns": len(turns), "distinct_prompts": len({tuple(t.prompt_ids) for t in turns}),
+                     "prompt_tokens": sum(len(t.prompt_ids) for t in turns) / len(turns),
+                     "response_tokens": sum(len(t.response_ids) for t in turns) / len(turns),
+                     "source": args.trajectories or "random", "bf16": plain.bf16}
+    print(f"{len(turns)} turns, {results['distinct_prompts']} distinct prompts, mean prompt "
+          f"{results['prompt_tokens']:.0f} and response {results['response_tokens']:.0f} tokens", flush=True)
     load_before = os.getloadavg()[0]
     times = timed({"plain": lambda: plain.update(turns), "shared": lambda: shared.update(turns)}, args.reps)
-    results: dict = {"model": args.model, "turns": len(turns), "prompt": args.prompt, "response": args.response,
-                     "bf16": plain.bf16}
     for name, runs in times.items():
         results[f"{name}_s"] = statistics.median(runs)
         results[f"{name}_tokens"] = tokens[name]
