@@ -19,7 +19,7 @@ every real token's position id equal to its column, and since pads come after al
 tokens a plain causal mask already keeps them out of every real token's attention.
 Prompts are never empty, so column 0 is never a response token.
 
-With ``share_prompts`` the turns of a micro-batch that have the very same prompt (a GRPO
+With ``share=True`` (the learner's ``share_prompts``) the turns of a micro-batch that have the very same prompt (a GRPO
 group's samples, wherever an app's earlier calls did not differ) are also laid out as one
 row of a :class:`SharedPrompts`: the prompt once, then each response, every response placed
 at the positions and attention it had alone (it sees the prompt and itself, not its
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Turn", "PackedTurns", "SharedPrompts", "pack_turns", "micro_batches", "mini_batches", "update_mini_batches"]
+__all__ = ["Turn", "PackedTurns", "SharedPrompts", "pack_turns", "share_prompts", "micro_batches", "mini_batches", "update_mini_batches"]
 
 
 @dataclass(frozen=True)
@@ -166,7 +166,7 @@ class PackedTurns:
     - ``response_start``: the first column holding any response token (shortest prompt);
       columns before it hold only prompt tokens, so the learner computes logits only from
       ``response_start - 1`` on.
-    - ``shared``: the same turns with each prompt once (``pack_turns(share_prompts=True)``):
+    - ``shared``: the same turns with each prompt once (``pack_turns(share=True)``):
       the model runs on it instead of ``input_ids``.
     """
 
