@@ -37,9 +37,21 @@ def seed_of(run_dir: str | Path) -> int | None:
     return _config(run_dir).get("seed")
 
 
+def _resolved(run_dir: str | Path) -> dict:
+    """The run's config with today's defaults filled in, so a run written before a key existed
+    compares equal to one that has it at its default (as written, if it no longer loads)."""
+    raw = _config(run_dir)
+    try:
+        from mas_trainer.config import load_config
+
+        return load_config(Path(run_dir) / "config.yaml").model_dump(mode="json")
+    except Exception:  # noqa: BLE001 - a key since removed, or mas_trainer not importable: compare as written
+        return raw
+
+
 def command_key(run_dir: str | Path) -> str:
     """The run's resolved config and policy map, less what replicates may differ in."""
-    config = _config(run_dir)
+    config = _resolved(run_dir)
     for path in _FREE:
         node = config
         for part in path[:-1]:

@@ -31,8 +31,13 @@ def test_replicates_differ_only_in_seed_and_step_count(tmp_path):
     b = make_run(tmp_path / "b", seed=1, steps=12)       # continued further: still the same command
     c = make_run(tmp_path / "c", seed=2, lr=3e-5)        # another learning rate: another command
     d = make_run(tmp_path / "d", seed=3, roles={"answer": "answerer", "rewrite": "rewriter"})  # another policy map
-    runs = [str(p) for p in (a, b, c, d)]
-    assert replicates.group_replicates(runs) == [[runs[0], runs[1]], [runs[2]], [runs[3]]]
+    e = make_run(tmp_path / "e", seed=4)
+    # written before a key existed: equal to a run that has it at its default
+    (e / "config.yaml").write_text("seed: 4\nsteps: 8\nlearner:\n  lr: 2.0e-05\nreward:\n  allocator: broadcast\n")
+    (a / "config.yaml").write_text("seed: 0\nsteps: 8\nlearner:\n  lr: 2.0e-05\n  share_prompts: false\n"
+                                   "reward:\n  allocator: broadcast\n")
+    runs = [str(p) for p in (a, b, c, d, e)]
+    assert replicates.group_replicates(runs) == [[runs[0], runs[1], runs[4]], [runs[2]], [runs[3]]]
     assert replicates.seed_of(b) == 1
     with pytest.raises(SystemExit, match="has no config.yaml"):
         replicates.command_key(tmp_path)
