@@ -10,7 +10,7 @@ spread over the mini-batches as in a run); the defaults are the RAG QA demo's an
 
     python bench/bench_share_prompts.py [--model default|tiny|PATH] [--prompts 8] [--samples 4]
         [--prompt 100] [--response 12] [--reps 3] [--fp32]
-    python bench/bench_share_prompts.py --trajectories RUN_DIR/trajectories/step_000001.jsonl [--role answerer]
+    python bench/bench_share_prompts.py --trajectories RUN_DIR/trajectories/step_000001.jsonl [--role answer]
 
 ``--trajectories`` takes the turns of one training step of a run instead (the exact prompt
 and response ids its trainable calls had; advantages drawn at random, which changes no
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompt", type=int, default=100)
     parser.add_argument("--response", type=int, default=12)
     parser.add_argument("--trajectories", default=None, help="a run's trajectories/step_N.jsonl: its turns instead")
-    parser.add_argument("--role", default=None, help="with --trajectories: only this role's calls")
+    parser.add_argument("--role", default=None, help="with --trajectories: only the calls of this role (the policy map's role name, e.g. answer)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--fp32", action="store_true", help="no bf16 autocast (default: the learner's `auto`)")
     args = parser.parse_args(argv)
