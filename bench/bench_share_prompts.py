@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompt", type=int, default=100)
     parser.add_argument("--response", type=int, default=12)
     parser.add_argument("--trajectories", default=None, help="a run's trajectories/step_N.jsonl: its turns instead")
-    parser.add_argument("--role", default=None, help="with --trajectories: only the calls of this role (the policy map's role name, e.g. answer)")
+    parser.add_argument("--role", default=None,
+                        help="with --trajectories: only the calls of this role (the policy map's role name, e.g. answer)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--fp32", action="store_true", help="no bf16 autocast (default: the learner's `auto`)")
     args = parser.parse_args(argv)
