@@ -595,11 +595,13 @@ def _children(pid: int) -> list[int]:
 
 def _stop_sandbox(proc: subprocess.Popen, kind: str) -> None:
     """Kill the sandbox and everything it started; return once they are gone."""
+    inits: list[int] = []
     if kind != "none" and proc.poll() is None:
         # The launcher's child is the first process of the new pid namespace. Killing it makes
-        # the kernel kill every process in the namespace (setsid and double forks included)
-        # before the launcher sees it die, so once the launcher has exited, nothing is left.
-        for pid in _children(proc.pid):
+        # the kernel kill every process in the namespace (setsid and double forks included),
+        # and that process finishes exiting only once they all have.
+        inits = _children(proc.pid)
+        for pid in inits:
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
@@ -612,6 +614,19 @@ def _stop_sandbox(proc: subprocess.Popen, kind: str) -> None:
     # killing the launcher also kills the namespace (--die-with-parent / --kill-child)
     _kill_group(proc)
     proc.wait()
+    # on a loaded machine the namespace can outlive the 2 s above: wait until its first process
+    # has exited (gone or a zombie), which the kernel allows only after everything in it
+    deadline = time.monotonic() + 30.0
+    while any(_running(pid) for pid in inits) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _exit_status(proc: subprocess.Popen, kind: str) -> str:
