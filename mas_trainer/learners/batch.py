@@ -112,9 +112,7 @@ class SharedPrompts:
 
 def share_prompts(turns: Sequence[Turn], *, pad_id: int = 0) -> SharedPrompts:
     """The :class:`SharedPrompts` layout of ``turns`` (rows in order of each prompt's first turn)."""
-    rows: dict[tuple[int, ...], list[int]] = {}
-    for b, turn in enumerate(turns):
-        rows.setdefault(tuple(turn.prompt_ids), []).append(b)
+    rows = _by_prompt(range(len(turns)), key=lambda b: turns[b].prompt_ids)
     width = max(len(p) + sum(len(turns[b].response_ids) for b in members) for p, members in rows.items())
     shape = (len(rows), width)
     input_ids = torch.full(shape, pad_id, dtype=torch.long)
@@ -247,7 +245,7 @@ def pack_turns(turns: Sequence[Turn], *, pad_id: int = 0, share: bool = False) -
         ref_log_prob=ref_log_prob,
         prompt_lengths=[len(t.prompt_ids) for t in turns],
         response_lengths=[len(t.response_ids) for t in turns],
-        shared=share_prompts(turns, pad_id=pad_id) if share and len({tuple(t.prompt_ids) for t in turns}) < len(turns)
+        shared=share_prompts(turns, pad_id=pad_id) if share and len(_by_prompt(turns)) < len(turns)
         else None,
     )
 
@@ -264,9 +262,7 @@ def micro_batches(turns: Sequence[Turn], *, max_rows: int, max_tokens: int | Non
     if not share:
         units = [[t] for t in sorted(turns, key=lambda t: t.length, reverse=True)]
     else:
-        groups: dict[tuple[int, ...], list[Turn]] = {}
-        for turn in turns:
-            groups.setdefault(tuple(turn.prompt_ids), []).append(turn)
+        groups = _by_prompt(turns)
         units = []
         for group in sorted(groups.values(), key=_row_width, reverse=True):
             group = sorted(group, key=lambda t: len(t.response_ids), reverse=True)
@@ -289,10 +285,16 @@ def _row_width(group: Sequence[Turn]) -> int:
 def _padded_tokens(turns: Sequence[Turn], share: bool) -> int:
     if not share:
         return len(turns) * max(t.length for t in turns)
-    rows: dict[tuple[int, ...], list[Turn]] = {}
-    for turn in turns:
-        rows.setdefault(tuple(turn.prompt_ids), []).append(turn)
+    rows = _by_prompt(turns)
     return len(rows) * max(_row_width(g) for g in rows.values())
+
+
+def _by_prompt(items: Any, key: Any = lambda t: t.prompt_ids) -> dict[tuple[int, ...], list]:
+    """`items` grouped by prompt ids, groups in order of first appearance."""
+    groups: dict[tuple[int, ...], list] = {}
+    for item in items:
+        groups.setdefault(tuple(key(item)), []).append(item)
+    return groups
 
 
 def mini_batches(turns: Sequence[Turn], size: int, *, shuffle: bool, seed: int) -> list[list[Turn]]:
