@@ -79,6 +79,10 @@ class LearnerConfig(BaseModel):
     lora_alpha: float = Field(16.0, gt=0, description="LoRA scaling numerator: the adapter's output is scaled by lora_alpha / lora_rank.")
     target_modules: str | list[str] = Field(
         "all-linear", description="Modules that get an adapter: peft's 'all-linear' (every linear layer but the output head) or a list of names (q_proj, v_proj, ...).")
+    lora_layers: int | None = Field(
+        None, ge=1, description="Put the adapter on the top N transformer layers only (peft's layers_to_transform; null: every "
+        "layer). Nothing below the lowest adapted layer needs a gradient, so the backward pass stops there: an update costs "
+        "about a forward pass plus N/L of a backward (see docs/training.md).")
     skip_zero_advantage: bool = Field(
         False, description="Leave out of the update every turn whose advantage is zero at every token (e.g. a GRPO group whose rollouts "
         "all scored the same): they add nothing to the policy gradient, only to the token count it is averaged over "
@@ -89,6 +93,12 @@ class LearnerConfig(BaseModel):
         "(a GRPO group's samples) are laid out as one row, the prompt then every response, each response attending to the "
         "prompt and itself only. The same loss and gradient (up to float rounding) for fewer tokens; micro-batches keep "
         "such turns together.")
+
+    @model_validator(mode="after")
+    def _layers_need_lora(self) -> "LearnerConfig":
+        if self.lora_layers is not None and not self.lora_rank:
+            raise ValueError("lora_layers chooses the layers of a LoRA adapter; set lora_rank (e.g. 16) too, or lora_layers=null")
+        return self
 
     @model_validator(mode="after")
     def _skip_needs_pg_only(self) -> "LearnerConfig":

@@ -49,15 +49,27 @@ def adapter_base(folder: str | Path) -> str:
     return str(base)
 
 
-def add_adapter(model: Any, *, rank: int, alpha: float, target_modules: str | list[str], base_spec: str) -> Any:
+def add_adapter(model: Any, *, rank: int, alpha: float, target_modules: str | list[str], base_spec: str,
+                layers: int | None = None) -> Any:
     """Inject a fresh, trainable LoRA adapter into `model` (in place); returns the `PeftModel`.
 
     Only the adapter requires grad afterwards. peft initialises B = 0, so the policy's
-    function is the base model's until the first update."""
+    function is the base model's until the first update. `layers`: adapt only the top that
+    many transformer layers (``learner.lora_layers``)."""
     from peft import LoraConfig, get_peft_model
 
+    where: dict[str, Any] = {}
+    if layers is not None:
+        total = getattr(model.config, "num_hidden_layers", None)
+        if not total:
+            raise UserError("learner.lora_layers needs a model whose config gives num_hidden_layers; set lora_layers=null")
+        if layers > total:
+            raise UserError(f"learner.lora_layers={layers} but the model has {total} layers; set at most {total}, or null for all")
+        where["layers_to_transform"] = list(range(total - layers, total))
+        if target_modules == "all-linear":  # peft takes layers_to_transform with a list of names only
+            target_modules = _linear_names(model)
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0, bias="none",
-                        task_type="CAUSAL_LM")
+                        task_type="CAUSAL_LM", **where)
     try:
         peft_model = get_peft_model(model, config)
     except ValueError as exc:  # e.g. a target module name the model does not have
@@ -65,6 +77,15 @@ def add_adapter(model: Any, *, rank: int, alpha: float, target_modules: str | li
     # peft records the model's own name_or_path (none for `tiny`); the spec is what loads the base again
     peft_model.peft_config["default"].base_model_name_or_path = base_spec
     return peft_model
+
+
+def _linear_names(model: Any) -> list[str]:
+    """What peft's "all-linear" means, as module names: every linear layer's name but the output head's."""
+    import torch
+
+    head = model.get_output_embeddings()
+    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                   if isinstance(module, torch.nn.Linear) and module is not head})
 
 
 def open_adapter(model: Any, folder: str | Path) -> Any:

@@ -150,7 +150,8 @@ class TorchLearner:
             from mas_trainer.learners import lora
 
             self.peft = lora.open_adapter(model, adapter) if adapter is not None else lora.add_adapter(
-                model, rank=config.lora_rank, alpha=config.lora_alpha, target_modules=config.target_modules, base_spec=base_spec)
+                model, rank=config.lora_rank, alpha=config.lora_alpha, target_modules=config.target_modules, base_spec=base_spec,
+                layers=config.lora_layers)
         self._params = [p for p in model.parameters() if p.requires_grad]
         fused = config.fused_adamw if isinstance(config.fused_adamw, bool) else (
             self.device.type in ("cpu", "cuda") and all(p.dtype in (torch.float32, torch.bfloat16) for p in self._params)

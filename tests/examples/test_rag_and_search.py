@@ -343,6 +343,18 @@ def test_rag_qa_traces_on_tiny(attr, policies):
         assert 0.0 <= t.rewards.trajectory <= 1.0 and t.rewards.roles["rewrite"] == 1.0
 
 
+def test_agentic_search_ships_full_partial_and_no_sharing(search_app):
+    from mas_trainer.adapters.langgraph.trainable import SPEC_ATTR
+
+    llm_nodes = {"planner", "summariser", "answerer"}
+    policies = {name: getattr(getattr(search_app, name), SPEC_ATTR) for name in ("graph_shared", "graph", "graph_separate")}
+    for name, spec in policies.items():
+        assert set(spec.roles) == llm_nodes, name  # every LLM role is trained in each
+    # 3 roles on 1, 2 and 3 policies: full sharing, partial sharing (N roles on 1 < K < N), full separation
+    assert [len(set(spec.roles.values())) for spec in policies.values()] == [1, 2, 3]
+    assert policies["graph"].roles["summariser"] == policies["graph"].roles["answerer"] != policies["graph"].roles["planner"]
+
+
 def test_agentic_search_traces_on_tiny_with_plans_decoded_under_the_schema(search_app):
     MAX_TURNS, parse_plan = search_app.MAX_TURNS, search_app.parse_plan
     held = _jsonl(SEARCH / "mixed_heldout.jsonl")

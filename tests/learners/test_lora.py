@@ -115,9 +115,10 @@ def test_kl_reference_is_the_base_with_the_adapter_off(tiny):
     assert learner.merged
 
 
-def test_adapter_checkpoint_loads_merged_and_resumes_exactly(tiny, tmp_path):
+@pytest.mark.parametrize("layers", [None, 1])
+def test_adapter_checkpoint_loads_merged_and_resumes_exactly(tiny, tmp_path, layers):
     model, tok = tiny
-    config = LearnerConfig(lr=5e-2, mini_batch_size=2, **LORA)
+    config = LearnerConfig(lr=5e-2, mini_batch_size=2, lora_layers=layers, **LORA)
     a = TorchLearner(model, config, base_spec="tiny")
     turns = with_old_logprobs(a, random_turns())
     a.update(turns)
@@ -140,6 +141,38 @@ def test_adapter_checkpoint_loads_merged_and_resumes_exactly(tiny, tmp_path):
     for k, v in fresh.named_parameters():
         if "lora_" in k:
             torch.testing.assert_close(v, lora[k], atol=1e-6, rtol=1e-6)
+
+
+def test_lora_layers_adapts_the_top_layers_only_and_the_backward_stops_below_them(tiny):
+    model, _ = tiny
+    layers = model.model.layers  # peft wraps the linear layers in place: these stay the model's blocks
+    learner = TorchLearner(model, LearnerConfig(lr=5e-2, lora_layers=1, **LORA), base_spec="tiny")
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n and ".layers.1." in n for n in trainable)
+    # every linear layer of the top block has its adapter, as "all-linear" would give it
+    assert {n.split(".layers.1.")[1].split(".lora_")[0] for n in trainable} == {
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
+    needs_grad: dict[int, list[bool]] = {0: [], 1: []}
+    hooks = [layers[i].register_forward_hook(lambda _m, _a, out, i=i: needs_grad[i].append(
+        (out[0] if isinstance(out, tuple) else out).requires_grad)) for i in (0, 1)]
+    turns = with_old_logprobs(learner, random_turns(2))
+    before = [lp.sum() for lp in learner.log_probs(turns)]
+    needs_grad[0].clear(), needs_grad[1].clear()
+    learner.update(turns)
+    for hook in hooks:
+        hook.remove()
+    assert needs_grad[1] and all(needs_grad[1])  # the adapted block is in the autograd graph...
+    assert needs_grad[0] and not any(needs_grad[0])  # ...the block below it is not: no backward through it
+    assert all(a > b for a, b in zip((lp.sum() for lp in learner.log_probs(turns)), before))
+
+
+def test_lora_layers_errors_are_one_line(tiny):
+    model, _ = tiny
+    with pytest.raises(UserError, match=r"lora_layers=3 but the model has 2 layers"):
+        TorchLearner(model, LearnerConfig(lora_layers=3, **LORA), base_spec="tiny")
+    with pytest.raises(ValidationError, match="set lora_rank"):
+        LearnerConfig(lora_layers=2)
 
 
 def test_bad_target_module_is_one_line(tiny):

@@ -18,7 +18,7 @@ company, then its founder.
 
 Demonstrates: a loop with a conditional edge and a turn limit, structured output, partial
 sharing (``graph``: planner on its own policy, summariser and answerer on a shared
-``reader`` policy; ``graph_shared``: one policy), a trajectory reward (F1 of the answer) and
+``reader`` policy; ``graph_shared``: one policy; ``graph_separate``: a policy each), a trajectory reward (F1 of the answer) and
 turn rewards that score every call from the first rollout on, as a running score of how much
 of the answer (share of its tokens) the rollout holds after that call:
 
@@ -73,6 +73,8 @@ ROLES = {"planner": "planner", "summariser": "reader", "answerer": "reader"}
 POLICIES = {"planner": "default", "reader": "default"}
 SHARED_ROLES = {"planner": "agent", "summariser": "agent", "answerer": "agent"}
 SHARED_POLICIES = {"agent": "default"}
+SEPARATE_ROLES = {"planner": "planner", "summariser": "summariser", "answerer": "answerer"}
+SEPARATE_POLICIES = {"planner": "default", "summariser": "default", "answerer": "default"}
 
 
 def json_format(name: str, properties: dict) -> dict:
@@ -292,6 +294,9 @@ graph = trainable(build_graph(), roles=ROLES, policies=POLICIES, reward=f1_rewar
 
 graph_shared = trainable(build_graph(), roles=SHARED_ROLES, policies=SHARED_POLICIES,
                          reward=f1_reward, turn_rewards=TURN_REWARDS)
+
+graph_separate = trainable(build_graph(), roles=SEPARATE_ROLES, policies=SEPARATE_POLICIES,
+                           reward=f1_reward, turn_rewards=TURN_REWARDS)
 
 
 if __name__ == "__main__":
