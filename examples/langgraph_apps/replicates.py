@@ -127,6 +127,9 @@ def summarise(scores: dict[str, dict[int, dict[str, float]]], walls: dict[str, f
 
 def print_summary(groups: list[dict]) -> None:
     for g in groups:
+        if len(g["runs"]) == 1:  # its scores are in the per-run lines already; one run has no spread
+            print(f"== over runs: {g['runs'][0]} is the only run of its command: no spread (rerun it with other seeds)")
+            continue
         print(f"== over runs: {', '.join(g['runs'])} (seeds {', '.join(map(str, g['seeds']))}; "
               f"held-out step {g['steps'][0]} -> {g['steps'][1]})")
         for name, s in g["scores"].items():

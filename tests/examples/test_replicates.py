@@ -115,3 +115,12 @@ def test_code_gen_report_summarises_seeds_and_keeps_one_runs_json_as_it_was(tmp_
                          capture_output=True, text=True, timeout=120)
     assert one.returncode == 0 and "over runs" not in one.stdout
     assert set(json.loads((tmp_path / "one.json").read_text())) == {"0", "3"}
+
+
+def test_a_command_run_once_is_said_to_have_no_spread(capsys):
+    one = {"runs": ["runs/a-0"], "seeds": [0], "steps": [0, 8], "scores": {"em": {
+        k: replicates.over_runs([0.2]) for k in ("before", "after", "gain")}}}
+    replicates.print_summary([one])
+    out = capsys.readouterr().out
+    assert "runs/a-0 is the only run of its command: no spread" in out and "sd 0.000" not in out
+
