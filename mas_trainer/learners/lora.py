@@ -68,6 +68,9 @@ def add_adapter(model: Any, *, rank: int, alpha: float, target_modules: str | li
         where["layers_to_transform"] = list(range(total - layers, total))
         if target_modules == "all-linear":  # peft takes layers_to_transform with a list of names only
             target_modules = _linear_names(model)
+        elif isinstance(target_modules, str):
+            raise UserError(f"learner.lora_layers needs learner.target_modules as a list of module names or 'all-linear', "
+                            f"not the pattern {target_modules!r}; list the names (e.g. [q_proj, v_proj]) or set lora_layers=null")
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0, bias="none",
                         task_type="CAUSAL_LM", **where)
     try:

@@ -173,6 +173,8 @@ def test_lora_layers_errors_are_one_line(tiny):
         TorchLearner(model, LearnerConfig(lora_layers=3, **LORA), base_spec="tiny")
     with pytest.raises(ValidationError, match="set lora_rank"):
         LearnerConfig(lora_layers=2)
+    with pytest.raises(UserError, match=r"target_modules as a list .* not the pattern '\.\*proj'"):
+        TorchLearner(model, LearnerConfig(lora_layers=1, target_modules=".*proj", **LORA), base_spec="tiny")
 
 
 def test_bad_target_module_is_one_line(tiny):
