@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
         learners[name] = TorchLearner(model, LearnerConfig(**base, **extra))
     vocab = learners["full"].model.get_output_embeddings().weight.shape[0]
     turns = run_turns(args.trajectories, args.role) if args.trajectories else grouped_turns(vocab, 8, 4, 100, 12)
-    trainable = {name: sum(p.numel() for p in lr._params) for name, lr in learners.items()}
+    trainable = {name: sum(p.numel() for p in lr.model.parameters() if p.requires_grad) for name, lr in learners.items()}
     print(f"{len(turns)} turns, {len({tuple(t.prompt_ids) for t in turns})} distinct prompts, mean prompt "
           f"{statistics.fmean(len(t.prompt_ids) for t in turns):.0f} and response "
           f"{statistics.fmean(len(t.response_ids) for t in turns):.0f} tokens", flush=True)

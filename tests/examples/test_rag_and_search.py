@@ -344,10 +344,10 @@ def test_rag_qa_traces_on_tiny(attr, policies):
 
 
 def test_agentic_search_ships_full_partial_and_no_sharing(search_app):
-    from mas_trainer.adapters.langgraph.trainable import SPEC_ATTR
+    from mas_trainer.adapters.langgraph.trainable import spec_of
 
     llm_nodes = {"planner", "summariser", "answerer"}
-    policies = {name: getattr(getattr(search_app, name), SPEC_ATTR) for name in ("graph_shared", "graph", "graph_separate")}
+    policies = {name: spec_of(getattr(search_app, name)) for name in ("graph_shared", "graph", "graph_separate")}
     for name, spec in policies.items():
         assert set(spec.roles) == llm_nodes, name  # every LLM role is trained in each
     # 3 roles on 1, 2 and 3 policies: full sharing, partial sharing (N roles on 1 < K < N), full separation

@@ -123,4 +123,3 @@ def test_a_command_run_once_is_said_to_have_no_spread(capsys):
     replicates.print_summary([one])
     out = capsys.readouterr().out
     assert "runs/a-0 is the only run of its command: no spread" in out and "sd 0.000" not in out
-
