@@ -40,6 +40,8 @@ class RolloutConfig(_Strict):
     timeout_s: float = Field(300.0, gt=0, description="a rollout running longer is stopped (status timeout)")
     max_tokens: int = Field(64, ge=1, description="max_tokens of requests that set none")
     recursion_limit: int = Field(50, ge=1, description="LangGraph recursion limit per rollout")
+    temperature: float | None = Field(
+        None, ge=0, le=2, description="temperature of every LLM call in training rollouts (default: the app's own; the learner trains the raw, temperature-1 policy)")
     val_temperature: float | None = Field(
         None, ge=0, le=2, description="temperature of every LLM call in held-out evaluations (0: greedy; default: the app's own)")
 

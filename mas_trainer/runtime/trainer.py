@@ -121,7 +121,8 @@ class _Fit:
         idx = take_tasks(len(self.tasks), position, c.rollout.tasks_per_step, c.seed)
         ids = [f"s{step:06d}-t{i:05d}-r{k}" for i in idx for k in range(c.rollout.n)]
         t0 = time.perf_counter()
-        trajs = await self.rollouts(session, [self.tasks[i] for i in idx], c.rollout.n, ids, _seed(c.seed, "step", step))
+        trajs = await self.rollouts(session, [self.tasks[i] for i in idx], c.rollout.n, ids, _seed(c.seed, "step", step),
+                                   temperature=c.rollout.temperature)
         t1 = time.perf_counter()
         records = turn_records(trajs, task_indices=[i for i in idx for _ in range(c.rollout.n)])
         by_policy: dict[str, list] = defaultdict(list)

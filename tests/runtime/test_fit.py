@@ -78,6 +78,23 @@ def test_shared_policy_is_one_set_of_weights(tmp_path):
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoint" / "policies").iterdir()) == ["all"]
 
 
+def test_rollout_temperature_overrides_the_apps_in_training_rollouts(tmp_path):
+    """rollout.temperature=0 makes every sample of a task the greedy reply (a group without
+    spread); without it the app's own sampling (temperature 1) gives the samples apart."""
+    def samples(run, *overrides):
+        fit(f"{APP}:graph", TASKS[:2], _cfg("steps=1", "rollout.n=3", *overrides), run)
+        groups: dict[str, set] = {}
+        for line in (run / "trajectories" / "step_000001.jsonl").read_text().splitlines():
+            traj = json.loads(line)
+            groups.setdefault(traj["task"]["question"], set()).add(tuple(tuple(c["response_ids"]) for c in traj["llm_calls"]))
+        return groups
+
+    greedy = samples(tmp_path / "greedy", "rollout.temperature=0")
+    assert len(greedy) == 2 and all(len(g) == 1 for g in greedy.values())
+    sampled = samples(tmp_path / "sampled")
+    assert all(len(g) > 1 for g in sampled.values())
+
+
 def test_config_errors_are_one_line():
     with pytest.raises(ConfigError, match=r"unknown config key 'learner.lrr'; valid keys here: lr, "):
         load_config(overrides=["learner.lrr=1"])
