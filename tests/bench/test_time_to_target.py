@@ -7,6 +7,8 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -23,6 +25,21 @@ def test_the_baseline_is_the_demo_and_the_readme_command(load_bench):
     assert _overrides((ROOT / "scripts" / "demo.sh").read_text()) == bench.OLD
     assert _overrides((ROOT / "README.md").read_text()) == bench.OLD
     assert bench.OLD != bench.NEW
+
+
+def test_runs_alternate_and_run_i_of_each_command_uses_seed_i(tmp_path, monkeypatch, load_bench):
+    bench = load_bench("bench_time_to_target")
+    calls = []
+    monkeypatch.setattr(bench, "run", lambda out, args, extra: calls.append((out.name, args is bench.NEW, extra)))
+    monkeypatch.setattr(bench, "analyze", lambda d, target: (_ for _ in ()).throw(SystemExit(0)))
+    with pytest.raises(SystemExit):
+        bench.main(["--old", "1", "--new", "2", "--out", str(tmp_path), "steps=3"])
+    assert calls == [("old-0", False, ["seed=0", "steps=3"]), ("new-0", True, ["seed=0", "steps=3"]),
+                     ("new-1", True, ["seed=1", "steps=3"])]
+    calls.clear()
+    with pytest.raises(SystemExit):  # a seed given on the command line holds for every run
+        bench.main(["--old", "0", "--new", "2", "--out", str(tmp_path), "seed=7"])
+    assert [c[2] for c in calls] == [["seed=7"], ["seed=7"]]
 
 
 def test_time_to_target_is_the_wall_time_of_the_first_evaluation_at_target(tmp_path, load_bench):
