@@ -42,8 +42,24 @@ class RolloutConfig(_Strict):
     recursion_limit: int = Field(50, ge=1, description="LangGraph recursion limit per rollout")
     temperature: float | None = Field(
         None, ge=0, le=2, description="temperature of every LLM call in training rollouts (default: the app's own; the learner trains the raw, temperature-1 policy)")
+    temperature_schedule: dict[int, float] = Field(
+        default_factory=dict, description="{step: temperature}: from that training step on, training rollouts sample at that "
+        "temperature instead of `temperature` (e.g. {21: 1.0}: explore again once the answers have settled)")
     val_temperature: float | None = Field(
         None, ge=0, le=2, description="temperature of every LLM call in held-out evaluations (0: greedy; default: the app's own)")
+
+    @field_validator("temperature_schedule")
+    @classmethod
+    def _schedule(cls, v: dict[int, float]) -> dict[int, float]:
+        for step, t in v.items():
+            if step < 1 or not 0 <= t <= 2:
+                raise ValueError(f"entry {step}: {t} must map a training step >= 1 to a temperature in [0, 2], e.g. {{21: 1.0}}")
+        return dict(sorted(v.items()))
+
+    def temperature_at(self, step: int) -> float | None:
+        """The temperature of training step `step`'s rollouts: the schedule's last entry at or
+        before it, else `temperature`."""
+        return next((t for s, t in reversed(self.temperature_schedule.items()) if s <= step), self.temperature)
 
 
 class RewardConfig(_Strict):

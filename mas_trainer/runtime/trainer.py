@@ -121,8 +121,9 @@ class _Fit:
         idx = take_tasks(len(self.tasks), position, c.rollout.tasks_per_step, c.seed)
         ids = [f"s{step:06d}-t{i:05d}-r{k}" for i in idx for k in range(c.rollout.n)]
         t0 = time.perf_counter()
+        temperature = c.rollout.temperature_at(step)
         trajs = await self.rollouts(session, [self.tasks[i] for i in idx], c.rollout.n, ids, _seed(c.seed, "step", step),
-                                   temperature=c.rollout.temperature)
+                                   temperature=temperature)
         t1 = time.perf_counter()
         records = turn_records(trajs, task_indices=[i for i in idx for _ in range(c.rollout.n)])
         by_policy: dict[str, list] = defaultdict(list)
@@ -133,6 +134,8 @@ class _Fit:
         results = await asyncio.gather(*(self.handles[p].call("train", by_policy.get(p, [])) for p in trainable))
         t2 = time.perf_counter()
         row: dict[str, Any] = {"kind": "train", "step": step, **summarize(trajs)}
+        if temperature is not None:
+            row["rollout/temperature"] = temperature
         for p, m in zip(trainable, results):
             row.update({f"policy/{p}/{k}": v for k, v in m.items() if k not in ("seconds", "tokens_per_s")})
         row["time/step_s"] = t2 - t0

@@ -95,6 +95,35 @@ def test_rollout_temperature_overrides_the_apps_in_training_rollouts(tmp_path):
     assert all(len(g) > 1 for g in sampled.values())
 
 
+def test_rollout_temperature_schedule_changes_the_temperature_from_its_step_on(tmp_path):
+    """Greedy for step 1, the app's sampling again from step 2 ({2: 1.0}); the same tasks both steps."""
+    run = tmp_path / "run"
+    fit(f"{APP}:graph", TASKS[:2], _cfg("steps=2", "rollout.n=3", "rollout.temperature=0",
+                                        "rollout.temperature_schedule={2: 1.0}"), run)
+
+    def groups(step):
+        out: dict[str, set] = {}
+        for line in (run / "trajectories" / f"step_{step:06d}.jsonl").read_text().splitlines():
+            traj = json.loads(line)
+            out.setdefault(traj["task"]["question"], set()).add(tuple(tuple(c["response_ids"]) for c in traj["llm_calls"]))
+        return out
+
+    assert all(len(g) == 1 for g in groups(1).values())
+    assert all(len(g) > 1 for g in groups(2).values())
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout/temperature"] for r in rows if r["kind"] == "train"] == [0, 1.0]
+
+
+def test_temperature_schedule_is_checked_and_looked_up_by_step():
+    c = load_config(overrides=["rollout.temperature=0.7", "rollout.temperature_schedule={31: 0.9, 21: 1.0}"]).rollout
+    assert [c.temperature_at(s) for s in (1, 20, 21, 30, 31, 99)] == [0.7, 0.7, 1.0, 1.0, 0.9, 0.9]
+    assert load_config().rollout.temperature_at(5) is None  # no override: each call's own temperature
+    with pytest.raises(ConfigError, match=r"'rollout.temperature_schedule': entry 0: 1.0 must map a training step >= 1"):
+        load_config(overrides=["rollout.temperature_schedule={0: 1.0}"])
+    with pytest.raises(ConfigError, match=r"entry 5: 3.0 must map a training step >= 1 to a temperature in \[0, 2\]"):
+        load_config(overrides=["rollout.temperature_schedule={5: 3}"])
+
+
 def test_config_errors_are_one_line():
     with pytest.raises(ConfigError, match=r"unknown config key 'learner.lrr'; valid keys here: lr, "):
         load_config(overrides=["learner.lrr=1"])
