@@ -78,16 +78,21 @@ def test_shared_policy_is_one_set_of_weights(tmp_path):
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoint" / "policies").iterdir()) == ["all"]
 
 
+def _sample_groups(run, step):
+    """The distinct replies (token ids of every call) of each task's samples at a training step."""
+    groups: dict[str, set] = {}
+    for line in (run / "trajectories" / f"step_{step:06d}.jsonl").read_text().splitlines():
+        traj = json.loads(line)
+        groups.setdefault(traj["task"]["question"], set()).add(tuple(tuple(c["response_ids"]) for c in traj["llm_calls"]))
+    return groups
+
+
 def test_rollout_temperature_overrides_the_apps_in_training_rollouts(tmp_path):
     """rollout.temperature=0 makes every sample of a task the greedy reply (a group without
     spread); without it the app's own sampling (temperature 1) gives the samples apart."""
     def samples(run, *overrides):
         fit(f"{APP}:graph", TASKS[:2], _cfg("steps=1", "rollout.n=3", *overrides), run)
-        groups: dict[str, set] = {}
-        for line in (run / "trajectories" / "step_000001.jsonl").read_text().splitlines():
-            traj = json.loads(line)
-            groups.setdefault(traj["task"]["question"], set()).add(tuple(tuple(c["response_ids"]) for c in traj["llm_calls"]))
-        return groups
+        return _sample_groups(run, 1)
 
     greedy = samples(tmp_path / "greedy", "rollout.temperature=0")
     assert len(greedy) == 2 and all(len(g) == 1 for g in greedy.values())
@@ -100,16 +105,8 @@ def test_rollout_temperature_schedule_changes_the_temperature_from_its_step_on(t
     run = tmp_path / "run"
     fit(f"{APP}:graph", TASKS[:2], _cfg("steps=2", "rollout.n=3", "rollout.temperature=0",
                                         "rollout.temperature_schedule={2: 1.0}"), run)
-
-    def groups(step):
-        out: dict[str, set] = {}
-        for line in (run / "trajectories" / f"step_{step:06d}.jsonl").read_text().splitlines():
-            traj = json.loads(line)
-            out.setdefault(traj["task"]["question"], set()).add(tuple(tuple(c["response_ids"]) for c in traj["llm_calls"]))
-        return out
-
-    assert all(len(g) == 1 for g in groups(1).values())
-    assert all(len(g) > 1 for g in groups(2).values())
+    assert all(len(g) == 1 for g in _sample_groups(run, 1).values())
+    assert all(len(g) > 1 for g in _sample_groups(run, 2).values())
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["rollout/temperature"] for r in rows if r["kind"] == "train"] == [0, 1.0]
 
