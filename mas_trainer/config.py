@@ -47,6 +47,12 @@ class RolloutConfig(_Strict):
         "temperature instead of `temperature` (e.g. {21: 1.0}: explore again once the answers have settled)")
     val_temperature: float | None = Field(
         None, ge=0, le=2, description="temperature of every LLM call in held-out evaluations (0: greedy; default: the app's own)")
+    filter_groups: bool = Field(
+        False, description="dynamic sampling (DAPO): train only on groups whose turns got different rewards (the others have "
+        "zero advantage), drawing tasks_per_step more tasks, up to max_draws times a step, until tasks_per_step such groups "
+        "are found (extra ones are left out)")
+    max_draws: int = Field(3, ge=1, description="with filter_groups: most draws of tasks_per_step tasks in one step; a step "
+                           "that finds fewer groups with spread trains on those it found")
 
     @field_validator("temperature_schedule")
     @classmethod
@@ -225,6 +231,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), b
                 raise ConfigError(f"policies.{name}.{part}: {_describe_error(exc, model)}") from exc
     _check_reward(cfg)
     _check_learner(cfg)
+    _check_filter_groups(cfg)
     try:
         check_trackers(cfg.logger)  # a missing tracker package: one line, before anything starts
     except UserError as exc:
@@ -243,6 +250,18 @@ def _check_reward(cfg: FitConfig) -> None:
         check_allocator(r.allocator, r.options)
     except UserError as exc:
         raise ConfigError(str(exc)) from exc
+
+
+def _check_filter_groups(cfg: FitConfig) -> None:
+    """Dynamic sampling keeps groups by the spread of their rewards, which is what a group
+    baseline turns into advantages; GAE's come from the critic, so equal rewards still teach."""
+    if not cfg.rollout.filter_groups:
+        return
+    for name in ["", *cfg.policies]:
+        if (cfg.advantage_for(name) if name else cfg.advantage).estimator == "gae":
+            where = f"policies.{name}.advantage.estimator" if name else "advantage.estimator"
+            raise ConfigError(f"rollout.filter_groups drops groups whose rewards are all equal, which still carry GAE "
+                              f"advantages; use a group estimator in {where} (grpo, rloo, ...) or filter_groups=false")
 
 
 def _check_learner(cfg: FitConfig) -> None:

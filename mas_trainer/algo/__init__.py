@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING, Any
 from mas_trainer.algo.config import AdvantageConfig
 
 if TYPE_CHECKING:  # pragma: no cover
-    from mas_trainer.algo.advantages import AdvantageBatch, TurnAdvantage, TurnRecord, compute_policy_advantages, turn_records
+    from mas_trainer.algo.advantages import AdvantageBatch, TurnAdvantage, TurnRecord, compute_policy_advantages, tasks_with_spread, turn_records
 
-__all__ = ["AdvantageBatch", "AdvantageConfig", "TurnAdvantage", "TurnRecord", "compute_policy_advantages", "turn_records"]
+__all__ = ["AdvantageBatch", "AdvantageConfig", "TurnAdvantage", "TurnRecord", "compute_policy_advantages", "tasks_with_spread",
+           "turn_records"]
 
-_LAZY = {"AdvantageBatch", "TurnAdvantage", "TurnRecord", "compute_policy_advantages", "turn_records"}
+_LAZY = {"AdvantageBatch", "TurnAdvantage", "TurnRecord", "compute_policy_advantages", "tasks_with_spread", "turn_records"}
 
 
 def __getattr__(name: str) -> Any:

@@ -35,7 +35,7 @@ from mas_trainer.trace.schema import Trajectory
 
 # AdvantageConfig lives in the torch-free algo.config; it is re-exported here for callers
 # that import it with the computation.
-__all__ = ["AdvantageConfig", "TurnRecord", "TurnAdvantage", "AdvantageBatch", "turn_records", "compute_policy_advantages"]
+__all__ = ["AdvantageConfig", "TurnRecord", "TurnAdvantage", "AdvantageBatch", "turn_records", "tasks_with_spread", "compute_policy_advantages"]
 
 
 @dataclass(frozen=True)
@@ -121,6 +121,17 @@ def turn_records(
                            traj.rewards.turns[call.id])
             )
     return out
+
+
+def tasks_with_spread(records: Sequence[TurnRecord]) -> set[Hashable]:
+    """Task keys whose turns of some role got different rewards, or whose role has a single
+    turn: the groups that a group baseline can give a non-zero advantage (verl's GRPO scores a
+    lone turn against 0). Dynamic sampling keeps only these, by verl's DAPO rule (std > 0 or
+    one sample)."""
+    rewards: dict[tuple[Hashable, str], list[float]] = {}
+    for r in records:
+        rewards.setdefault((r.task_index, r.role), []).append(r.reward)
+    return {task for (task, _), values in rewards.items() if len(values) == 1 or len(set(values)) > 1}
 
 
 def _rollout_weights(records: Sequence[TurnRecord]) -> torch.Tensor:

@@ -115,17 +115,38 @@ class _Fit:
         return trajs
 
     async def train_step(self, session: Session, step: int, position: int) -> tuple[dict[str, Any], int]:
-        from mas_trainer.algo.advantages import turn_records
+        from mas_trainer.algo.advantages import tasks_with_spread, turn_records
 
-        c = self.cfg
-        idx = take_tasks(len(self.tasks), position, c.rollout.tasks_per_step, c.seed)
-        ids = [f"s{step:06d}-t{i:05d}-r{k}" for i in idx for k in range(c.rollout.n)]
+        c, n = self.cfg, self.cfg.rollout.n
         t0 = time.perf_counter()
         temperature = c.rollout.temperature_at(step)
-        trajs = await self.rollouts(session, [self.tasks[i] for i in idx], c.rollout.n, ids, _seed(c.seed, "step", step),
-                                   temperature=temperature)
+        trajs: list[Trajectory] = []
+        records: list = []
+        groups = kept = 0
+        for draw in range(c.rollout.max_draws if c.rollout.filter_groups else 1):
+            idx = take_tasks(len(self.tasks), position, c.rollout.tasks_per_step, c.seed)
+            tag = f"s{step:06d}" + (f"d{draw}" if draw else "")  # draw 0 keeps the ids and seed of a step without filtering
+            ids = [f"{tag}-t{i:05d}-r{k}" for i in idx for k in range(n)]
+            batch = await self.rollouts(session, [self.tasks[i] for i in idx], n, ids,
+                                        _seed(c.seed, "step", step, *(("draw", draw) if draw else ())), temperature=temperature)
+            # a group is one task's n rollouts in one draw, keyed by the task's position in the sequence of tasks
+            keys = [position + j for j in range(len(idx)) for _ in range(n)]
+            recs = turn_records(batch, task_indices=keys)
+            position, groups = position + len(idx), groups + len(idx)
+            trajs.extend(batch)
+            if not c.rollout.filter_groups:
+                records = recs
+                break
+            spread = tasks_with_spread(recs)
+            take = set(sorted(spread)[: c.rollout.tasks_per_step - kept])  # verl's dynamic sampling also trims to the batch size
+            kept += len(take)
+            records.extend(r for r in recs if r.task_index in take)
+            for t, key in zip(batch, keys):  # why a rollout was not trained on, for the trajectory files and the viewer
+                if key not in take and not is_dropped(t):
+                    t.rewards.detail["left_out"] = "surplus" if key in spread else "no spread"
+            if kept >= c.rollout.tasks_per_step:
+                break
         t1 = time.perf_counter()
-        records = turn_records(trajs, task_indices=[i for i in idx for _ in range(c.rollout.n)])
         by_policy: dict[str, list] = defaultdict(list)
         for rec in records:
             by_policy[rec.policy].append(rec)
@@ -136,6 +157,8 @@ class _Fit:
         row: dict[str, Any] = {"kind": "train", "step": step, **summarize(trajs)}
         if temperature is not None:
             row["rollout/temperature"] = temperature
+        if c.rollout.filter_groups:
+            row.update({"rollout/groups": groups, "rollout/groups_kept": kept})
         for p, m in zip(trainable, results):
             row.update({f"policy/{p}/{k}": v for k, v in m.items() if k not in ("seconds", "tokens_per_s")})
         row["time/step_s"] = t2 - t0
@@ -144,7 +167,7 @@ class _Fit:
         row["perf/rollouts_per_s"] = len(trajs) / max(t1 - t0, 1e-9)
         row["perf/tokens_per_s"] = row["tokens/response"] / max(t1 - t0, 1e-9)
         self.rundir.write_trajectories(step, (t.to_json() for t in trajs))
-        return row, position + len(idx)
+        return row, position
 
     async def held_out(self, session: Session, step: int) -> dict[str, Any] | None:
         if not self.val_tasks:

@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 STEP_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,199}$")  # what a step name (a file stem) may look like
 _TRAIN_FILE = re.compile(r"^step_(\d+)$")
 _VAL_FILE = re.compile(r"^step_(\d+)_val$")
-_ROLLOUT_ID = re.compile(r"^(?P<group>[sv]\d+-t(?P<task>\d+))-r(?P<k>\d+)$")  # fit's ids: s000001-t00005-r0
+# fit's ids: s000001-t00005-r0, and s000001d1-t00005-r0 for a later draw of rollout.filter_groups
+_ROLLOUT_ID = re.compile(r"^(?P<group>[sv]\d+(?:d\d+)?-t(?P<task>\d+))-r(?P<k>\d+)$")
 
 
 def jsonable(value: Any) -> Any:
@@ -415,11 +416,10 @@ class ViewSource:
             from mas_trainer.algo.advantages import compute_policy_advantages, turn_records
             from mas_trainer.trace.schema import Trajectory
 
-            models = [Trajectory.model_validate(t) for t in trajs]
-            task_index: list[Any] = []
-            for t in models:
-                m = _ROLLOUT_ID.match(t.rollout_id)
-                task_index.append(int(m.group("task")) if m else json.dumps(t.task, sort_keys=True, default=str))
+            # rollouts that rollout.filter_groups left out were not trained on
+            trained = [t for t in trajs if not _dict(_dict(t.get("rewards")).get("detail")).get("left_out")]
+            models = [Trajectory.model_validate(t) for t in trained]
+            task_index = [_group_key(t) for t in trained]
             by_policy: dict[str, list[Any]] = defaultdict(list)
             for rec in turn_records(models, task_indices=task_index):
                 by_policy[rec.policy].append(rec)
@@ -500,6 +500,8 @@ class ViewSource:
             key = _group_key(t)
             g = groups.setdefault(key, {"key": key, "task": t.get("task"), "rollouts": []})
             g["rollouts"].append(i)
+            # rollout.filter_groups: why the group was not trained on ("no spread" / "surplus")
+            g["left_out"] = g.get("left_out") or _dict(_dict(t.get("rewards")).get("detail")).get("left_out")
             rollouts.append(self._rollout(t, advantages, tokenizers))
         for g in groups.values():
             rs = [_traj_reward(trajs[i]) for i in g["rollouts"]]

@@ -271,7 +271,8 @@
       const statuses = g.rollouts.map((i) => step.rollouts[i].status);
       const tr = el('tr', { class: gi === state.group ? 'sel' : '', 'data-group': gi, onclick: () => { state.group = gi; state.rollout = -1; showStep(); } }, [
         el('td', { class: 'num', text: String(gi + 1) }), el('td', { text: short(g.task, 140) }), el('td', { class: 'num', text: String(g.rollouts.length) }),
-        numCell(g.mean_reward), el('td', {}, statuses.map((s) => badge(s, s))),
+        numCell(g.mean_reward), el('td', {}, statuses.map((s) => badge(s, s)).concat(
+          g.left_out ? [badge('not trained: ' + g.left_out, 'left-out', 'rollout.filter_groups left this group out of the update')] : [])),
       ]);
       return tr;
     });

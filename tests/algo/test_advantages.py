@@ -8,7 +8,7 @@ from verl.trainer.ppo import core_algos
 
 from pydantic import ValidationError
 
-from mas_trainer.algo import AdvantageConfig, TurnRecord, compute_policy_advantages, turn_records
+from mas_trainer.algo import AdvantageConfig, TurnRecord, compute_policy_advantages, tasks_with_spread, turn_records
 from mas_trainer.errors import UserError
 from mas_trainer.rewards import RewardSpec, assign_rewards
 from mas_trainer.trace.schema import LLMCall, Trajectory
@@ -176,3 +176,20 @@ def test_turn_records_from_rewarded_trajectories():
     assert [r.task_index for r in turn_records(trajs, task_indices=[5, 6, 7])] == [5, 6]
     with pytest.raises(UserError, match="has no reward"):
         turn_records([_traj("r9", {"q": 1})])
+
+
+def test_tasks_with_spread_are_the_groups_grpo_gives_an_advantage():
+    """Dynamic sampling's filter agrees with verl's GRPO: a task is kept exactly when some turn
+    of it gets a non-zero advantage (a lone sample is scored against 0, and kept, as verl's DAPO
+    keeps it)."""
+    rows = [  # task 0: every role flat; 1: the coder differs; 2: one sample only; 3: the planner differs
+        ("a", "0r0", 0, "planner", 0.5), ("b", "0r0", 0, "coder", 1.0), ("c", "0r1", 0, "planner", 0.5), ("d", "0r1", 0, "coder", 1.0),
+        ("e", "1r0", 1, "planner", 0.5), ("f", "1r0", 1, "coder", 1.0), ("g", "1r1", 1, "planner", 0.5), ("h", "1r1", 1, "coder", 0.0),
+        ("i", "2r0", 2, "planner", 0.9),
+        ("j", "3r0", 3, "planner", 0.2), ("k", "3r1", 3, "planner", 0.7),
+    ]
+    recs = [TurnRecord(t, r, task, role, "p", 2, rew) for t, r, task, role, rew in rows]
+    assert tasks_with_spread(recs) == {1, 2, 3}
+    per_turn = compute_policy_advantages(recs, AdvantageConfig(estimator="grpo")).per_turn()
+    moved = {r.task_index for r in recs if per_turn[r.turn_id].advantages.abs().sum() > 0}
+    assert moved == tasks_with_spread(recs)

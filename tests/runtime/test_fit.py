@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from mas_trainer.apps import load_object
 from mas_trainer.config import ConfigError, load_config
 from mas_trainer.runtime.rundir import RunDir
-from mas_trainer.runtime.trainer import fit
+from mas_trainer.runtime.trainer import fit, take_tasks
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = ROOT / "tests" / "fixtures" / "words_app.py"
@@ -119,6 +119,61 @@ def test_temperature_schedule_is_checked_and_looked_up_by_step():
         load_config(overrides=["rollout.temperature_schedule={0: 1.0}"])
     with pytest.raises(ConfigError, match=r"entry 5: 3.0 must map a training step >= 1 to a temperature in \[0, 2\]"):
         load_config(overrides=["rollout.temperature_schedule={5: 3}"])
+
+
+def _flat_tasks(flags):
+    return [{"question": t["question"], "flat": flat} for t, flat in zip(TASKS, flags)]
+
+
+def _step_trajectories(run, step):
+    return [json.loads(line) for line in (run / "trajectories" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+
+
+def test_filter_groups_trains_only_on_groups_with_spread_and_draws_until_it_has_a_batch(tmp_path):
+    """DAPO's dynamic sampling: `flat` tasks score 0.5 whatever the reply, so their groups are
+    left out; more tasks are drawn until tasks_per_step groups with spread are found, and a
+    draw's spare ones are left out too."""
+    first, second = take_tasks(8, 0, 2, 3), take_tasks(8, 2, 2, 3)  # seed 3's first two draws of 2
+    flat = set(range(8)) - {first[0], *second}  # draw 0: one group with spread, draw 1: two (one too many)
+    run = tmp_path / "run"
+    rows = fit(f"{APP}:some_flat", _flat_tasks([i in flat for i in range(8)]),
+               _cfg("steps=1", "rollout.n=3", "rollout.filter_groups=true", "rollout.max_draws=3"), run)
+    row, trajs = rows[-1], _step_trajectories(run, 1)
+    assert (row["rollout/groups"], row["rollout/groups_kept"], row["rollouts"], len(trajs)) == (4, 2, 12, 12)
+    assert row["policy/solo/turns"] == 6  # 2 groups x 3 samples, nothing else
+    why = {t["rollout_id"]: t["rewards"]["detail"].get("left_out") for t in trajs}
+    assert why == {**{f"s000001-t{first[0]:05d}-r{k}": None for k in range(3)},
+                   **{f"s000001-t{first[1]:05d}-r{k}": "no spread" for k in range(3)},
+                   **{f"s000001d1-t{second[0]:05d}-r{k}": None for k in range(3)},
+                   **{f"s000001d1-t{second[1]:05d}-r{k}": "surplus" for k in range(3)}}
+    assert json.loads((run / "checkpoint" / "state.json").read_text())["position"] == 4  # past every task drawn
+
+
+def test_filter_groups_stops_after_max_draws_and_trains_on_what_it_found(tmp_path):
+    run = tmp_path / "run"
+    rows = fit(f"{APP}:some_flat", _flat_tasks([True] * 8), _cfg("steps=1", "rollout.filter_groups=true",
+                                                                 "rollout.max_draws=2"), run)
+    row = rows[-1]
+    assert (row["rollout/groups"], row["rollout/groups_kept"], row["policy/solo/turns"]) == (4, 0, 0)
+    assert all(t["rewards"]["detail"]["left_out"] == "no spread" for t in _step_trajectories(run, 1))
+
+
+def test_without_filter_groups_a_step_is_one_draw_trained_whole(tmp_path):
+    run = tmp_path / "run"
+    row = fit(f"{APP}:some_flat", _flat_tasks([True] * 8), _cfg("steps=1"), run)[-1]
+    trajs = _step_trajectories(run, 1)
+    assert row["policy/solo/turns"] == 4 and "rollout/groups" not in row  # 2 tasks x 2 samples, flat or not
+    assert not any("left_out" in t["rewards"]["detail"] for t in trajs)
+    assert {t["rollout_id"].split("-")[0] for t in trajs} == {"s000001"}
+
+
+def test_filter_groups_is_checked():
+    with pytest.raises(ConfigError, match=r"rollout.max_draws"):
+        load_config(overrides=["rollout.filter_groups=true", "rollout.max_draws=0"])
+    with pytest.raises(ConfigError, match=r"rollout.filter_groups drops groups .* use a group estimator in advantage.estimator"):
+        load_config(overrides=["rollout.filter_groups=true", "advantage.estimator=gae"])
+    with pytest.raises(ConfigError, match=r"in policies.p.advantage.estimator"):
+        load_config(overrides=["rollout.filter_groups=true", "policies.p.advantage.estimator=gae"])
 
 
 def test_config_errors_are_one_line():

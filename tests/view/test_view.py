@@ -30,7 +30,7 @@ from mas_trainer.rewards import RewardSpec
 from mas_trainer.rewards.allocators import assign_rewards
 from mas_trainer.runtime.rundir import RunDir
 from mas_trainer.runtime.session import Session
-from mas_trainer.runtime.trainer import fit, summarize
+from mas_trainer.runtime.trainer import fit, summarize, take_tasks
 from mas_trainer.view import ViewServer, ViewSource, build_charts, token_pieces, write_html
 from mas_trainer.view.page import embed_json
 
@@ -292,6 +292,28 @@ def test_recomputed_advantages_are_the_ones_fit_trained_on(words_run):
         assert math.isclose(sum(abs(a) for a in adv) / len(adv), row[f"policy/{policy}/adv_abs_mean"], rel_tol=1e-4, abs_tol=1e-6)
         assert math.isclose(sum(adv) / len(adv), row[f"policy/{policy}/adv_mean"], abs_tol=1e-5)
     assert ViewSource(words_run, advantages=False).step("step_000001")["advantages"]["status"] == "none"
+
+
+def test_filter_groups_runs_show_each_draw_and_what_was_left_out(tmp_path):
+    """rollout.filter_groups: a later draw's groups stay apart (ids s..d1-), left-out groups say
+    why, and the recomputed advantages are those of the trained groups only, as logged."""
+    first, second = take_tasks(8, 0, 2, 3), take_tasks(8, 2, 2, 3)
+    flat = set(range(8)) - {first[0], *second}  # draw 0: one group with spread, draw 1: two (one surplus)
+    tasks = [{"question": t["question"], "flat": i in flat} for i, t in enumerate(WORDS)]
+    cfg = load_config(overrides=["runtime.backend=local", "rollout.tasks_per_step=2", "rollout.n=2", "rollout.max_tokens=8",
+                                 "steps=1", "seed=3", "rollout.filter_groups=true"])
+    fit(f"{WORDS_APP}:some_flat", tasks, cfg, tmp_path / "run")
+    src = ViewSource(tmp_path / "run")
+    step = src.step("step_000001")
+    assert [g["left_out"] for g in step["groups"]] == [None, "no spread", None, "surplus"]
+    assert [g["key"] for g in step["groups"]] == [f"s000001-t{first[0]:05d}", f"s000001-t{first[1]:05d}",
+                                                  f"s000001d1-t{second[0]:05d}", f"s000001d1-t{second[1]:05d}"]
+    row = [r for r in src.metrics() if r["kind"] == "train"][0]
+    adv = [a for g in step["groups"] if not g["left_out"] for i in g["rollouts"]
+           for c in step["rollouts"][i]["llm_calls"] for a in c["advantages"]]
+    assert math.isclose(sum(abs(a) for a in adv) / len(adv), row["policy/solo/adv_abs_mean"], rel_tol=1e-4)
+    assert all(not c["advantages"] for g in step["groups"] if g["left_out"] for i in g["rollouts"]
+               for c in step["rollouts"][i]["llm_calls"])
 
 
 # --- the page, the static file, the server ------------------------------------------------------------
