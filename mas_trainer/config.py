@@ -49,8 +49,8 @@ class RolloutConfig(_Strict):
         None, ge=0, le=2, description="temperature of every LLM call in held-out evaluations (0: greedy; default: the app's own)")
     filter_groups: bool = Field(
         False, description="dynamic sampling (DAPO): train only on groups whose turns got different rewards (the others have "
-        "zero advantage), drawing tasks_per_step more tasks, up to max_draws times a step, until tasks_per_step such groups "
-        "are found (extra ones are left out)")
+        "zero advantage), drawing as many more tasks as groups are missing, up to max_draws draws a step, until "
+        "tasks_per_step such groups are found")
     max_draws: int = Field(3, ge=1, description="with filter_groups: most draws of tasks_per_step tasks in one step; a step "
                            "that finds fewer groups with spread trains on those it found")
 

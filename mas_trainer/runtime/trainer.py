@@ -124,7 +124,9 @@ class _Fit:
         records: list = []
         groups = kept = 0
         for draw in range(c.rollout.max_draws if c.rollout.filter_groups else 1):
-            idx = take_tasks(len(self.tasks), position, c.rollout.tasks_per_step, c.seed)
+            # a later draw takes as many tasks as groups are still missing (verl draws whole batches; on a small
+            # machine a batch of rollouts mostly thrown away costs as much as the step itself)
+            idx = take_tasks(len(self.tasks), position, c.rollout.tasks_per_step - kept, c.seed)
             tag = f"s{step:06d}" + (f"d{draw}" if draw else "")  # draw 0 keeps the ids and seed of a step without filtering
             ids = [f"{tag}-t{i:05d}-r{k}" for i in idx for k in range(n)]
             batch = await self.rollouts(session, [self.tasks[i] for i in idx], n, ids,
@@ -138,12 +140,11 @@ class _Fit:
                 records = recs
                 break
             spread = tasks_with_spread(recs)
-            take = set(sorted(spread)[: c.rollout.tasks_per_step - kept])  # verl's dynamic sampling also trims to the batch size
-            kept += len(take)
-            records.extend(r for r in recs if r.task_index in take)
+            kept += len(spread)
+            records.extend(r for r in recs if r.task_index in spread)
             for t, key in zip(batch, keys):  # why a rollout was not trained on, for the trajectory files and the viewer
-                if key not in take and not is_dropped(t):
-                    t.rewards.detail["left_out"] = "surplus" if key in spread else "no spread"
+                if key not in spread and not is_dropped(t):
+                    t.rewards.detail["left_out"] = "no spread"
             if kept >= c.rollout.tasks_per_step:
                 break
         t1 = time.perf_counter()

@@ -500,7 +500,7 @@ class ViewSource:
             key = _group_key(t)
             g = groups.setdefault(key, {"key": key, "task": t.get("task"), "rollouts": []})
             g["rollouts"].append(i)
-            # rollout.filter_groups: why the group was not trained on ("no spread" / "surplus")
+            # rollout.filter_groups: why the group was not trained on ("no spread")
             g["left_out"] = g.get("left_out") or _dict(_dict(t.get("rewards")).get("detail")).get("left_out")
             rollouts.append(self._rollout(t, advantages, tokenizers))
         for g in groups.values():

@@ -131,10 +131,10 @@ def _step_trajectories(run, step):
 
 def test_filter_groups_trains_only_on_groups_with_spread_and_draws_until_it_has_a_batch(tmp_path):
     """DAPO's dynamic sampling: `flat` tasks score 0.5 whatever the reply, so their groups are
-    left out; more tasks are drawn until tasks_per_step groups with spread are found, and a
-    draw's spare ones are left out too."""
-    first, second = take_tasks(8, 0, 2, 3), take_tasks(8, 2, 2, 3)  # seed 3's first two draws of 2
-    flat = set(range(8)) - {first[0], *second}  # draw 0: one group with spread, draw 1: two (one too many)
+    left out; each later draw takes as many tasks as groups are still missing, until
+    tasks_per_step groups with spread are found."""
+    order = take_tasks(8, 0, 4, 3)  # seed 3's data order; draws of 2, then 1, then 1 task(s)
+    flat = set(range(8)) - {order[0], order[3]}  # spread in draw 0 (one of two) and in draw 2
     run = tmp_path / "run"
     rows = fit(f"{APP}:some_flat", _flat_tasks([i in flat for i in range(8)]),
                _cfg("steps=1", "rollout.n=3", "rollout.filter_groups=true", "rollout.max_draws=3"), run)
@@ -142,10 +142,10 @@ def test_filter_groups_trains_only_on_groups_with_spread_and_draws_until_it_has_
     assert (row["rollout/groups"], row["rollout/groups_kept"], row["rollouts"], len(trajs)) == (4, 2, 12, 12)
     assert row["policy/solo/turns"] == 6  # 2 groups x 3 samples, nothing else
     why = {t["rollout_id"]: t["rewards"]["detail"].get("left_out") for t in trajs}
-    assert why == {**{f"s000001-t{first[0]:05d}-r{k}": None for k in range(3)},
-                   **{f"s000001-t{first[1]:05d}-r{k}": "no spread" for k in range(3)},
-                   **{f"s000001d1-t{second[0]:05d}-r{k}": None for k in range(3)},
-                   **{f"s000001d1-t{second[1]:05d}-r{k}": "surplus" for k in range(3)}}
+    assert why == {**{f"s000001-t{order[0]:05d}-r{k}": None for k in range(3)},
+                   **{f"s000001-t{order[1]:05d}-r{k}": "no spread" for k in range(3)},
+                   **{f"s000001d1-t{order[2]:05d}-r{k}": "no spread" for k in range(3)},
+                   **{f"s000001d2-t{order[3]:05d}-r{k}": None for k in range(3)}}
     assert json.loads((run / "checkpoint" / "state.json").read_text())["position"] == 4  # past every task drawn
 
 
