@@ -7,8 +7,8 @@ Runs `mas-trainer fit` with the demo's command (OLD: the arguments of scripts/de
 README) and with a candidate to replace it (NEW: training rollouts sampled at temperature 0.7,
 shared prompts, turn skipping, finer evaluations), one run after the other on this machine,
 alternating old and new so that a drift of the machine hits both. Run i of either command
-uses seed i (so `--old 3 --new 3` pairs seeds 0, 1, 2), unless a `seed=` override fixes one
-seed for all.
+uses seed i (so `--old 3 --new 3` pairs seeds 0, 1, 2; `--first-seed 1` starts at seed 1),
+unless a `seed=` override fixes one seed for all.
 Each run's held-out evaluations are scored with the example's SQuAD metrics; its time to
 target is the run's wall time (`time/elapsed_s`, start-up included) at the first evaluation
 whose exact match reaches --target. Prints one line per run, the median of each command and
@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new", type=int, default=3, help="runs of the new command")
     ap.add_argument("--out", default=None, help="folder of the runs and the summary (default runs/ttt; with --analyze: "
                     "the first run's parent)")
+    ap.add_argument("--first-seed", type=int, default=0, help="run i of either command uses seed FIRST_SEED+i (to add "
+                    "seeds to an earlier measurement: --first-seed 1 --new 2 runs seeds 1 and 2)")
     ap.add_argument("--target", type=float, default=0.9)
     ap.add_argument("--analyze", nargs="+", default=None, help="only score these finished run folders")
     ap.add_argument("extra", nargs="*", help="config overrides added to both commands (e.g. steps=30; seed=1 for every run)")
@@ -120,9 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         order = []
         for i in range(max(args.old, args.new)):  # alternate: old-0, new-0, old-1, new-1, ...
             if i < args.old:
-                order.append((out / f"old-{i}", OLD))
+                order.append((out / f"old-{args.first_seed + i}", OLD))
             if i < args.new:
-                order.append((out / f"new-{i}", NEW))
+                order.append((out / f"new-{args.first_seed + i}", NEW))
         t0 = time.time()
         for folder, cmd in order:
             seed = [] if any(e.startswith("seed=") for e in args.extra) else [f"seed={folder.name.rsplit('-', 1)[1]}"]

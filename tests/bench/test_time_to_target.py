@@ -40,6 +40,10 @@ def test_runs_alternate_and_run_i_of_each_command_uses_seed_i(tmp_path, monkeypa
     with pytest.raises(SystemExit):  # a seed given on the command line holds for every run
         bench.main(["--old", "0", "--new", "2", "--out", str(tmp_path), "seed=7"])
     assert [c[2] for c in calls] == [["seed=7"], ["seed=7"]]
+    calls.clear()
+    with pytest.raises(SystemExit):  # adding seeds to an earlier measurement
+        bench.main(["--old", "1", "--new", "2", "--first-seed", "1", "--out", str(tmp_path)])
+    assert [(c[0], c[2]) for c in calls] == [("old-1", ["seed=1"]), ("new-1", ["seed=1"]), ("new-2", ["seed=2"])]
 
 
 def test_time_to_target_is_the_wall_time_of_the_first_evaluation_at_target(tmp_path, load_bench):
