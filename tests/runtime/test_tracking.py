@@ -77,6 +77,8 @@ def test_step_line_is_rounded_and_names_rewards_per_role_speed_times_and_eta():
                     "275 tok/s  rollout 1.2s  update 0.5s  ETA 2m05s")
     assert not LONG_FLOAT.search(line)
     assert step_line({**ROW, "step": 20}, 20, eta_s=3.0).endswith("ETA 0s")
+    assert "(critic 0.553, planner 1.222, writer 0.553)  groups 6/9 kept  6.48 rollouts/s" in step_line(
+        {**ROW, "rollout/groups": 9, "rollout/groups_kept": 6}, 20, eta_s=1.0)  # rollout.filter_groups
     assert "ETA ?" in step_line({**ROW, "reward/mean": None}, 20, eta_s=None) and "reward -" in step_line({**ROW, "reward/mean": None}, 20, None)
     val = val_line({"kind": "val", "step": 10, "rollouts": 4, "reward/mean": 0.61234567, "reward/role/writer": 0.6123,
                     "time/eval_s": 4.2345})
