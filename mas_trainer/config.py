@@ -51,8 +51,9 @@ class RolloutConfig(_Strict):
         False, description="dynamic sampling (DAPO): train only on groups whose turns got different rewards (the others have "
         "zero advantage), drawing as many more tasks as groups are missing, up to max_draws draws a step, until "
         "tasks_per_step such groups are found")
-    max_draws: int = Field(3, ge=1, description="with filter_groups: most draws of tasks_per_step tasks in one step; a step "
-                           "that finds fewer groups with spread trains on those it found")
+    max_draws: int = Field(3, ge=1, description="with filter_groups: most draws in one step (the first of tasks_per_step "
+                           "tasks, each later one of the groups still missing); a step that finds fewer groups with spread "
+                           "trains on those it found")
 
     @field_validator("temperature_schedule")
     @classmethod
