@@ -307,16 +307,28 @@ def _init_ray(runtime: Any, needed_cpus: int, env: dict[str, str]) -> None:
     mark = _ray_watchdog() if local else None
     if mark:  # only the processes ray.init starts carry it, not the driver's other children
         os.environ[RAY_OWNER_ENV] = mark
+    args = dict(
+        address=runtime.ray_address,
+        # a local instance offers at least one logical CPU per rank: ranks mostly wait on each other
+        num_cpus=(runtime.num_cpus or max(os.cpu_count() or 1, needed_cpus)) if local else None,
+        include_dashboard=False,
+        log_to_driver=True,
+        configure_logging=False,
+        runtime_env={"env_vars": env} if env else None,
+    )
     try:
-        ray.init(
-            address=runtime.ray_address,
-            # a local instance offers at least one logical CPU per rank: ranks mostly wait on each other
-            num_cpus=(runtime.num_cpus or max(os.cpu_count() or 1, needed_cpus)) if local else None,
-            include_dashboard=False,
-            log_to_driver=True,
-            configure_logging=False,
-            runtime_env={"env_vars": env} if env else None,
-        )
+        try:
+            ray.init(**args)
+        except RuntimeError as exc:
+            # Ray forks its head processes from a driver that already runs threads (the gateway,
+            # torch's pools); seen once in CI: the GCS server died before writing its port file
+            # ("double free or corruption"), so a local head gets one more try. A cluster address
+            # is not retried: its failure is the user's to see.
+            if not local:
+                raise
+            log.warning("the local Ray instance did not start (%s); trying once more", str(exc).splitlines()[0])
+            ray.shutdown()
+            ray.init(**args)
     finally:
         if mark:
             os.environ.pop(RAY_OWNER_ENV, None)
