@@ -54,6 +54,10 @@ class RolloutConfig(_Strict):
     max_draws: int = Field(3, ge=1, description="with filter_groups: most draws in one step (the first of tasks_per_step "
                            "tasks, each later one of the groups still missing); a step that finds fewer groups with spread "
                            "trains on those it found")
+    min_groups: int | None = Field(
+        None, ge=1, description="with filter_groups: draw again only while fewer than this many groups have spread "
+        "(default tasks_per_step, DAPO's rule; a later draw still takes all the groups missing from tasks_per_step). "
+        "E.g. half of tasks_per_step: early steps, where most groups differ, take one draw, late ones, where most agree, more")
 
     @field_validator("temperature_schedule")
     @classmethod
@@ -256,8 +260,14 @@ def _check_reward(cfg: FitConfig) -> None:
 def _check_filter_groups(cfg: FitConfig) -> None:
     """Dynamic sampling keeps groups by the spread of their rewards, which is what a group
     baseline turns into advantages; GAE's come from the critic, so equal rewards still teach."""
-    if not cfg.rollout.filter_groups:
+    r = cfg.rollout
+    if not r.filter_groups:
+        if r.min_groups is not None:
+            raise ConfigError("rollout.min_groups only applies with rollout.filter_groups=true; set that or drop min_groups")
         return
+    if r.min_groups is not None and r.min_groups > r.tasks_per_step:
+        raise ConfigError(f"rollout.min_groups={r.min_groups} is more than rollout.tasks_per_step={r.tasks_per_step}, "
+                          f"so every step would take max_draws draws; use at most {r.tasks_per_step}")
     for name in ["", *cfg.policies]:
         if (cfg.advantage_for(name) if name else cfg.advantage).estimator == "gae":
             where = f"policies.{name}.advantage.estimator" if name else "advantage.estimator"

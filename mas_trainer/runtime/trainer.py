@@ -145,7 +145,7 @@ class _Fit:
             for t, key in zip(batch, keys):  # why a rollout was not trained on, for the trajectory files and the viewer
                 if key not in spread and not is_dropped(t):
                     t.rewards.detail["left_out"] = "no spread"
-            if kept >= c.rollout.tasks_per_step:
+            if kept >= (c.rollout.min_groups or c.rollout.tasks_per_step):
                 break
         t1 = time.perf_counter()
         by_policy: dict[str, list] = defaultdict(list)

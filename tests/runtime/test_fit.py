@@ -158,6 +158,25 @@ def test_filter_groups_stops_after_max_draws_and_trains_on_what_it_found(tmp_pat
     assert all(t["rewards"]["detail"]["left_out"] == "no spread" for t in _step_trajectories(run, 1))
 
 
+def test_min_groups_draws_again_only_below_it_and_then_fills_the_whole_batch(tmp_path):
+    """tasks_per_step=4, min_groups=2: a first draw with one group with spread is followed by a
+    draw of 3 tasks (the gap to tasks_per_step, not to min_groups); a first draw with two is not."""
+    order = take_tasks(8, 0, 8, 3)
+    cfg = _cfg("steps=1", "rollout.tasks_per_step=4", "rollout.filter_groups=true", "rollout.min_groups=2")
+
+    def step(name, spread):
+        run = tmp_path / name
+        row = fit(f"{APP}:some_flat", _flat_tasks([i not in spread for i in range(8)]), cfg, run)[-1]
+        ids = {t["rollout_id"].split("-r")[0] for t in _step_trajectories(run, 1)}
+        return row["rollout/groups"], row["rollout/groups_kept"], ids
+
+    groups, kept, ids = step("short", {order[0], order[5]})
+    assert (groups, kept) == (7, 2)
+    assert ids == {*(f"s000001-t{i:05d}" for i in order[:4]), *(f"s000001d1-t{i:05d}" for i in order[4:7])}
+    groups, kept, ids = step("enough", {order[0], order[1]})
+    assert (groups, kept, ids) == (4, 2, {f"s000001-t{i:05d}" for i in order[:4]})
+
+
 def test_without_filter_groups_a_step_is_one_draw_trained_whole(tmp_path):
     run = tmp_path / "run"
     row = fit(f"{APP}:some_flat", _flat_tasks([True] * 8), _cfg("steps=1"), run)[-1]
@@ -174,6 +193,11 @@ def test_filter_groups_is_checked():
         load_config(overrides=["rollout.filter_groups=true", "advantage.estimator=gae"])
     with pytest.raises(ConfigError, match=r"in policies.p.advantage.estimator"):
         load_config(overrides=["rollout.filter_groups=true", "policies.p.advantage.estimator=gae"])
+    with pytest.raises(ConfigError, match=r"rollout.min_groups only applies with rollout.filter_groups=true"):
+        load_config(overrides=["rollout.min_groups=2"])
+    with pytest.raises(ConfigError, match=r"rollout.min_groups=9 is more than rollout.tasks_per_step=8, .* use at most 8"):
+        load_config(overrides=["rollout.filter_groups=true", "rollout.min_groups=9"])
+    assert load_config(overrides=["rollout.filter_groups=true", "rollout.min_groups=8"]).rollout.min_groups == 8
 
 
 def test_config_errors_are_one_line():
