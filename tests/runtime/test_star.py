@@ -1,6 +1,7 @@
 """The controller's handles on Ray worker groups: an abandoned call does not keep its task running."""
 
 import asyncio
+import os
 import time
 
 import pytest
@@ -81,7 +82,7 @@ def test_a_local_ray_head_that_fails_to_start_gets_one_more_try(monkeypatch, cap
     assert len(flaky.calls) == 2 and flaky.calls[0] == flaky.calls[1]
     assert flaky.calls[1]["runtime_env"] == {"env_vars": {"A": "1"}}
     assert "did not start (Timed out waiting for file" in caplog.text and "trying once more" in caplog.text
-    assert star.RAY_OWNER_ENV not in __import__("os").environ  # the mark is only for ray.init's children
+    assert star.RAY_OWNER_ENV not in os.environ  # the mark is only for ray.init's children
 
 
 def test_a_second_failure_and_a_cluster_failure_are_raised(monkeypatch):
