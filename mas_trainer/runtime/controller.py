@@ -101,6 +101,10 @@ class Controller:
         jobs = [t for t in tasks for _ in range(n)]
         if ids is not None and len(ids) != len(jobs):
             raise ValueError(f"{len(ids)} rollout ids for {len(jobs)} rollouts")
+        if ids is not None and len(set(ids)) != len(ids):
+            # the gateway files a call under its rollout id: two live rollouts with one id would share a trajectory
+            dup = next(i for i in ids if ids.count(i) > 1)
+            raise ValueError(f"rollout id {dup!r} is given twice; give every rollout of one run() its own id")
 
         async def one(task: dict[str, Any], rollout_id: str | None) -> Trajectory:
             async with sem:

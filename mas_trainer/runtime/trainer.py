@@ -16,7 +16,7 @@ import logging
 import random
 import statistics
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -56,6 +56,18 @@ def take_tasks(n_tasks: int, position: int, count: int, seed: int) -> list[int]:
         epoch, i = divmod(p, n_tasks)
         out.append(_order(n_tasks, seed, epoch)[i])
     return out
+
+
+def _rollout_ids(tag: str, idx: list[int], n: int) -> list[str]:
+    """`tag-tTASK-rK` for each task's n rollouts. A draw that crosses an epoch boundary can hold a
+    task twice; its second n rollouts count on from rn, so that every rollout has its own id (and
+    seed) while the viewer still shows them under the task."""
+    seen: Counter[int] = Counter()
+    ids = []
+    for i in idx:
+        ids += [f"{tag}-t{i:05d}-r{seen[i] * n + k}" for k in range(n)]
+        seen[i] += 1
+    return ids
 
 
 def _rollout_reward(t: Trajectory) -> float | None:
@@ -128,7 +140,7 @@ class _Fit:
             # machine a batch of rollouts mostly thrown away costs as much as the step itself)
             idx = take_tasks(len(self.tasks), position, c.rollout.tasks_per_step - kept, c.seed)
             tag = f"s{step:06d}" + (f"d{draw}" if draw else "")  # draw 0 keeps the ids and seed of a step without filtering
-            ids = [f"{tag}-t{i:05d}-r{k}" for i in idx for k in range(n)]
+            ids = _rollout_ids(tag, idx, n)
             batch = await self.rollouts(session, [self.tasks[i] for i in idx], n, ids,
                                         _seed(c.seed, "step", step, *(("draw", draw) if draw else ())), temperature=temperature)
             # a group is one task's n rollouts in one draw, keyed by the task's position in the sequence of tasks

@@ -122,6 +122,22 @@ def test_a_neighbour_process_cannot_inject_turns_into_a_running_rollout(fake_ses
     assert fake_session.server.base_url in fake_session.describe_gateway() and "signed" in fake_session.describe_gateway()
 
 
+def test_one_rollout_id_given_twice_is_refused_before_anything_runs(fake_session):
+    """The gateway files a call under its rollout id: two live rollouts sharing one would
+    silently merge their turns into each other's trajectory."""
+    from langgraph.graph import END, START, StateGraph
+
+    from mas_trainer import trainable
+
+    g = StateGraph(_S)
+    g.add_node("node", lambda s: {"x": "done"})
+    g.add_edge(START, "node")
+    g.add_edge("node", END)
+    fake_session.load_app(trainable(g.compile(), roles={"node": "pol"}, policies={"pol": "tiny"}))
+    with pytest.raises(ValueError, match=r"rollout id 's1-t00001-r0' is given twice; give every rollout .* its own id"):
+        fake_session.loop.run_until_complete(fake_session.rollouts([{"x": ""}, {"x": ""}], ids=["s1-t00001-r0"] * 2))
+
+
 def test_serve_files_nothing_even_for_rollout_baggage():
     gw, ledger, _ = _gateway(rollouts=False, api_key=None)
     with GatewayServer(gw) as server:

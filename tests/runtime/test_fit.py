@@ -186,6 +186,19 @@ def test_without_filter_groups_a_step_is_one_draw_trained_whole(tmp_path):
     assert {t["rollout_id"].split("-")[0] for t in trajs} == {"s000001"}
 
 
+def test_a_step_across_an_epoch_boundary_gives_a_task_drawn_twice_its_own_rollout_ids(tmp_path):
+    """3 tasks, 2 a step: step 2 takes the last task of epoch 0 and the first of epoch 1, which
+    with seed 2 are the same task. Its second group counts on from r2 instead of repeating
+    r0-r1 (which would merge both groups' calls in the gateway)."""
+    assert take_tasks(3, 2, 2, 2) == [1, 1]
+    run = tmp_path / "run"
+    rows = fit(f"{APP}:some_flat", _flat_tasks([False] * 3), _cfg("steps=2", "seed=2"), run)
+    trajs = _step_trajectories(run, 2)
+    assert sorted(t["rollout_id"] for t in trajs) == [f"s000002-t00001-r{k}" for k in range(4)]
+    assert all(t["status"] == "ok" and len(t["llm_calls"]) >= 1 for t in trajs)
+    assert rows[-1]["policy/solo/turns"] == sum(len(t["llm_calls"]) for t in trajs)
+
+
 def test_filter_groups_is_checked():
     with pytest.raises(ConfigError, match=r"rollout.max_draws"):
         load_config(overrides=["rollout.filter_groups=true", "rollout.max_draws=0"])
