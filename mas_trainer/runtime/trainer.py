@@ -135,7 +135,8 @@ class _Fit:
         trajs: list[Trajectory] = []
         records: list = []
         groups = kept = 0
-        for draw in range(c.rollout.max_draws if c.rollout.filter_groups else 1):
+        filtering = c.rollout.filter_groups and bool(self.handles)  # with nothing to train, more draws buy nothing
+        for draw in range(c.rollout.max_draws if filtering else 1):
             # a later draw takes as many tasks as groups are still missing (verl draws whole batches; on a small
             # machine a batch of rollouts mostly thrown away costs as much as the step itself)
             idx = take_tasks(len(self.tasks), position, c.rollout.tasks_per_step - kept, c.seed)
@@ -148,7 +149,7 @@ class _Fit:
             recs = turn_records(batch, task_indices=keys)
             position, groups = position + len(idx), groups + len(idx)
             trajs.extend(batch)
-            if not c.rollout.filter_groups:
+            if not filtering:
                 records = recs
                 break
             spread = tasks_with_spread(recs)
@@ -170,7 +171,7 @@ class _Fit:
         row: dict[str, Any] = {"kind": "train", "step": step, **summarize(trajs)}
         if temperature is not None:
             row["rollout/temperature"] = temperature
-        if c.rollout.filter_groups:
+        if filtering:
             row.update({"rollout/groups": groups, "rollout/groups_kept": kept})
         for p, m in zip(trainable, results):
             row.update({f"policy/{p}/{k}": v for k, v in m.items() if k not in ("seconds", "tokens_per_s")})
@@ -301,6 +302,9 @@ class _Fit:
                 for p, pol in spec.policies.items() if pol.trainable
             }
             log.info("learner %s on %s for %s", learner, device, ", ".join(plans) or "no trainable policy")
+            if c.rollout.filter_groups and not plans:
+                log.warning("rollout.filter_groups is ignored: no policy is trainable, so no group is trained on; "
+                            "each step makes one draw")
             self.handles = start_workers(plans, rt.model_copy(update={"learner": learner}))
             try:
                 # worker groups serve the trainable policies; frozen ones get engines configured like theirs (runtime.*)

@@ -199,6 +199,21 @@ def test_a_step_across_an_epoch_boundary_gives_a_task_drawn_twice_its_own_rollou
     assert rows[-1]["policy/solo/turns"] == sum(len(t["llm_calls"]) for t in trajs)
 
 
+def test_filter_groups_without_a_trainable_policy_makes_one_draw_a_step(tmp_path, caplog):
+    """Every role frozen: no group is trained on, so drawing again could only waste rollouts."""
+    def graph():
+        from mas_trainer import trainable
+
+        g = load_object(f"{APP}:build")({"a": "tiny"}, {"planner": "a", "writer": "a", "critic": "a"})
+        return trainable(g, frozen=["planner", "writer", "critic"])
+
+    with caplog.at_level(logging.WARNING, logger="mas_trainer.runtime.trainer"):
+        rows = fit(graph, TASKS[:4], _cfg("steps=1", "rollout.filter_groups=true", "rollout.max_draws=3"), tmp_path / "run")
+    [train] = [r for r in rows if r["kind"] == "train"]
+    assert train["rollouts"] == 4 and "rollout/groups" not in train
+    assert "rollout.filter_groups is ignored: no policy is trainable" in caplog.text
+
+
 def test_filter_groups_is_checked():
     with pytest.raises(ConfigError, match=r"rollout.max_draws"):
         load_config(overrides=["rollout.filter_groups=true", "rollout.max_draws=0"])
