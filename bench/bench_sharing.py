@@ -7,12 +7,12 @@
 Runs `mas-trainer fit` on the three objects of `examples/langgraph_apps/rag_qa/app.py`, which
 differ only in their policy map (the same graph, rewards, data and overrides):
 
-- ``answerer`` (`graph_answerer`): the answerer learns, the rewriter is frozen (the demo);
+- ``answerer`` (`graph_answerer`): the answerer learns, the rewriter is frozen (the demo's graph);
 - ``shared`` (`graph_shared`): one policy serves and learns both roles;
 - ``separate`` (`graph`): the rewriter and the answerer are two policies, two learners.
 
-The overrides are the demo's (bench_time_to_target.OLD; its 55 steps unless an override
-changes them), so a row's budget is the same number of questions, samples and steps; with two
+The overrides are the previous main command's (bench_time_to_target.OLD, with which the
+README's sharing figures were measured; its 55 steps unless an override changes them), so a row's budget is the same number of questions, samples and steps; with two
 trained roles a step updates twice as many turns, which the wall time shows. Runs go mode
 after mode for each seed, so a drift of the machine hits every mode. Each run's held-out
 evaluations are scored with the example's SQuAD metrics; prints one line per run and per mode
@@ -37,11 +37,11 @@ _OVERRIDE = re.compile(r"[A-Za-z_][\w.]*=.*")
 MODES = {"answerer": "graph_answerer", "shared": "graph_shared", "separate": "graph"}
 
 sys.path.insert(0, str(ROOT / "bench"))
-import bench_time_to_target as ttt  # noqa: E402  (the demo's command, and how a run is scored)
+import bench_time_to_target as ttt  # noqa: E402  (the previous main command, and how a run is scored)
 
 
 def command(mode: str, out: Path, seed: int, extra: list[str]) -> list[str]:
-    """The fit command of one run: the demo's arguments on this mode's graph object."""
+    """The fit command of one run: the previous main command's arguments on this mode's graph object."""
     common = [f"{APP}:{MODES[mode]}", *ttt.COMMON[1:]]
     return [str(ROOT / ".venv" / "bin" / "mas-trainer"), "fit", *common, "--output", str(out),
             *ttt.OLD, f"seed={seed}", *extra]

@@ -3,9 +3,10 @@
     .venv/bin/python bench/bench_time_to_target.py [--old 1] [--new 3] [--out runs/ttt]
     .venv/bin/python bench/bench_time_to_target.py --analyze runs/ttt/old-0 runs/ttt/new-0 ...
 
-Runs `mas-trainer fit` with the demo's command (OLD: the arguments of scripts/demo.sh and the
-README) and with a candidate to replace it (NEW: training rollouts sampled at temperature 0.7,
-shared prompts, turn skipping, finer evaluations), one run after the other on this machine,
+Runs `mas-trainer fit` with the previous main command (OLD: the arguments scripts/demo.sh and the
+README gave until 2026-12-02) and with the main command now (NEW: scripts/demo.sh and the README:
+training rollouts sampled at temperature 0.7, dynamic sampling with rollout.min_groups, shared
+prompts, turn skipping, finer evaluations), one run after the other on this machine,
 alternating old and new so that a drift of the machine hits both. Run i of either command
 uses seed i (so `--old 3 --new 3` pairs seeds 0, 1, 2; `--first-seed 1` starts at seed 1),
 unless a `seed=` override fixes one seed for all.
@@ -35,17 +36,19 @@ from rag_qa.report import report  # noqa: E402
 COMMON = ["examples/langgraph_apps/rag_qa/app.py:graph_answerer",
           "--data", "examples/langgraph_apps/rag_qa/train.jsonl", "--val-data", "examples/langgraph_apps/rag_qa/heldout.jsonl",
           "--model", "default"]
-# The README's command (scripts/demo.sh; tests/bench/test_time_to_target.py keeps them equal):
-# full fine-tuning, every turn in every update, training rollouts sampled as the app asks (temperature 1).
+# The previous main command (scripts/demo.sh and the README until 2026-12-02): full fine-tuning, every turn in
+# every update, training rollouts sampled as the app asks (temperature 1), an evaluation every 10 steps.
 OLD = ["steps=55", "rollout.tasks_per_step=8", "rollout.n=4", "rollout.val_temperature=0", "eval_every=10", "save_every=10",
        "learner.lr=2e-5", "learner.mini_batch_size=16", "runtime.backend=local", "runtime.max_batch_size=32"]
-# The candidate: training rollouts at temperature 0.7 (a group's samples stay near the greedy reply, so fewer score
-# zero), each distinct prompt run once per micro-batch, no update on zero-advantage turns, an evaluation every 5
-# steps. (LoRA adapters, learner.lora_rank=16 at lr 2e-4, made a step about 1.3x cheaper but did not learn faster
-# per step: README.)
+# The main command now (scripts/demo.sh and the README; tests/bench/test_time_to_target.py keeps them equal): training
+# rollouts at temperature 0.7 (a group's samples stay near the greedy reply, so fewer score zero), dynamic sampling
+# (groups with no spread left out, a second draw while fewer than 4 of 8 have spread), each distinct prompt run once
+# per micro-batch, no update on zero-advantage turns, an evaluation every 5 steps. (LoRA adapters made a step about
+# 1.3x cheaper but did not learn faster per step: README.)
 NEW = ["steps=40", "rollout.tasks_per_step=8", "rollout.n=4", "rollout.temperature=0.7", "rollout.val_temperature=0",
-       "eval_every=5", "save_every=10", "learner.lr=2e-5", "learner.mini_batch_size=16",
-       "learner.share_prompts=true", "learner.skip_zero_advantage=true", "runtime.backend=local", "runtime.max_batch_size=32"]
+       "rollout.filter_groups=true", "rollout.min_groups=4", "eval_every=5", "save_every=10", "learner.lr=2e-5",
+       "learner.mini_batch_size=16", "learner.share_prompts=true", "learner.skip_zero_advantage=true",
+       "runtime.backend=local", "runtime.max_batch_size=32"]
 
 
 def run(out: Path, args: list[str], extra: list[str]) -> None:

@@ -1,5 +1,5 @@
 """bench/bench_sharing.py: its modes are the RAG QA objects the README's table names, each run
-is the demo's command on that object, and a run folder is scored as the README's figures are."""
+is the previous main command (the one its README figures were measured with) on that object, and a run folder is scored as the README's figures are."""
 
 from __future__ import annotations
 
@@ -21,13 +21,13 @@ def test_each_mode_is_the_policy_map_it_claims(monkeypatch, load_bench):
     assert specs["answerer"].roles == {"answer": "answerer"} and specs["answerer"].frozen == {"rewrite"}
 
 
-def test_every_mode_runs_the_demo_command_on_its_own_object(tmp_path, load_bench):
+def test_every_mode_runs_the_previous_main_command_on_its_own_object(tmp_path, load_bench):
     bench = load_bench("bench_sharing")
     old = load_bench("bench_time_to_target")
     commands = {mode: bench.command(mode, tmp_path / f"{mode}-1", 1, ["steps=30"]) for mode in bench.MODES}
     for mode, cmd in commands.items():
         assert cmd[1] == "fit" and cmd[2].endswith(f"rag_qa/app.py:{bench.MODES[mode]}")
-        # the same budget: the demo's overrides, then the seed, then the caller's (last one wins in fit)
+        # the same budget: the previous main command's overrides, then the seed, then the caller's (last one wins in fit)
         assert cmd[-len(old.OLD) - 2:] == [*old.OLD, "seed=1", "steps=30"]
     # between the object and the output folder (data, held-out data, model) all runs agree
     assert len({tuple(c[3:c.index("--output")]) for c in commands.values()}) == 1
