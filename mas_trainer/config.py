@@ -286,6 +286,7 @@ def _check_learner(cfg: FitConfig) -> None:
                               "(or auto on GPUs) and runtime.backend=ray, or runtime.engine=embedded")
         if "torch-replica" in engines and rt.replica.tensor_parallel_size != 1:
             raise ConfigError("engine torch-replica is one process a replica: set runtime.replica.tensor_parallel_size=1")
+        _check_placement(cfg, engines)
     if rt.learner == "verl" or engines:
         check_torch_only(cfg, "runtime.learner=torch and runtime.engine=embedded")
     for name in ["", *cfg.policies]:
@@ -293,6 +294,14 @@ def _check_learner(cfg: FitConfig) -> None:
         if old in ("recompute", "rollout_correction") and rt.learner == "torch":
             where = f"policies.{name}.learner.old_logprobs" if name else "learner.old_logprobs"
             raise ConfigError(f"{where}={old} needs runtime.learner=verl; the torch learner always uses the engine's (bypass)")
+    if rt.learner == "verl" or (rt.learner == "auto" and rt.device == "cuda"):
+        for name in ["", *cfg.policies]:
+            share = cfg.resources_for(name).gpus_per_proc if name else rt.resources.gpus_per_proc
+            if share < 1:
+                where = f"policies.{name}.resources.gpus_per_proc" if name else "runtime.resources.gpus_per_proc"
+                raise ConfigError(f"{where}={share}: the verl learner places one rank per GPU (NCCL refuses two ranks of "
+                                  "one group on one GPU), so a share below 1 would only leave GPUs idle; to let policies "
+                                  "share GPUs set runtime.share_gpus=true (or use runtime.learner=torch)")
     if rt.learner == "verl":
         if rt.backend == "local":
             raise ConfigError("runtime.learner=verl runs worker groups on Ray; drop runtime.backend=local (or use runtime.learner=torch)")
@@ -306,6 +315,38 @@ def _check_learner(cfg: FitConfig) -> None:
                     where = f"policies.{name}.{part}.mini_batch_size" if name else f"{part}.mini_batch_size"
                     raise ConfigError(f"{where}={mini} must be a multiple of the worker group's world size {world} "
                                       "(resources.nodes x resources.procs_per_node): each rank takes an equal share")
+
+
+def _check_placement(cfg: FitConfig, engines: set[str]) -> None:
+    """Rollout replicas' placement and weight sync, as verl can run them (docs/vllm.md)."""
+    rep = cfg.runtime.replica
+    if rep.placement == "separate":
+        if rep.weight_sync == "naive":
+            raise ConfigError("runtime.replica.weight_sync=naive hands weights over inside the learner's processes, which "
+                              "only colocated replicas share; use placement=colocated, or weight_sync=auto (nccl on GPUs)")
+        return
+    if "torch-replica" in engines:
+        raise ConfigError("runtime.replica.placement=colocated is verl's hybrid engine (vLLM driven from the learner's own "
+                          "GPU processes); engine torch-replica runs in processes of its own: use placement=separate")
+    if rep.weight_sync not in ("auto", "naive"):
+        raise ConfigError(f"runtime.replica.weight_sync={rep.weight_sync} cannot reach colocated replicas: they share the "
+                          "learner's GPUs, where NCCL refuses a group of two ranks on one GPU; colocated replicas take "
+                          "the weights in-process (naive): drop the key, or use placement=separate")
+    if cfg.runtime.share_gpus:
+        raise ConfigError("runtime.share_gpus puts every policy's learner on the same GPUs, and placement=colocated every "
+                          "policy's vLLM too; use one of them")
+    tp = rep.tensor_parallel_size
+    for name in ["", *cfg.policies]:
+        if cfg.engine_for(name) == "embedded":
+            continue
+        world = cfg.resources_for(name).world_size if name else cfg.runtime.resources.world_size
+        where = f"policies.{name}.resources" if name else "runtime.resources"
+        if world % tp:
+            raise ConfigError(f"placement=colocated: the world size {world} of {where} must be a multiple of "
+                              f"runtime.replica.tensor_parallel_size={tp} (every {tp} learner ranks drive one replica)")
+        if "replicas" in rep.model_fields_set and rep.replicas != world // tp:
+            raise ConfigError(f"placement=colocated: runtime.replica.replicas={rep.replicas}, but verl runs one replica per "
+                              f"{tp} learner rank(s): {world // tp} for {where}; drop runtime.replica.replicas")
 
 
 def check_torch_only(cfg: FitConfig, fix: str) -> None:

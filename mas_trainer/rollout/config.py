@@ -17,17 +17,20 @@ ENGINES = ("embedded", "vllm", "torch-replica")
 class ReplicaConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    replicas: int = Field(1, ge=1, description="rollout replicas (servers) per policy; requests are balanced over them")
+    replicas: int = Field(1, ge=1, description="rollout replicas (servers) per policy; requests are balanced over them "
+                          "(placement=colocated on GPUs: one per tensor_parallel_size learner ranks, as verl's hybrid engine)")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs of one vLLM replica (torch-replica: 1)")
     placement: Literal["separate", "colocated"] = Field(
         "separate", description="separate: replicas on GPUs of their own, weights sent after each update; colocated: "
-        "replicas share the learner's GPUs and sleep while it updates (vLLM sleep mode)")
+        "vLLM on the learner's own GPUs (verl's hybrid engine), asleep while it updates (vLLM sleep mode), weights "
+        "handed over in-process")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM: fraction of each GPU's memory for weights and KV cache")
     max_model_len: int = Field(4096, ge=16, description="vLLM: context length (prompt + completion) of a request")
     max_num_seqs: int = Field(256, ge=1, description="vLLM: sequences decoded together per replica")
     dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="vLLM: weight dtype of the replicas")
     enforce_eager: bool = Field(False, description="vLLM: no CUDA graphs (faster start, slower decode)")
-    weight_sync: Literal["auto", "nccl", "mas-gloo"] = Field(
-        "auto", description="verl checkpoint engine that moves weights to the replicas (auto: nccl on GPUs, mas-gloo on CPU)")
+    weight_sync: Literal["auto", "nccl", "mas-gloo", "naive"] = Field(
+        "auto", description="verl checkpoint engine that moves weights to the replicas (auto: nccl on GPUs, naive when "
+        "colocated there, mas-gloo on CPU)")
     bucket_mb: int = Field(512, ge=1, description="weight sync bucket size (MB)")
     timeout_s: float = Field(600.0, gt=0, description="a request a replica does not answer in this time fails the run (resumable)")

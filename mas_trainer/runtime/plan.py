@@ -21,7 +21,8 @@ class Resources(BaseModel):
 
     nodes: int = Field(1, ge=1, description="nodes of the policy's resource pool")
     procs_per_node: int = Field(1, ge=1, description="training processes (ranks) per node; world size = nodes x procs_per_node")
-    gpus_per_proc: float = Field(1.0, gt=0, le=1, description="GPU share of each rank where there are GPUs (1: a GPU each)")
+    gpus_per_proc: float = Field(1.0, gt=0, le=1, description="GPU share of each rank where there are GPUs (1: a GPU each; "
+                                 "below 1 only on the torch learner, whose policies then share GPUs)")
 
     @property
     def world_size(self) -> int:
@@ -49,5 +50,6 @@ class WorkerPlan(BaseModel):
     engine: Literal["embedded", "vllm", "torch-replica"] = Field(
         "embedded", description="embedded: rank 0 hosts the engine; otherwise rollout replicas serve and receive the weights")
     replica: dict[str, Any] = Field(default_factory=dict, description="ReplicaConfig, dumped (replica engines)")
+    replica_first_rank: int = Field(0, ge=0, description="the policy's first rollout replica rank (ranks are unique in a run)")
     offload_between_phases: bool = Field(
         False, description="GPUs shared with other worker groups: the learner's shards and optimizer leave the GPU after each update")

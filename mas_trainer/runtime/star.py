@@ -418,22 +418,30 @@ def _start_verl(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, Any]:
         shared = pool(next(iter(plans.values())).resources, len(plans))
     handles: dict[str, VerlGroupHandle] = {}
     threads = None if not cpu else max(1, (os.cpu_count() or 1) // max(1, sum(p.resources.world_size for p in plans.values())))
+    first_rank = 0  # replica ranks are unique across policies: verl names servers and sockets by rank alone
     for name, plan in plans.items():
-        colocate = max(1, round(1 / plan.resources.gpus_per_proc)) if not cpu else 1
-        if plan.engine != "embedded" and plan.replica.get("placement") == "colocated" and not cpu:
-            colocate = max(colocate, 2)  # the replicas' processes share each learner bundle
-        own = None if shared else pool(plan.resources, colocate)
-        plan = plan.model_copy(update={"torch_threads": threads, "offload_between_phases": shared is not None})
+        # one rank per GPU bundle: NCCL refuses two ranks of one group on one GPU (a share below 1
+        # is refused when the config loads, see config._check_learner)
+        own = None if shared else pool(plan.resources, 1)
+        replica_ranks = 0
+        if plan.engine != "embedded":
+            from mas_trainer.rollout.config import ReplicaConfig
+            from mas_trainer.rollout.fleet import replica_count
+
+            replica_ranks = replica_count(ReplicaConfig.model_validate(plan.replica), plan.device, plan.resources.world_size)
+        plan = plan.model_copy(update={"torch_threads": threads, "offload_between_phases": shared is not None,
+                                       "replica_first_rank": first_rank})
+        first_rank += replica_ranks
         cls = RayClassWithInitArgs(cls=ray.remote(PolicyWorker), plan=plan)
         group = RayWorkerGroup(resource_pool=shared or own, ray_cls_with_init=cls, device_name=plan.device, worker_env=env)
         handles[name] = VerlGroupHandle(name, group, own)
         log.info("policy %s: verl worker group of %d rank(s) on %s", name, plan.resources.world_size, plan.device)
         if plan.engine != "embedded":
-            handles[name] = _with_replicas(plan, handles[name], shared or own, threads)
+            handles[name] = _with_replicas(plan, handles[name], threads)
     return handles
 
 
-def _with_replicas(plan: WorkerPlan, learner: VerlGroupHandle, pool: Any, threads: int | None) -> ReplicaGroupHandle:
+def _with_replicas(plan: WorkerPlan, learner: VerlGroupHandle, threads: int | None) -> ReplicaGroupHandle:
     """Start the policy's rollout replicas on its base (or resumed) weights."""
     from mas_trainer.engines.models import load_tokenizer, materialize
     from mas_trainer.rollout.config import ReplicaConfig
@@ -444,7 +452,7 @@ def _with_replicas(plan: WorkerPlan, learner: VerlGroupHandle, pool: Any, thread
             "torch_threads": threads}
     try:
         fleet = RolloutFleet(plan.policy, model_dir, plan.engine, ReplicaConfig.model_validate(plan.replica),
-                             device=plan.device, torch_opts=opts).start(learner_pool=pool)
+                             device=plan.device, torch_opts=opts, first_rank=plan.replica_first_rank).start(learner.group)
     except BaseException:
         learner.close()
         raise

@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -72,8 +73,6 @@ class PolicyWorker(Worker):
         self.actor = TrainingWorker(training_worker_config(model_dir, self.learner, seed=plan.seed, bf16=bf16))
         self.actor.reset()
         self.actor.set_loss_fn(partial(ppo_loss, config=self.actor_config))
-        if plan.offload_between_phases:  # the rollouts come first
-            self.actor.to("cpu")
         self.ref = None
         if self.learner.kl_coef > 0:  # the frozen reference: the base model, forward only
             # verl's forward-only engine offloads to pinned memory, which needs an accelerator; on CPU
@@ -88,6 +87,9 @@ class PolicyWorker(Worker):
 
             self.critic = _build_critic(model_dir, plan)
             self.critic_config = CriticConfig.model_validate(plan.critic)
+        if plan.offload_between_phases:  # the rollouts come first
+            for worker in self._trainable():
+                worker.to("cpu")
         self.updates = 0
         self._seen: dict[str, int] = {}
         self.buffer: dict[str, tuple[list[int], list[int], list[float]]] = {}
@@ -106,15 +108,17 @@ class PolicyWorker(Worker):
             else:
                 self.host_model = model
         self.checkpoint_engine = None
-        if plan.engine != "embedded":  # the sending side of verl's weight sync to the rollout replicas
-            from verl.checkpoint_engine import CheckpointEngineRegistry
+        self.rollout = None  # colocated vLLM (verl's hybrid engine): this rank's adapter to its replica's server
+        if plan.engine != "embedded":  # the sending side of verl's weight sync, configured as the replicas' side
+            from mas_trainer.rollout.config import ReplicaConfig
+            from mas_trainer.rollout.fleet import learner_checkpoint_engine, rollout_config
 
-            import mas_trainer.rollout.gloo_sync  # noqa: F401  (registers mas-gloo)
-
-            sync = plan.replica.get("weight_sync", "auto")
-            backend = sync if sync != "auto" else ("nccl" if plan.device == "cuda" else "mas-gloo")
-            self.checkpoint_engine = CheckpointEngineRegistry.new(
-                backend, is_master=self.rank == 0, bucket_size=int(plan.replica.get("bucket_mb", 512)) << 20)
+            rcfg = rollout_config(plan.policy, plan.engine, ReplicaConfig.model_validate(plan.replica), device=plan.device)
+            ce = rcfg.checkpoint_engine
+            if ce.backend == "naive":
+                self.rollout = _server_adapter(rcfg, model_dir, plan.replica_first_rank + self.rank // rcfg.tensor_model_parallel_size)
+            else:
+                self.checkpoint_engine = learner_checkpoint_engine(rcfg, self.rank)
         self.pad_id = int(_pad_id(model_dir))
 
     # --- serving (rank 0) ------------------------------------------------------------------
@@ -158,14 +162,10 @@ class PolicyWorker(Worker):
             return {"turns": 0.0} if self.rank == 0 else None
         records = [r for r, _ in pairs]
         turns = [Turn(id=r.turn_id, prompt_ids=p, response_ids=s, old_logprobs=lp, advantages=0.0) for r, (p, s, lp) in pairs]
-        if self.plan.offload_between_phases:  # shared GPUs: the update's turn, then the rollouts'
-            self.actor.to("device")
-        metrics = self._update(records, turns)
-        if self.plan.engine == "embedded":
-            self._sync_engine()  # replica engines get the weights from update_weights, after this call
-        if self.plan.offload_between_phases:
-            self.actor.to("cpu")
-            torch.cuda.empty_cache()
+        with self._on_device():  # shared GPUs: the update's turn, then the rollouts'
+            metrics = self._update(records, turns)
+            if self.plan.engine == "embedded":
+                self._sync_engine()  # replica engines get the weights from update_weights, after this call
         metrics.update(turns=float(len(turns)), seconds=time.perf_counter() - t0, updates=float(self.updates))
         if self.rank != 0:
             return None
@@ -173,6 +173,28 @@ class PolicyWorker(Worker):
             return metrics
         stats, self._seen = engine_stats(self.engine, self._seen)
         return {**metrics, **stats}
+
+    def _trainable(self) -> list[Any]:
+        """The workers holding parameters and optimizer state on the GPU (the reference is
+        verl's forward-only engine, which offloads itself)."""
+        return [w for w in (self.actor, self.critic) if w is not None]
+
+    @contextmanager
+    def _on_device(self) -> Any:
+        """With GPUs shared between worker groups (`runtime.share_gpus`), the actor's and the
+        critic's shards and optimizer states are on the GPU only inside this block; verl's
+        `save_checkpoint` loads a CPU module onto the GPU and leaves it there, so saving runs in
+        it too."""
+        moved = self._trainable() if self.plan.offload_between_phases else []
+        for worker in moved:
+            worker.to("device")
+        try:
+            yield
+        finally:
+            for worker in moved:
+                worker.to("cpu")
+            if moved and torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
     def _slice(self, n: int) -> tuple[int, int, int]:
         """(padded global size, start, stop) of this rank's rows."""
@@ -209,7 +231,9 @@ class PolicyWorker(Worker):
         # learner.old_logprobs=bypass takes the engine's
         mode = self.learner.old_logprobs if self.learner.old_logprobs != "auto" else "recompute"
         engine_old = [list(t.old_logprobs) for t in local] + [[0.0] * len(r.response_ids) for r in rows[real:]]
+        t_old = time.perf_counter()
         old = engine_old if mode == "bypass" else infer(self.actor, batch(local), "log_probs")
+        t_old = time.perf_counter() - t_old
         ref = infer(self.ref, batch(local), "log_probs") if self.ref is not None else None
         values = None
         if self.critic is not None:
@@ -239,6 +263,8 @@ class PolicyWorker(Worker):
         self.updates += 1
         metrics = _flatten(tu.get(out, "metrics")) if out is not None else {}
         metrics["time/train_mini_batch_s"] = t_train
+        if mode != "bypass":  # the learner's forward for the old log-probs (outside train_mini_batch)
+            metrics["time/old_logprob_s"] = t_old
         metrics.update(corr_metrics)
         mismatch = _all_gather({"sum": sum(diff), "n": len(diff)}, merge=lambda ds: {k: sum(d[k] for d in ds) for k in ds[0]})
         if mode != "bypass":  # bypass computes no learner log-probs to compare (ppo_kl shows the mismatch then)
@@ -264,9 +290,28 @@ class PolicyWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     async def update_weights(self, global_steps: int | None = None, mode: str = "auto") -> dict[str, Any]:
-        """Stream the full parameters (gathered from the shards) to the replicas; every rank joins."""
-        params, _ = self.actor.engine.get_per_tensor_param()
-        return await self.checkpoint_engine.send_weights(params, global_steps=global_steps) or {}
+        """Stream the full parameters (gathered from the shards) to the replicas; every rank joins.
+
+        `naive` (colocated): verl's in-process sync of its own hybrid worker (`engine_workers.py`
+        `update_weights`): wake the replica's weights, hand each tensor to vLLM on the same GPU
+        (CUDA IPC through verl's ServerAdapter), then wake its KV cache once every rank is done."""
+        with self._on_device():
+            if self.rollout is None:
+                params, _ = self.actor.engine.get_per_tensor_param()
+                return await self.checkpoint_engine.send_weights(params, global_steps=global_steps) or {}
+            from verl.utils.device import set_expandable_segments
+
+            set_expandable_segments(False)
+            torch.cuda.empty_cache()
+            await self.rollout.resume(tags=["weights"])
+            params, _ = self.actor.engine.get_per_tensor_param()
+            await self.rollout.update_weights(params, global_steps=global_steps)
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            await asyncio.to_thread(torch.distributed.barrier)
+            await self.rollout.resume(tags=["kv_cache"])
+            set_expandable_segments(True)
+            return {}
 
     def _sync_engine(self) -> None:
         """Gather the full parameters from the shards into rank 0's engine or host copy (every rank joins)."""
@@ -298,11 +343,12 @@ class PolicyWorker(Worker):
         """verl's checkpoint (shards, optimizer, RNG) in `learner_dir`; the Hugging Face folder
         of the policy (fp32, tokenizer included) in `folder`, written from rank 0's engine,
         which holds the full parameters gathered after the last update."""
-        self.actor.save_checkpoint(learner_dir)
-        if self.critic is not None:
-            self.critic.save_checkpoint(os.path.join(learner_dir, "critic"))
-        if self.plan.engine != "embedded":
-            self._sync_engine()  # the host copy is gathered only when it is written
+        with self._on_device():
+            self.actor.save_checkpoint(learner_dir)
+            if self.critic is not None:
+                self.critic.save_checkpoint(os.path.join(learner_dir, "critic"))
+            if self.plan.engine != "embedded":
+                self._sync_engine()  # the host copy is gathered only when it is written
         if self.rank == 0:
             from mas_trainer.engines.models import save_pretrained
 
@@ -316,18 +362,29 @@ class PolicyWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def load(self, learner_dir: str) -> int:
         """Resume: shards, optimizer and RNG from `learner_dir`, then the engine's weights."""
-        self.actor.load_checkpoint(learner_dir, del_local_after_load=False)
-        if self.critic is not None:
-            self.critic.load_checkpoint(os.path.join(learner_dir, "critic"), del_local_after_load=False)
-        self.updates = json.loads((Path(learner_dir) / "mas_trainer.json").read_text())["updates"]
-        if self.plan.engine == "embedded":
-            self._sync_engine()
+        with self._on_device():
+            self.actor.load_checkpoint(learner_dir, del_local_after_load=False)
+            if self.critic is not None:
+                self.critic.load_checkpoint(os.path.join(learner_dir, "critic"), del_local_after_load=False)
+            self.updates = json.loads((Path(learner_dir) / "mas_trainer.json").read_text())["updates"]
+            if self.plan.engine == "embedded":
+                self._sync_engine()
         return self.updates
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
+
+
+def _server_adapter(rcfg: Any, model_dir: str, replica_rank: int) -> Any:
+    """verl's ServerAdapter for this learner rank's colocated replica, as verl's own hybrid
+    worker builds it; it finds the server by the replica rank the fleet gave it."""
+    from verl.workers.config import HFModelConfig
+    from verl.workers.rollout.base import get_rollout_class
+
+    return get_rollout_class(rcfg.name, rcfg.mode)(config=rcfg, model_config=HFModelConfig(path=model_dir),
+                                                   device_mesh=None, replica_rank=replica_rank)
 
 
 def _device(name: str) -> torch.device:
