@@ -294,24 +294,25 @@ class PolicyWorker(Worker):
 
         `naive` (colocated): verl's in-process sync of its own hybrid worker (`engine_workers.py`
         `update_weights`): wake the replica's weights, hand each tensor to vLLM on the same GPU
-        (CUDA IPC through verl's ServerAdapter), then wake its KV cache once every rank is done."""
-        with self._on_device():
-            if self.rollout is None:
-                params, _ = self.actor.engine.get_per_tensor_param()
-                return await self.checkpoint_engine.send_weights(params, global_steps=global_steps) or {}
-            from verl.utils.device import set_expandable_segments
-
-            set_expandable_segments(False)
-            torch.cuda.empty_cache()
-            await self.rollout.resume(tags=["weights"])
+        (CUDA IPC through verl's ServerAdapter), then wake its KV cache once every rank is done.
+        Offloaded shards (`share_gpus`) need no move first: verl's FSDP2 stream stages each
+        tensor on the GPU as it gathers it."""
+        if self.rollout is None:
             params, _ = self.actor.engine.get_per_tensor_param()
-            await self.rollout.update_weights(params, global_steps=global_steps)
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            await asyncio.to_thread(torch.distributed.barrier)
-            await self.rollout.resume(tags=["kv_cache"])
-            set_expandable_segments(True)
-            return {}
+            return await self.checkpoint_engine.send_weights(params, global_steps=global_steps) or {}
+        from verl.utils.device import set_expandable_segments
+
+        set_expandable_segments(False)
+        torch.cuda.empty_cache()
+        await self.rollout.resume(tags=["weights"])
+        params, _ = self.actor.engine.get_per_tensor_param()
+        await self.rollout.update_weights(params, global_steps=global_steps)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        await asyncio.to_thread(torch.distributed.barrier)
+        await self.rollout.resume(tags=["kv_cache"])
+        set_expandable_segments(True)
+        return {}
 
     def _sync_engine(self) -> None:
         """Gather the full parameters from the shards into rank 0's engine or host copy (every rank joins)."""
