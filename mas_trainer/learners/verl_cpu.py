@@ -160,33 +160,6 @@ class PlatformCPU(PlatformBase):
         return None
 
 
-def _value_model_with_sdpa() -> None:
-    """verl builds value models (GAE's critic) with `attn_implementation="flash_attention_2"`
-    written into `verl.utils.model.load_valuehead_model`; flash-attention exists only on CUDA.
-    On this platform the same loader runs with torch's SDPA attention instead (the FSDP engine
-    looks the function up at call time, so replacing the module attribute is enough)."""
-    import verl.utils.model as verl_model
-
-    original = verl_model.load_valuehead_model
-    if getattr(original, "_mas_cpu", False):
-        return
-
-    def load_valuehead_model(local_path: str, torch_dtype: Any, model_config: Any, trust_remote_code: bool) -> Any:
-        from transformers import AutoModelForTokenClassification
-
-        return AutoModelForTokenClassification.from_pretrained(
-            pretrained_model_name_or_path=local_path, torch_dtype=torch_dtype, config=model_config,
-            attn_implementation="sdpa", trust_remote_code=trust_remote_code)
-
-    load_valuehead_model._mas_cpu = True  # type: ignore[attr-defined]
-    verl_model.load_valuehead_model = load_valuehead_model
-
-
-def activate() -> None:
-    """Called in every worker process on CPU, before verl builds a model."""
-    _value_model_with_sdpa()
-
-
 def worker_env() -> dict[str, str]:
     """Environment of a verl worker process on CPU."""
     return {

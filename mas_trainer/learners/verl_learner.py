@@ -9,19 +9,44 @@ A trainable policy's worker group is a verl `RayWorkerGroup`; on every rank
   reads) as verl's `TrainingWorkerConfig` (model, FSDP2 engine, AdamW, checkpoint contents);
 - `turns_batch(turns, ...)`: turns laid out as verl's trainer lays out a batch (prompts
   left-padded, responses right-padded, then `left_right_2_no_padding`), with rows that carry
-  no tokens appended so the batch splits evenly over data-parallel ranks and mini-batches.
+  no tokens appended so the batch splits evenly over data-parallel ranks and mini-batches;
+- `load_streamed_weights(model, params)`: the full parameters verl streams from its shards
+  (`get_per_tensor_param`, MoE experts unpacked for vLLM) copied into a Hugging Face model.
+
+On CUDA the learner takes verl's own GPU path where flash-attention is installed: packed
+sequences (`use_remove_padding`), flash-attention 2 and `torch.compile`d entropy. Packing
+needs flash-attention: under torch's SDPA a packed row attends across its sequences
+(tests/learners/test_verl_gpu_path.py shows it), so without it the GPU keeps padded rows.
+The CPU path is the padded, SDPA, uncompiled one.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
+import importlib.util
+import logging
+import re
+from typing import Iterable
+
 import torch
 
 from mas_trainer.learners.batch import Turn
 from mas_trainer.learners.config import LearnerConfig
 
-__all__ = ["training_worker_config", "turns_batch", "padded_size", "response_values"]
+__all__ = [
+    "training_worker_config", "turns_batch", "padded_size", "response_values", "attention_implementation",
+    "use_value_model_loader", "load_streamed_weights",
+]
+
+log = logging.getLogger(__name__)
+
+
+def attention_implementation(device: str) -> str:
+    """`flash_attention_2` on CUDA where the `flash_attn` package is installed, else `sdpa`."""
+    if device == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
 
 
 def training_worker_config(
@@ -33,17 +58,24 @@ def training_worker_config(
     seed: int = 0,
     bf16: bool = True,
     lr: float | None = None,
+    device: str = "cpu",
 ) -> Any:
-    """verl's `TrainingWorkerConfig` for one policy (or its reference / value model)."""
+    """verl's `TrainingWorkerConfig` for one policy (or its reference / value model) on `device`."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig, TrainingWorkerConfig
 
+    attn = attention_implementation(device)
+    packed = attn == "flash_attention_2"  # see the module docstring
+    if model_type == "value_model":  # built in this process next, by verl's loader
+        use_value_model_loader(attn)
+    if device == "cuda" and not packed:
+        log.warning("flash-attention is not installed: the verl learner runs padded rows with SDPA attention "
+                    "(pip install 'mas-trainer[flash-attn]' for packed sequences)")
     model = HFModelConfig(
         path=model_dir,
-        # verl defaults to flash-attention 2, which exists only on CUDA builds
-        override_config={"attn_implementation": "sdpa"},
+        override_config={"attn_implementation": attn},  # verl's default is flash-attention 2, CUDA builds only
         enable_gradient_checkpointing=False,
-        use_remove_padding=False,
+        use_remove_padding=packed,
     )
     precision = "bf16" if bf16 else "fp32"
     engine = FSDPEngineConfig(
@@ -56,8 +88,8 @@ def training_worker_config(
         infer_max_token_len_per_gpu=learner.micro_batch_tokens,
         micro_batch_size_per_gpu=learner.micro_batch_size,
         infer_micro_batch_size_per_gpu=learner.micro_batch_size,
-        use_torch_compile=False,
-        use_remove_padding=False,
+        use_torch_compile=device == "cuda",  # verl's default; on CPU compiling costs more than it saves
+        use_remove_padding=packed,
         seed=seed,
     )
     optim = None if forward_only else FSDPOptimizerConfig(
@@ -149,3 +181,88 @@ def turns_batch(
 def response_values(padded: torch.Tensor, turns: Sequence[Turn]) -> list[list[float]]:
     """Each turn's (response_length,) values from a (B, R) tensor verl returned."""
     return [padded[b, : len(t.response_ids)].float().tolist() for b, t in enumerate(turns)]
+
+
+def use_value_model_loader(attn_implementation: str) -> None:
+    """verl builds value models (GAE's critic) in `verl.utils.model.load_valuehead_model`,
+    which writes in `attn_implementation="flash_attention_2"` (else it needs trl); neither is
+    in the GPU extras. The same loader runs here with the learner's own attention instead (the
+    FSDP engine looks the function up at call time, so replacing the module attribute is enough).
+    `training_worker_config` calls it for every value model, on every device."""
+    import verl.utils.model as verl_model
+
+    if getattr(verl_model.load_valuehead_model, "_mas_attn", None) == attn_implementation:
+        return
+
+    def load_valuehead_model(local_path: str, torch_dtype: Any, model_config: Any, trust_remote_code: bool) -> Any:
+        from transformers import AutoModelForTokenClassification
+
+        return AutoModelForTokenClassification.from_pretrained(
+            pretrained_model_name_or_path=local_path, torch_dtype=torch_dtype, config=model_config,
+            attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
+
+    load_valuehead_model._mas_attn = attn_implementation  # type: ignore[attr-defined]
+    verl_model.load_valuehead_model = load_valuehead_model
+
+
+# verl's `unfuse_moe_params` streams Transformers 5's packed experts (`<base>.gate_up_proj`,
+# (E, 2I, H), gate rows first; `<base>.down_proj`, (E, H, I)) as vLLM's per-expert names
+_EXPERT = re.compile(r"^(?P<base>.+\.mlp\.experts)\.(?P<i>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _destination(own: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, str] | None:
+    """The tensor (or packed-expert slice) of `own` that verl's streamed `name` fills, and its key."""
+    if name in own:
+        return own[name], name
+    m = _EXPERT.match(name)
+    if m is None:
+        return None
+    i = int(m["i"])
+    if m["proj"] == "down_proj":
+        key = f"{m['base']}.down_proj"
+        return (own[key][i], key) if key in own and own[key].dim() == 3 else None
+    key = f"{m['base']}.gate_up_proj"
+    if key not in own or own[key].dim() != 3:
+        return None
+    half = own[key].shape[1] // 2
+    rows = slice(0, half) if m["proj"] == "gate_proj" else slice(half, 2 * half)
+    return own[key][i, rows], key
+
+
+def load_streamed_weights(model: torch.nn.Module, params: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy the full parameters verl streams (`engine.get_per_tensor_param()`) into `model`.
+
+    Every streamed name must land somewhere (MoE per-expert names go back into their packed
+    tensors) and every tensor of `model` must be written in full (tied weights count once):
+    a copy that skipped names would serve and save stale weights with no sign of it.
+    """
+    own = model.state_dict()
+    written: dict[str, int] = {}
+    cls = type(model).__name__
+    error: str | None = None
+    with torch.no_grad():
+        for name, tensor in params:
+            if error is not None:
+                continue  # the stream is read to its end all the same: every rank gathers each tensor with this one
+            found = _destination(own, name)
+            if found is None:
+                error = (f"verl streamed the weight {name!r}, which {cls} has no tensor for: the weight copy knows "
+                         "Hugging Face names and verl's per-expert MoE names only; train this architecture with the "
+                         "torch learner (runtime.learner=torch)")
+                continue
+            dest, key = found
+            if dest.shape != tensor.shape:
+                error = (f"verl streamed {name!r} with shape {tuple(tensor.shape)}, but {cls} holds {tuple(dest.shape)} "
+                         "there: the learner and the engine hold different models")
+                continue
+            dest.copy_(tensor.to(dest.device, dest.dtype))
+            written[key] = written.get(key, 0) + dest.numel()
+    if error is not None:
+        raise ValueError(error)
+    full: dict[int, bool] = {}  # storage -> written in full under one of its names (tied weights)
+    for key, t in own.items():
+        full[t.data_ptr()] = full.get(t.data_ptr(), False) or written.get(key, 0) >= t.numel()
+    missing = [key for key, t in own.items() if not full[t.data_ptr()]]
+    if missing:
+        raise ValueError(f"verl's weight stream left {len(missing)} tensor(s) of {cls} unwritten, e.g. {missing[:3]}: "
+                         "the engine would serve stale weights; the learner and the engine hold different models")

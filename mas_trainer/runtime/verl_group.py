@@ -57,10 +57,6 @@ class PolicyWorker(Worker):
 
         if plan.torch_threads:
             torch.set_num_threads(plan.torch_threads)
-        if plan.device == "cpu":
-            from mas_trainer.learners.verl_cpu import activate
-
-            activate()
         if plan.device == "cpu" and not torch.distributed.is_initialized():
             # verl's own set-up would ask for "cpu:gloo,cpu:gloo", which torch refuses
             torch.distributed.init_process_group("gloo", rank=self.rank, world_size=self.world_size)
@@ -70,7 +66,8 @@ class PolicyWorker(Worker):
         model_dir = str(materialize(plan.model, seed=plan.seed))
         bf16 = self.learner.bf16 if isinstance(self.learner.bf16, bool) else bf16_is_fast(_device(plan.device))
         self.actor_config = build_actor_config(self.learner)
-        self.actor = TrainingWorker(training_worker_config(model_dir, self.learner, seed=plan.seed, bf16=bf16))
+        self.actor = TrainingWorker(training_worker_config(model_dir, self.learner, seed=plan.seed, bf16=bf16,
+                                                            device=plan.device))
         self.actor.reset()
         self.actor.set_loss_fn(partial(ppo_loss, config=self.actor_config))
         self.ref = None
@@ -79,7 +76,7 @@ class PolicyWorker(Worker):
             # the reference is an ordinary engine that is never stepped (AdamW allocates no state then)
             self.ref = TrainingWorker(training_worker_config(str(materialize(plan.reference or plan.model, seed=plan.seed)),
                                                              self.learner, forward_only=plan.device != "cpu", seed=plan.seed,
-                                                             bf16=bf16))
+                                                             bf16=bf16, device=plan.device))
             self.ref.reset()
         self.critic = None
         if self.advantage.estimator == "gae":
@@ -316,27 +313,17 @@ class PolicyWorker(Worker):
 
     def _sync_engine(self) -> None:
         """Gather the full parameters from the shards into rank 0's engine or host copy (every rank joins)."""
+        from mas_trainer.learners.verl_learner import load_streamed_weights
+
         params, _ = self.actor.engine.get_per_tensor_param()
         if self.engine is None and self.host_model is None:
             for _ in params:  # the all-gathers happen as the stream is read
                 pass
             return
         if self.engine is None:
-            own = self.host_model.state_dict()
-            with torch.no_grad():
-                for name, tensor in params:
-                    if name in own:
-                        own[name].copy_(tensor.to(own[name].device, own[name].dtype))
+            load_streamed_weights(self.host_model, params)
             return
-
-        def load(model: Any) -> None:
-            own = model.state_dict()
-            with torch.no_grad():
-                for name, tensor in params:
-                    if name in own:
-                        own[name].copy_(tensor.to(own[name].device, own[name].dtype))
-
-        self.engine.run_exclusive(load).result()
+        self.engine.run_exclusive(lambda model: load_streamed_weights(model, params)).result()
 
     # --- checkpoints (every rank) ----------------------------------------------------------
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
@@ -450,7 +437,8 @@ def _build_critic(model_dir: str, plan: WorkerPlan) -> Any:
     opt = LearnerConfig(lr=c.lr, max_grad_norm=c.max_grad_norm, mini_batch_size=c.mini_batch_size,
                         micro_batch_size=c.micro_batch_size)
     bf16 = c.bf16 if isinstance(c.bf16, bool) else bf16_is_fast(_device(plan.device))
-    worker = TrainingWorker(training_worker_config(model_dir, opt, model_type="value_model", seed=plan.seed, bf16=bf16))
+    worker = TrainingWorker(training_worker_config(model_dir, opt, model_type="value_model", seed=plan.seed, bf16=bf16,
+                                                    device=plan.device))
     worker.reset()
     # value_loss reads these three fields of verl's CriticConfig
     worker.set_loss_fn(partial(value_loss, config=SimpleNamespace(

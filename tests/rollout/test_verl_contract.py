@@ -207,6 +207,24 @@ def test_the_vllm_extra_installs_what_the_nccl_sync_imports():
     assert "import cupy" in src  # the reason; if verl drops it, this extra can drop cupy too
 
 
+def test_the_gpu_constraints_pin_what_the_gpu_extras_bring():
+    """Points 4 and 7: cupy and flash-attention come from verl's own extras, at verl's pins, and
+    constraints-gpu.txt holds the same pins (a drift on either side fails here)."""
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert "flash-attn" in set().union(*(_resolve(r, set()) for r in extras["flash-attn"]))
+    pins = {Requirement(line).name.lower(): str(Requirement(line).specifier)
+            for line in (ROOT / "constraints-gpu.txt").read_text().splitlines() if line and not line.startswith("#")}
+    for line in requires("verl") or []:
+        dep = Requirement(line)
+        if dep.name.lower() in ("flash-attn", "cupy-cuda13x", "vllm", "torch", "transformers") and dep.marker and any(
+                dep.marker.evaluate({"extra": e}) for e in ("vllm", "cupy-cu130", "flash-attn-cu130torch211")):
+            assert pins.get(dep.name.lower()) == str(dep.specifier), (dep.name, pins.get(dep.name.lower()))
+
+
 def test_colocated_replicas_run_on_the_learner_ranks_as_verls_hybrid_engine(vllm_rollout, tiny_dir, monkeypatch):
     """Point 5: colocated, verl gives each `tensor_parallel_size` learner ranks one replica
     (`LLMServerManager`), whose vLLMReplica asserts workers == TP x DP; each learner rank's own
