@@ -52,7 +52,7 @@ def bare_grpo(model_spec: str, steps: int, samples: int, new_tokens: int, lr: fl
         attn = torch.cat([enc["attention_mask"], (resp != tok.pad_token_id).long()], dim=1)
         mask = attn[:, enc["input_ids"].shape[1]:].float()
 
-        def logp(m):
+        def logp(m, seq=seq, attn=attn, resp=resp):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 logits = m(input_ids=seq, attention_mask=attn).logits[:, enc["input_ids"].shape[1] - 1:-1]
             return logits.float().log_softmax(-1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# The test command: set up .venv, then run the whole suite (tiny model, fake upstreams,
-# and one end-to-end test on the bundled SmolLM2 model).
+# The test command: set up .venv, the static checks (ruff: pyflakes + bugbear over the whole
+# repository; mypy over the core modules named in pyproject.toml), then the whole suite (tiny
+# model, fake upstreams, and one end-to-end test on the bundled SmolLM2 model).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+.venv/bin/ruff check --output-format concise .
+.venv/bin/mypy
 exec .venv/bin/python -m pytest -q "$@"

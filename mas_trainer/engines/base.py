@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Literal, Protocol, Sequence, runtime_checkable
+from typing import Any, AsyncGenerator, AsyncIterator, Literal, Protocol, Sequence, runtime_checkable
 
 __all__ = ["SamplingParams", "Generation", "Delta", "Engine", "StreamingEngine", "ChatFormat", "stream_generation",
            "max_context", "cut_at_stop", "EngineUnavailable"]
@@ -109,7 +109,7 @@ class StreamingEngine(Engine, Protocol):
 
 async def stream_generation(
     engine: Engine, prompt_ids: Sequence[int], params: SamplingParams, *, turn_id: str | None = None
-) -> AsyncIterator[Delta]:
+) -> AsyncGenerator[Delta, None]:
     """`engine.stream(...)` where the engine has it, else one delta per choice from `generate`."""
     stream = getattr(engine, "stream", None)
     if stream is not None:

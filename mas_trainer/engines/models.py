@@ -258,10 +258,10 @@ def load_tokenizer(spec: str) -> Any:
 
     if spec in ("tiny", "default"):
         return AutoTokenizer.from_pretrained(tokenizer_dir())
-    from mas_trainer.learners.lora import is_adapter, load_merged
+    from mas_trainer.learners.lora import adapter_base, is_adapter
 
-    if is_adapter(spec):  # a policy trained with learner.lora_rank: its base + the adapter, merged
-        return load_merged(spec, dtype=dtype, seed=seed)
+    if is_adapter(spec):  # a policy trained with learner.lora_rank: the adapter keeps its base's tokenizer
+        return load_tokenizer(adapter_base(spec))
     path, gguf_file = _resolve(spec)
     try:
         tok = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file, local_files_only=True)

@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import Awaitable, Iterable, TypeVar
+from typing import Any, Awaitable, Iterable, TypeVar
 
 __all__ = ["Flight", "Flights", "Stopped"]
 
@@ -65,7 +65,8 @@ class Flight:
         engine drops its rows) and `Stopped` is raised."""
         task = asyncio.ensure_future(work)
         try:
-            await asyncio.wait({task, self.stopped}, return_when=asyncio.FIRST_COMPLETED)
+            racers: set[asyncio.Future[Any]] = {task, self.stopped}
+            await asyncio.wait(racers, return_when=asyncio.FIRST_COMPLETED)
         finally:
             if not task.done():  # stopped, or our caller was cancelled (the client hung up)
                 task.cancel()

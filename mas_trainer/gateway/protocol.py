@@ -9,7 +9,7 @@ a 400 naming the field, never an AttributeError deep in the server (a 500).
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Iterable, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -162,6 +162,7 @@ def nested_too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         item, depth = stack.pop()
+        children: Iterable[Any]
         if isinstance(item, dict):
             children = item.values()
         elif isinstance(item, list):

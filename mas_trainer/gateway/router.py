@@ -79,8 +79,8 @@ class Router:
             r = self.spec.route(node)
             return RouteDecision(r.policy, role or r.role, node, r.trainable, rollout, call)
         if role and role in self._role_policy:
-            policy, trainable = self._role_policy[role]
-            return RouteDecision(policy, role, node, trainable, rollout, call)
+            role_policy, trainable = self._role_policy[role]
+            return RouteDecision(role_policy, role, node, trainable, rollout, call)
         policy = model if model in policies else self.model_routes.get(model)
         if policy is None and self.fallback is not None:
             policy = self.fallback

@@ -37,7 +37,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import Any, AsyncIterator, Awaitable, TypeVar
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Mapping, Sequence, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -310,7 +310,7 @@ class Gateway:
         for i, gen in enumerate(gens):
             self.ledger.file(call.decision.rollout_id, _llm_call(call, i, gen, *parsed[i], end))
 
-    async def _sse(self, call: _Call, first: Delta, deltas: AsyncIterator[Delta], flight: Flight) -> AsyncIterator[str]:
+    async def _sse(self, call: _Call, first: Delta, deltas: AsyncGenerator[Delta, None], flight: Flight) -> AsyncIterator[str]:
         base = {"id": f"chatcmpl-{call.call_id}", "object": "chat.completion.chunk", "created": int(call.start),
                 "model": call.req.model}
         # tool calls are known only once the whole text is: buffer it when tools are active
@@ -510,17 +510,17 @@ def _refuse(status: int, body: dict[str, Any], *, close: bool = False, retry: bo
     return JSONResponse(body, status_code=status, headers=headers or None)
 
 
-def _loc(err: dict[str, Any]) -> str:
+def _loc(err: Mapping[str, Any]) -> str:
     # pydantic names union members in the location ("str", "list[...]"): not fields
     parts = [str(p) for p in err.get("loc", ()) if p != "body" and not (isinstance(p, str) and ("[" in p or p == "str"))]
     return ".".join(parts) or "body"
 
 
-def _first_loc(errors: list[dict[str, Any]]) -> str | None:
+def _first_loc(errors: Sequence[Mapping[str, Any]]) -> str | None:
     return _loc(max(errors, key=lambda e: len(e.get("loc", ())))) if errors else None
 
 
-def _describe(errors: list[dict[str, Any]]) -> str:
+def _describe(errors: Sequence[Mapping[str, Any]]) -> str:
     # the deepest locations first: for a union they say which member came closest
     parts: list[str] = []
     for err in sorted(errors, key=lambda e: -len(e.get("loc", ()))):

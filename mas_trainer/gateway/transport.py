@@ -105,7 +105,9 @@ class GatewayServer:
         self.host, self.port = host, self._sock.getsockname()[1]
         config = uvicorn.Config(
             gateway.app, log_level="warning", lifespan="off", access_log=False, http=_protocol_for(self.limits),
-            timeout_keep_alive=self.limits.keep_alive_s, h11_max_incomplete_event_size=self.limits.max_header_bytes,
+            # uvicorn annotates int but schedules it with call_later: fractions of a second work
+            timeout_keep_alive=self.limits.keep_alive_s,  # type: ignore[arg-type]
+            h11_max_incomplete_event_size=self.limits.max_header_bytes,
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, name="mas-gateway", daemon=True)

@@ -148,8 +148,8 @@ def evaluate_levels(spec: RewardSpec, trajectory: Trajectory) -> LevelValues:
         if fn is not None:
             values.roles[role] = _call(fn, f"role level, role {role!r}, rollout {rid}", task, calls, trajectory)
     for call in trajectory.llm_calls:
-        fn = spec.turn_reward(call.role)
-        if fn is not None:
+        turn_fn = spec.turn_reward(call.role)
+        if turn_fn is not None:
             where = f"turn level, llm call {call.id} of role {call.role!r}, rollout {rid}"
-            values.turns[call.id] = _call(fn, where, task, call, trajectory)
+            values.turns[call.id] = _call(turn_fn, where, task, call, trajectory)
     return values

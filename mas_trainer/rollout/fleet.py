@@ -286,7 +286,6 @@ def serving_backends(checkpoints: dict[str, Any], kind: str, runtime: Any) -> di
     from mas_trainer.engines.chat import HFChatFormat
     from mas_trainer.engines.models import load_tokenizer
     from mas_trainer.gateway import PolicyBackend
-    from mas_trainer.rollout.config import ReplicaConfig
     from mas_trainer.runtime.star import init_ray_for, resolve_device
 
     if kind == "vllm":

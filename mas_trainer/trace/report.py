@@ -77,7 +77,7 @@ def print_trajectories(trajs: list[Trajectory], console: Console | None = None, 
     if len(trajs) > max_trees:
         console.print(f"… {len(trajs) - max_trees} more rollouts in the output file")
     console.print(role_table(trajs))
-    by_status = defaultdict(int)
+    by_status: defaultdict[str, int] = defaultdict(int)
     for t in trajs:
         by_status[t.status] += 1
     console.print("rollouts: " + ", ".join(f"{k} {v}" for k, v in sorted(by_status.items())))

@@ -84,7 +84,7 @@ EXPECTED = {"plan": "planner", "critic": "planner", "writer": "worker", "streame
 
 
 def test_64_concurrent_rollouts_attribute_every_call(fake_session):
-    app = fake_session.load_app(_mixed_graph())
+    fake_session.load_app(_mixed_graph())
     tasks = [{"tid": f"T{i:02d}", "out": []} for i in range(64)]
     trajs = fake_session.run(tasks)
     assert [t.task["tid"] for t in trajs] == [t["tid"] for t in tasks]

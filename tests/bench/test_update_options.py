@@ -10,7 +10,7 @@ def test_every_option_is_timed_against_full_fine_tuning(load_bench):
     opts = results["options"]
     assert set(opts) == {"full", "lora", "lora_top1", "lora+share", "lora_top1+share"}
     assert opts["full"]["ratio_full_over_this"] == 1.0
-    for name, o in opts.items():
+    for o in opts.values():
         assert o["s_per_update"] > 0
         assert o["ratio_full_over_this"] == opts["full"]["s_per_update"] / o["s_per_update"]
     # an adapter trains far fewer weights than the model; the top layer's adapter half of the 2-layer one's

@@ -115,6 +115,19 @@ def test_kl_reference_is_the_base_with_the_adapter_off(tiny):
     assert learner.merged
 
 
+def test_an_adapter_folder_has_its_bases_tokenizer_for_serve_and_the_viewer(tiny, tmp_path):
+    """`serve` on replicas and the viewer read a policy folder's tokenizer; for a LoRA policy
+    that folder is an adapter (it once raised NameError there)."""
+    from mas_trainer.engines.models import load_tokenizer
+    from mas_trainer.view.data import _load_tokenizer
+
+    model, tok = tiny
+    folder = TorchLearner(model, LearnerConfig(**LORA), base_spec="tiny").save_pretrained(tmp_path / "policy", tok)
+    text = "Paris is the capital of France."
+    for loaded in (load_tokenizer(str(folder)), _load_tokenizer(str(folder))):
+        assert loaded.encode(text) == tok.encode(text) and loaded.pad_token_id is not None
+
+
 @pytest.mark.parametrize("layers", [None, 1])
 def test_adapter_checkpoint_loads_merged_and_resumes_exactly(tiny, tmp_path, layers):
     model, tok = tiny

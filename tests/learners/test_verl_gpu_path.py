@@ -91,7 +91,7 @@ def test_value_models_load_without_flash_attention_on_every_device(tmp_path, mon
 
     config = AutoConfig.from_pretrained(tmp_path, num_labels=1)
     if importlib.util.find_spec("flash_attn") is None and importlib.util.find_spec("trl") is None:
-        with pytest.raises(Exception):
+        with pytest.raises((ImportError, RuntimeError)):
             verl_model.load_valuehead_model(str(tmp_path), torch.float32, config, False)
     _flash_attn(monkeypatch, False)
     training_worker_config(str(tmp_path), LearnerConfig(), model_type="value_model", device="cuda")

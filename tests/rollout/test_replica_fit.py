@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("verl")
