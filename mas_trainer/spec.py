@@ -57,7 +57,6 @@ class TrainSpec:
     reward: Callable[..., Any] | None = None
     role_rewards: Any = None  # callable or role -> callable: (task, role's calls, trajectory) -> float | None
     turn_rewards: Any = None  # callable or role -> callable: (task, llm call, trajectory) -> float | None
-    extras: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -71,7 +70,6 @@ class TrainSpec:
         reward: Callable[..., Any] | None = None,
         role_rewards: Any = None,
         turn_rewards: Any = None,
-        **extras: Any,
     ) -> "TrainSpec":
         roles = dict(roles or {})
         if policies is None:
@@ -96,7 +94,7 @@ class TrainSpec:
             raise SpecError(f"node(s) {', '.join(both)} are both trained (roles=) and frozen (frozen=); pick one")
         if reward is not None and not callable(reward):
             raise SpecError(f"reward must be a callable (task, final_state, trajectory) -> float, got {reward!r}")
-        return cls(roles, pols, dict(role_names or {}), frozen, default_policy, reward, role_rewards, turn_rewards, extras)
+        return cls(roles, pols, dict(role_names or {}), frozen, default_policy, reward, role_rewards, turn_rewards)
 
     @classmethod
     def one_policy_per_graph(cls, base_model: str = "default") -> "TrainSpec":

@@ -42,7 +42,7 @@ def trainable(
     frozen: list[str] | tuple[str, ...] = (),
     role_names: Mapping[str, str] | None = None,
     default_policy: str | None = None,
-    **extras: Any,
+    **unknown: Any,
 ) -> Any:
     """Mark a LangGraph app as trainable.
 
@@ -60,10 +60,12 @@ def trainable(
     """
     from .tracer import enable_serving_propagation
 
+    if unknown:  # a misspelt keyword would otherwise leave, say, a reward silently unset
+        raise SpecError(_unknown_keywords(sorted(unknown)))
     enable_serving_propagation()
     spec = TrainSpec.build(
         roles, policies, role_names=role_names, frozen=frozen, default_policy=default_policy, reward=reward,
-        role_rewards=role_rewards, turn_rewards=turn_rewards, **extras,
+        role_rewards=role_rewards, turn_rewards=turn_rewards,
     )
 
     def mark(obj: Any) -> Any:
@@ -121,3 +123,14 @@ def resolve(obj: Any, base_model: str | None = None) -> tuple[Pregel, ResolvedSp
     elif base_model:
         spec = spec.with_base_model(base_model)
     return graph, spec.resolve(node_names(graph))
+
+
+_KEYWORDS = ("roles", "policies", "reward", "role_rewards", "turn_rewards", "frozen", "role_names", "default_policy")
+
+
+def _unknown_keywords(names: list[str]) -> str:
+    import difflib
+
+    guesses = [f"{n!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(n, _KEYWORDS, n=1)) else repr(n)
+               for n in names]
+    return f"@trainable got unknown keyword(s) {', '.join(guesses)}; it takes {', '.join(_KEYWORDS)}"

@@ -100,6 +100,8 @@ def test_mistakes_are_caught_at_decoration_time():
         trainable(_builder(), roles={"plan_x": "p"})
     with pytest.raises(SpecError, match="valid policies: p"):
         trainable(_builder(), roles={"plan": "nope"}, policies={"p": "default"})
+    with pytest.raises(SpecError, match=r"unknown keyword\(s\) 'rewrad' \(did you mean 'reward'\?\)"):
+        trainable(_builder(), roles={"plan": "p"}, rewrad=lambda *a: 1.0)
     with pytest.raises(SpecError, match="both trained"):
         trainable(_builder(), roles={"plan": "p"}, frozen=["plan"])
     with pytest.raises(SpecError, match="expects a StateGraph"):
