@@ -45,7 +45,8 @@ def make_turns(vocab: int, batch: int, prompt: int, response: int, seed: int = 0
 def time_torch(model_spec: str, turns: list, records: list, reps: int) -> list[float]:
     from dataclasses import replace
 
-    from mas_trainer.algo.advantages import AdvantageConfig, compute_policy_advantages
+    from mas_trainer.algo.advantages import compute_policy_advantages
+    from mas_trainer.algo.config import AdvantageConfig
     from mas_trainer.engines.models import load_model
     from mas_trainer.learners import LearnerConfig, TorchLearner
 

@@ -50,9 +50,9 @@ def test_an_allocator_the_app_registers_is_checked_once_it_exists():
 
 
 def test_config_models_are_importable_from_their_old_places():
-    from mas_trainer.algo.advantages import AdvantageConfig
+    from mas_trainer.algo.config import AdvantageConfig
     from mas_trainer.algo.config import AdvantageConfig as light_advantage
     from mas_trainer.learners.config import CriticConfig as light_critic
-    from mas_trainer.learners.critic import CriticConfig
+    from mas_trainer.learners.config import CriticConfig
 
     assert AdvantageConfig is light_advantage and CriticConfig is light_critic

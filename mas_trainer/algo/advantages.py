@@ -33,9 +33,7 @@ from mas_trainer.algo.config import AdvantageConfig
 from mas_trainer.errors import UserError
 from mas_trainer.trace.schema import Trajectory
 
-# AdvantageConfig lives in the torch-free algo.config; it is re-exported here for callers
-# that import it with the computation.
-__all__ = ["AdvantageConfig", "TurnRecord", "TurnAdvantage", "AdvantageBatch", "turn_records", "tasks_with_spread", "compute_policy_advantages"]
+__all__ = ["TurnRecord", "TurnAdvantage", "AdvantageBatch", "turn_records", "tasks_with_spread", "compute_policy_advantages"]
 
 
 @dataclass(frozen=True)

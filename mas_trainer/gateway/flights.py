@@ -118,9 +118,6 @@ class Flights:
     def closed(self) -> bool:
         return self._closed
 
-    def in_flight(self) -> int:
-        return sum(not f.done for f in list(self._open))
-
     def end_rollouts(self, ids: Iterable[str]) -> None:
         """Stop the calls of these rollouts now and refuse their later ones (returns at once)."""
         ids = {str(i) for i in ids}

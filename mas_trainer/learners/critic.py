@@ -43,9 +43,7 @@ from mas_trainer.engines.models import bf16_is_fast
 from mas_trainer.learners.batch import PackedTurns, Turn, micro_batches, pack_turns, update_mini_batches
 from mas_trainer.learners.config import CriticConfig
 
-# CriticConfig lives in the torch-free learners.config; re-exported for callers that import
-# it with the critic.
-__all__ = ["CriticConfig", "TorchCritic"]
+__all__ = ["TorchCritic"]
 
 
 class _ValueModel(torch.nn.Module):

@@ -112,11 +112,6 @@ class TorchRolloutServer(Worker):
         """The learner version now served; answers carry it in `extra_fields["global_steps"]`."""
         self.global_steps = global_steps
 
-    async def weights_digest(self) -> float:
-        """A cheap fingerprint of the served weights (tests compare it with the learner's)."""
-        fut = self.engine.run_exclusive(lambda m: float(sum(p.double().sum() for p in m.state_dict().values())))
-        return await asyncio.wrap_future(fut)
-
     # --- weights: verl's CheckpointEngineWorker interface -------------------------------
     @register(dispatch_mode=Dispatch.DP_COMPUTE, blocking=False)
     def execute_checkpoint_engine(self, method: str, *args: Any, **kwargs: Any) -> Any:

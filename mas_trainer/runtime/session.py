@@ -27,15 +27,14 @@ from mas_trainer.apps import load_object
 from mas_trainer.config import RuntimeConfig
 from mas_trainer.gateway import Gateway, GatewayServer, Ledger, PolicyBackend, RolloutSampling, Router
 
-# torch_backend and lazy_backend are imported from here by callers that predate runtime.backends
-from mas_trainer.runtime.backends import EngineSettings, lazy_backend, policy_backends, torch_backend
+from mas_trainer.runtime.backends import EngineSettings, policy_backends
 from mas_trainer.runtime.controller import AppRunner, Controller
 from mas_trainer.spec import FROZEN_POLICY
 from mas_trainer.trace import otel
 from mas_trainer.trace.instrument import instrument_openai
 from mas_trainer.trace.schema import Trajectory
 
-__all__ = ["Session", "torch_backend", "lazy_backend"]
+__all__ = ["Session"]
 
 log = logging.getLogger(__name__)
 

@@ -49,7 +49,7 @@ class PolicyWorker(Worker):
         from verl.workers.engine_workers import TrainingWorker
         from verl.workers.utils.losses import ppo_loss
 
-        from mas_trainer.algo.advantages import AdvantageConfig
+        from mas_trainer.algo.config import AdvantageConfig
         from mas_trainer.engines.models import materialize
         from mas_trainer.learners.config import LearnerConfig
         from mas_trainer.learners.torch_learner import build_actor_config

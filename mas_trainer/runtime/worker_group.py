@@ -48,7 +48,7 @@ class WorkerGroup:
     def __init__(self, plan: WorkerPlan) -> None:
         import torch
 
-        from mas_trainer.algo.advantages import AdvantageConfig
+        from mas_trainer.algo.config import AdvantageConfig
         from mas_trainer.engines.models import load_model
         from mas_trainer.engines.torch_engine import TorchEngine
         from mas_trainer.learners.config import LearnerConfig
@@ -73,7 +73,8 @@ class WorkerGroup:
         self.advantage_config = AdvantageConfig.model_validate(plan.advantage)
         self.critic = None
         if self.advantage_config.estimator == "gae":  # GAE bootstraps from a learned value model
-            from mas_trainer.learners.critic import CriticConfig, TorchCritic
+            from mas_trainer.learners.config import CriticConfig
+            from mas_trainer.learners.critic import TorchCritic
 
             # built before a LoRA adapter is injected: the value model copies the plain body
             self.critic = TorchCritic(model, CriticConfig.model_validate(plan.critic))

@@ -1,6 +1,6 @@
 """The trajectory record (one JSON object per line in ``trajectories.jsonl``).
 
-These field names are a contract: DESIGN.md lists them and later stages (rewards,
+These field names are a contract: docs/trajectory.md lists them and later stages (rewards,
 advantages, replay) read them. Add fields, never rename; bump SCHEMA_VERSION when a
 field changes meaning.
 """

@@ -12,10 +12,12 @@ pytest.importorskip("verl.trainer.ppo.core_algos")
 from pydantic import ValidationError  # noqa: E402
 from verl.trainer.ppo import core_algos  # noqa: E402
 
-from mas_trainer.algo.advantages import AdvantageConfig, TurnRecord, compute_policy_advantages  # noqa: E402
+from mas_trainer.algo.advantages import TurnRecord, compute_policy_advantages  # noqa: E402
+from mas_trainer.algo.config import AdvantageConfig  # noqa: E402
 from mas_trainer.engines.models import load_model  # noqa: E402
 from mas_trainer.learners.batch import Turn  # noqa: E402
-from mas_trainer.learners.critic import CriticConfig, TorchCritic  # noqa: E402
+from mas_trainer.learners.config import CriticConfig  # noqa: E402
+from mas_trainer.learners.critic import TorchCritic  # noqa: E402
 
 FP32 = dict(bf16=False)
 

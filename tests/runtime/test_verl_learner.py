@@ -89,7 +89,8 @@ def test_verl_and_torch_learners_agree_on_one_update(tmp_path):
     from verl.plugin.platform.platform_manager import set_platform
     from verl.single_controller.ray.base import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
-    from mas_trainer.algo.advantages import AdvantageConfig, TurnRecord, compute_policy_advantages
+    from mas_trainer.algo.advantages import TurnRecord, compute_policy_advantages
+    from mas_trainer.algo.config import AdvantageConfig
     from mas_trainer.engines.base import SamplingParams
     from mas_trainer.engines.models import load_model
     from mas_trainer.learners.batch import Turn
