@@ -5,7 +5,29 @@ Torch-free here: `ReplicaEngine`, `ReplicaConfig`. `mas_trainer.rollout.fleet` (
 `torch_replica` and `gloo_sync` (torch) are imported where a run uses them.
 """
 
-from mas_trainer.rollout.config import ENGINES, ReplicaConfig
-from mas_trainer.rollout.engine import ReplicaEngine, ReplicaError, vllm_sampling
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from mas_trainer.rollout.config import ENGINES, ReplicaConfig
+    from mas_trainer.rollout.engine import ReplicaEngine, ReplicaError, vllm_sampling
 
 __all__ = ["ENGINES", "ReplicaConfig", "ReplicaEngine", "ReplicaError", "vllm_sampling"]
+
+# imported on first use: `import mas_trainer.config` (every CLI command) must not pay for
+# FastAPI, OpenTelemetry or Ray through a package's __init__
+_LAZY = {
+    "ENGINES": "mas_trainer.rollout.config",
+    "ReplicaConfig": "mas_trainer.rollout.config",
+    "ReplicaEngine": "mas_trainer.rollout.engine",
+    "ReplicaError": "mas_trainer.rollout.engine",
+    "vllm_sampling": "mas_trainer.rollout.engine",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

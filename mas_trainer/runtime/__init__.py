@@ -1,5 +1,25 @@
 """Runtime: the controller that runs apps on tasks."""
 
-from .controller import AppRunner, Controller, RunResult
+from __future__ import annotations
 
-__all__ = ["Controller", "AppRunner", "RunResult"]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from mas_trainer.runtime.controller import AppRunner, Controller, RunResult
+
+__all__ = ["AppRunner", "Controller", "RunResult"]
+
+# imported on first use: `import mas_trainer.config` (every CLI command) must not pay for
+# FastAPI, OpenTelemetry or Ray through a package's __init__
+_LAZY = {
+    "AppRunner": "mas_trainer.runtime.controller",
+    "Controller": "mas_trainer.runtime.controller",
+    "RunResult": "mas_trainer.runtime.controller",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,7 +5,30 @@
 same page as one self-contained file (:mod:`mas_trainer.view.server`).
 """
 
-from mas_trainer.view.data import ViewSource, build_charts, token_pieces
-from mas_trainer.view.server import ViewServer, serve_view, write_html
+from __future__ import annotations
 
-__all__ = ["ViewSource", "ViewServer", "serve_view", "write_html", "build_charts", "token_pieces"]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from mas_trainer.view.data import ViewSource, build_charts, token_pieces
+    from mas_trainer.view.server import ViewServer, serve_view, write_html
+
+__all__ = ["ViewSource", "build_charts", "token_pieces", "ViewServer", "serve_view", "write_html"]
+
+# imported on first use: `import mas_trainer.config` (every CLI command) must not pay for
+# FastAPI, OpenTelemetry or Ray through a package's __init__
+_LAZY = {
+    "ViewSource": "mas_trainer.view.data",
+    "build_charts": "mas_trainer.view.data",
+    "token_pieces": "mas_trainer.view.data",
+    "ViewServer": "mas_trainer.view.server",
+    "serve_view": "mas_trainer.view.server",
+    "write_html": "mas_trainer.view.server",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
