@@ -71,7 +71,8 @@ def time_verl(model_spec: str, world: int, turns: list, records: list, reps: int
     from verl.single_controller.ray.base import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
     from mas_trainer.learners.verl_cpu import worker_env
-    from mas_trainer.runtime.plan import Resources, WorkerPlan
+    from mas_trainer.config import Resources
+    from mas_trainer.runtime.plan import WorkerPlan
     from mas_trainer.runtime.verl_group import PolicyWorker
 
     n = len(turns)

@@ -1,4 +1,6 @@
-"""Load the object an APP reference names: ``path/to/file.py:attr`` or ``package.module:attr``."""
+"""Apps: load the object an APP reference names (``path/to/file.py:attr`` or
+``package.module:attr``), and what a framework adapter gives the controller for each run
+(`AppRunner`, `RunResult`)."""
 
 from __future__ import annotations
 
@@ -6,11 +8,14 @@ import importlib
 import importlib.util
 import sys
 from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from mas_trainer.errors import UserError
+from mas_trainer.spec import ResolvedSpec
+from mas_trainer.trace.schema import NodeCall, ToolCall
 
-__all__ = ["AppLoadError", "load_object"]
+__all__ = ["AppLoadError", "load_object", "AppRunner", "RunResult"]
 
 
 class AppLoadError(UserError):
@@ -53,3 +58,22 @@ def load_object(ref: str) -> Any:
             raise AppLoadError(f"{where} has no attribute {attr!r}; it defines: {', '.join(names[:20])}")
         obj = getattr(obj, part)
     return obj
+
+
+@dataclass
+class RunResult:
+    status: str
+    error: str | None
+    final_state: Any
+    nodes: list[NodeCall]
+    tool_calls: list[ToolCall]
+    trace_id: str | None
+
+
+class AppRunner(Protocol):
+    """What the controller needs from a framework adapter."""
+
+    framework: str
+    spec: ResolvedSpec
+
+    async def run(self, task: dict[str, Any], rollout_id: str, *, timeout_s: float | None = None) -> RunResult: ...

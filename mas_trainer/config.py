@@ -8,8 +8,10 @@ here, before anything starts. Importing this module does not import torch.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Iterable, Literal, Mapping, Sequence
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -19,10 +21,51 @@ from mas_trainer.errors import UserError
 from mas_trainer.learners.config import CriticConfig, LearnerConfig
 from mas_trainer.rewards.allocators import LevelWeights, allocator_names, check_allocator
 from mas_trainer.rollout.config import ENGINES, ReplicaConfig
-from mas_trainer.runtime.plan import Resources
-from mas_trainer.runtime.tracking import TRACKERS, check_trackers
 
-__all__ = ["FitConfig", "PolicyConfig", "RuntimeConfig", "load_config", "describe_keys", "check_torch_only", "ConfigError"]
+__all__ = [
+    "FitConfig", "PolicyConfig", "RuntimeConfig", "Resources", "load_config", "describe_keys", "check_torch_only",
+    "check_trackers", "TRACKERS", "ConfigError",
+]
+
+TRACKERS = ("console", "tensorboard", "mlflow", "wandb")
+
+# what each tracker imports, and what to install when it is missing
+_TRACKER_NEEDS: dict[str, tuple[tuple[str, ...], str]] = {
+    "tensorboard": (("tensorboard",), "pip install tensorboard"),
+    "mlflow": (("mlflow", "sqlalchemy", "alembic"), "pip install 'mas-trainer[trackers]' (or: pip install mlflow)"),
+    "wandb": (("wandb",), "pip install 'mas-trainer[trackers]' (or: pip install wandb)"),
+}
+
+
+def check_trackers(names: Iterable[str]) -> None:
+    """One line naming what to install for each tracker whose package is missing; called
+    when the config loads and again before `fit` starts anything."""
+    for name in names:
+        if name not in TRACKERS:
+            raise UserError(f"logger: unknown tracker {name!r}; choose from {', '.join(TRACKERS)}")
+        modules, how = _TRACKER_NEEDS.get(name, ((), ""))
+        missing = [m for m in modules if importlib.util.find_spec(m) is None]
+        if name == "mlflow" and "mlflow" not in missing and os.environ.get("MLFLOW_TRACKING_URI", "sqlite").split(":")[0] != "sqlite":
+            missing = []  # a server or another store: the client alone is enough
+        if missing:
+            raise UserError(f"logger: {name} needs the {', '.join(missing)} package{'s' if len(missing) > 1 else ''}, "
+                            f"not installed: {how}")
+
+
+class Resources(BaseModel):
+    """Where one policy's worker group runs (config: `runtime.resources`, per policy
+    `policies.NAME.resources`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    nodes: int = Field(1, ge=1, description="nodes of the policy's resource pool")
+    procs_per_node: int = Field(1, ge=1, description="training processes (ranks) per node; world size = nodes x procs_per_node")
+    gpus_per_proc: float = Field(1.0, gt=0, le=1, description="GPU share of each rank where there are GPUs (1: a GPU each; "
+                                 "below 1 only on the torch learner, whose policies then share GPUs)")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs_per_node
 
 
 class ConfigError(UserError):

@@ -80,7 +80,7 @@ def build_gateway(run_dir: str | Path, *, routes: Mapping[str, str] | None = Non
     gateway = Gateway(Router(spec, model_routes=routes, known_nodes_only=True), api_key=api_key, default_max_tokens=max_tokens)
     served = {}
     if engine != "embedded":
-        from mas_trainer.rollout.fleet import serving_backends
+        from mas_trainer.runtime.star import serving_backends
 
         served = serving_backends({p: trained[p] for p, pol in spec.policies.items() if pol.trainable}, engine, cfg.runtime)
     for name, backend in policy_backends(spec.policies, cfg.runtime, seed=cfg.seed, checkpoints=trained,

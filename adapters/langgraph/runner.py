@@ -11,7 +11,7 @@ from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.errors import GraphRecursionError
 from langgraph.pregel import Pregel
 
-from mas_trainer.runtime.controller import RunResult
+from mas_trainer.apps import RunResult
 
 from .tracer import GraphTracer
 from .trainable import resolve

@@ -15,6 +15,7 @@ and a lost rename race between processes just discards the loser's copy.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -28,6 +29,11 @@ if TYPE_CHECKING:  # pragma: no cover - typing only; torch stays a lazy import
     import torch
 
 __all__ = [
+    "ADAPTER_CONFIG",
+    "is_adapter",
+    "adapter_base",
+    "load_merged",
+    "save_merged",
     "ModelNotFoundError",
     "load_model",
     "load_tokenizer",
@@ -258,8 +264,6 @@ def load_tokenizer(spec: str) -> Any:
 
     if spec in ("tiny", "default"):
         return AutoTokenizer.from_pretrained(tokenizer_dir())
-    from mas_trainer.learners.lora import adapter_base, is_adapter
-
     if is_adapter(spec):  # a policy trained with learner.lora_rank: the adapter keeps its base's tokenizer
         return load_tokenizer(adapter_base(spec))
     path, gguf_file = _resolve(spec)
@@ -344,8 +348,6 @@ def load_model(spec: str, *, dtype: "torch.dtype | None" = None, seed: int = 0) 
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
         tok = fix_tokenizer(AutoTokenizer.from_pretrained(folder), model)
         return model.eval(), tok
-    from mas_trainer.learners.lora import is_adapter, load_merged
-
     if is_adapter(spec):  # a policy trained with learner.lora_rank: its base + the adapter, merged
         return load_merged(spec, dtype=dtype, seed=seed)
     path, gguf_file = _resolve(spec)
@@ -358,3 +360,39 @@ def load_model(spec: str, *, dtype: "torch.dtype | None" = None, seed: int = 0) 
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tok.pad_token_id
     return model.eval(), tok
+
+
+# --- peft adapter folders (a policy trained with learner.lora_rank; learners/lora.py makes them) ---
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def is_adapter(folder: str | Path | None) -> bool:
+    """Whether `folder` holds a peft adapter (rather than a whole model)."""
+    return folder is not None and (Path(str(folder)).expanduser() / ADAPTER_CONFIG).is_file()
+
+
+def adapter_base(folder: str | Path) -> str:
+    """The model spec the adapter in `folder` was trained on."""
+    path = Path(folder).expanduser() / ADAPTER_CONFIG
+    try:
+        base = json.loads(path.read_text())["base_model_name_or_path"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise UserError(f"{path}: not a readable peft adapter config ({exc}); re-export the policy") from None
+    if not base:
+        raise UserError(f"{path} names no base model (base_model_name_or_path); set it to the model the adapter was trained on")
+    return str(base)
+
+
+def load_merged(folder: str | Path, *, dtype: Any = None, seed: int = 0) -> tuple[Any, Any]:
+    """(model, tokenizer) of base + the adapter in `folder`, merged into plain weights."""
+    from peft import PeftModel
+
+    base, tokenizer = load_model(adapter_base(folder), dtype=dtype, seed=seed)
+    merged = PeftModel.from_pretrained(base, str(Path(folder).expanduser())).merge_and_unload()
+    return merged.eval(), tokenizer
+
+
+def save_merged(folder: str | Path, out: str | Path, *, seed: int = 0) -> Path:
+    """Write base + the adapter in `folder` as one plain Hugging Face folder at `out`."""
+    model, tokenizer = load_merged(folder, seed=seed)
+    return save_pretrained(model, tokenizer, out)

@@ -14,40 +14,19 @@ only (~1e-7 relative), far below what the update moves.
 On disk a policy trained with LoRA is a peft adapter folder (``adapter_config.json``,
 ``adapter_model.safetensors``, the tokenizer), whose ``base_model_name_or_path`` is the
 mas-trainer model spec it was trained on (``default``, ``tiny`` or a folder):
-`load_model` turns such a folder into the merged model (eval, serve), `open_adapter` into a
-trainable one (``fit --resume``), and ``export`` writes it merged (a plain Hugging Face
+`engines.models.load_model` turns such a folder into the merged model (eval, serve; the
+folder format is read there), `open_adapter` into a trainable one (``fit --resume``), and ``export`` writes it merged (a plain Hugging Face
 folder) or, with ``--adapter``, as the adapter itself.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from mas_trainer.errors import UserError
 
-__all__ = ["ADAPTER_CONFIG", "is_adapter", "adapter_base", "add_adapter", "open_adapter", "load_merged", "save_merged"]
-
-ADAPTER_CONFIG = "adapter_config.json"
-
-
-def is_adapter(folder: str | Path | None) -> bool:
-    """Whether `folder` holds a peft adapter (rather than a whole model)."""
-    return folder is not None and (Path(str(folder)).expanduser() / ADAPTER_CONFIG).is_file()
-
-
-def adapter_base(folder: str | Path) -> str:
-    """The model spec the adapter in `folder` was trained on."""
-    path = Path(folder).expanduser() / ADAPTER_CONFIG
-    try:
-        base = json.loads(path.read_text())["base_model_name_or_path"]
-    except (OSError, ValueError, KeyError) as exc:
-        raise UserError(f"{path}: not a readable peft adapter config ({exc}); re-export the policy") from None
-    if not base:
-        raise UserError(f"{path} names no base model (base_model_name_or_path); set it to the model the adapter was trained on")
-    return str(base)
-
+__all__ = ["add_adapter", "open_adapter"]
 
 def add_adapter(model: Any, *, rank: int, alpha: float, target_modules: str | list[str], base_spec: str,
                 layers: int | None = None) -> Any:
@@ -96,22 +75,3 @@ def open_adapter(model: Any, folder: str | Path) -> Any:
     from peft import PeftModel
 
     return PeftModel.from_pretrained(model, str(folder), is_trainable=True)
-
-
-def load_merged(folder: str | Path, *, dtype: Any = None, seed: int = 0) -> tuple[Any, Any]:
-    """(model, tokenizer) of base + the adapter in `folder`, merged into plain weights."""
-    from peft import PeftModel
-
-    from mas_trainer.engines.models import load_model
-
-    base, tokenizer = load_model(adapter_base(folder), dtype=dtype, seed=seed)
-    merged = PeftModel.from_pretrained(base, str(Path(folder).expanduser())).merge_and_unload()
-    return merged.eval(), tokenizer
-
-
-def save_merged(folder: str | Path, out: str | Path, *, seed: int = 0) -> Path:
-    """Write base + the adapter in `folder` as one plain Hugging Face folder at `out`."""
-    from mas_trainer.engines.models import save_pretrained
-
-    model, tokenizer = load_merged(folder, seed=seed)
-    return save_pretrained(model, tokenizer, out)

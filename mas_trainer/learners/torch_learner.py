@@ -147,7 +147,7 @@ class TorchLearner:
         self.bf16 = config.bf16 if isinstance(config.bf16, bool) else bf16_is_fast(self.device)
         self.peft: Any = None
         if config.lora_rank:
-            from mas_trainer.learners import lora
+            import mas_trainer.learners.lora as lora
 
             self.peft = lora.open_adapter(model, adapter) if adapter is not None else lora.add_adapter(
                 model, rank=config.lora_rank, alpha=config.lora_alpha, target_modules=config.target_modules, base_spec=base_spec,

@@ -277,34 +277,3 @@ def _client(name: str, balancer: Any) -> Any:
     # the two fields of verl's trainer config the client reads
     return LLMServerClient(config=OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": name, "full_determinism": False}}}),
                            load_balancer_handle=balancer)
-
-
-def serving_backends(checkpoints: dict[str, Any], kind: str, runtime: Any) -> dict[str, Any]:
-    """`serve --engine vllm|torch-replica`: rollout replicas on each trained policy's Hugging
-    Face folder (no learner, no weight sync), as gateway backends; closing a backend's engine
-    stops its replicas."""
-    from mas_trainer.engines.chat import HFChatFormat
-    from mas_trainer.engines.models import load_tokenizer
-    from mas_trainer.gateway import PolicyBackend
-    from mas_trainer.runtime.star import init_ray_for, resolve_device
-
-    if kind == "vllm":
-        require_vllm()
-    device = resolve_device(runtime.device)
-    cfg: ReplicaConfig = runtime.replica.model_copy(update={"placement": "separate"})
-    init_ray_for(device, runtime, cfg.replicas * len(checkpoints))
-    opts = {"max_batch_size": runtime.max_batch_size, "batch_wait_ms": runtime.batch_wait_ms, "bf16": runtime.engine_bf16}
-    backends: dict[str, Any] = {}
-    fleets: list[RolloutFleet] = []
-    try:
-        for i, (name, folder) in enumerate(checkpoints.items()):
-            fleet = RolloutFleet(name, str(folder), kind, cfg, device=device, torch_opts=opts,
-                                 first_rank=i * cfg.replicas).start()
-            fleets.append(fleet)
-            tokenizer = load_tokenizer(str(folder))
-            backends[name] = PolicyBackend(fleet.engine(tokenizer, owned=True), HFChatFormat(tokenizer))
-    except BaseException:
-        for fleet in fleets:
-            fleet.close()
-        raise
-    return backends

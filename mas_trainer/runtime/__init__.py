@@ -6,16 +6,17 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from mas_trainer.runtime.controller import AppRunner, Controller, RunResult
+    from mas_trainer.apps import AppRunner, RunResult
+    from mas_trainer.runtime.controller import Controller
 
 __all__ = ["AppRunner", "Controller", "RunResult"]
 
 # imported on first use: `import mas_trainer.config` (every CLI command) must not pay for
 # FastAPI, OpenTelemetry or Ray through a package's __init__
 _LAZY = {
-    "AppRunner": "mas_trainer.runtime.controller",
+    "AppRunner": "mas_trainer.apps",
     "Controller": "mas_trainer.runtime.controller",
-    "RunResult": "mas_trainer.runtime.controller",
+    "RunResult": "mas_trainer.apps",
 }
 
 

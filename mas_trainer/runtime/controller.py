@@ -9,33 +9,13 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable
 
+from mas_trainer.apps import AppRunner
 from mas_trainer.gateway.ledger import Ledger
-from mas_trainer.spec import ResolvedSpec
-from mas_trainer.trace.schema import NodeCall, ToolCall, Trajectory
+from mas_trainer.trace.schema import Trajectory
 
-__all__ = ["RunResult", "AppRunner", "Controller", "jsonable"]
-
-
-@dataclass
-class RunResult:
-    status: str
-    error: str | None
-    final_state: Any
-    nodes: list[NodeCall]
-    tool_calls: list[ToolCall]
-    trace_id: str | None
-
-
-class AppRunner(Protocol):
-    """What the controller needs from a framework adapter."""
-
-    framework: str
-    spec: ResolvedSpec
-
-    async def run(self, task: dict[str, Any], rollout_id: str, *, timeout_s: float | None = None) -> RunResult: ...
+__all__ = ["Controller", "jsonable"]
 
 
 def jsonable(obj: Any) -> Any:

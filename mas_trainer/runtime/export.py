@@ -12,7 +12,7 @@ import json
 import shutil
 from pathlib import Path
 
-from mas_trainer.learners.lora import ADAPTER_CONFIG, adapter_base, is_adapter, save_merged
+from mas_trainer.engines.models import ADAPTER_CONFIG, adapter_base, is_adapter, save_merged
 from mas_trainer.runtime.backends import run_config, trained_policies
 from mas_trainer.runtime.rundir import RunDir
 

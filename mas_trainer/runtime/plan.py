@@ -10,23 +10,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["WorkerPlan", "Resources"]
+from mas_trainer.config import Resources
 
-
-class Resources(BaseModel):
-    """Where one policy's worker group runs (config: `runtime.resources`, per policy
-    `policies.NAME.resources`)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    nodes: int = Field(1, ge=1, description="nodes of the policy's resource pool")
-    procs_per_node: int = Field(1, ge=1, description="training processes (ranks) per node; world size = nodes x procs_per_node")
-    gpus_per_proc: float = Field(1.0, gt=0, le=1, description="GPU share of each rank where there are GPUs (1: a GPU each; "
-                                 "below 1 only on the torch learner, whose policies then share GPUs)")
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.procs_per_node
+__all__ = ["WorkerPlan"]
 
 
 class WorkerPlan(BaseModel):

@@ -28,7 +28,8 @@ from mas_trainer.config import RuntimeConfig
 from mas_trainer.gateway import Gateway, GatewayServer, Ledger, PolicyBackend, RolloutSampling, Router
 
 from mas_trainer.runtime.backends import EngineSettings, policy_backends
-from mas_trainer.runtime.controller import AppRunner, Controller
+from mas_trainer.apps import AppRunner
+from mas_trainer.runtime.controller import Controller
 from mas_trainer.spec import FROZEN_POLICY
 from mas_trainer.trace import otel
 from mas_trainer.trace.instrument import instrument_openai

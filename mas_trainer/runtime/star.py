@@ -23,7 +23,7 @@ from mas_trainer.engines.base import Generation, SamplingParams
 from mas_trainer.runtime.plan import WorkerPlan
 
 __all__ = ["WorkerGroupHandle", "WorkerHandle", "VerlGroupHandle", "ReplicaGroupHandle", "WorkerEngine", "start_workers",
-           "resolve_device"]
+           "resolve_device", "serving_backends"]
 
 log = logging.getLogger(__name__)
 
@@ -457,3 +457,35 @@ def _with_replicas(plan: WorkerPlan, learner: VerlGroupHandle, threads: int | No
         learner.close()
         raise
     return ReplicaGroupHandle(plan.policy, learner, fleet, load_tokenizer(model_dir))
+
+
+def serving_backends(checkpoints: dict[str, Any], kind: str, runtime: Any) -> dict[str, Any]:
+    """`serve --engine vllm|torch-replica`: rollout replicas on each trained policy's Hugging
+    Face folder (no learner, no weight sync), as gateway backends; closing a backend's engine
+    stops its replicas."""
+    from mas_trainer.engines.chat import HFChatFormat
+    from mas_trainer.engines.models import load_tokenizer
+    from mas_trainer.gateway import PolicyBackend
+    from mas_trainer.rollout.config import ReplicaConfig
+    from mas_trainer.rollout.fleet import RolloutFleet, require_vllm
+
+    if kind == "vllm":
+        require_vllm()
+    device = resolve_device(runtime.device)
+    cfg: ReplicaConfig = runtime.replica.model_copy(update={"placement": "separate"})
+    init_ray_for(device, runtime, cfg.replicas * len(checkpoints))
+    opts = {"max_batch_size": runtime.max_batch_size, "batch_wait_ms": runtime.batch_wait_ms, "bf16": runtime.engine_bf16}
+    backends: dict[str, Any] = {}
+    fleets: list[RolloutFleet] = []
+    try:
+        for i, (name, folder) in enumerate(checkpoints.items()):
+            fleet = RolloutFleet(name, str(folder), kind, cfg, device=device, torch_opts=opts,
+                                 first_rank=i * cfg.replicas).start()
+            fleets.append(fleet)
+            tokenizer = load_tokenizer(str(folder))
+            backends[name] = PolicyBackend(fleet.engine(tokenizer, owned=True), HFChatFormat(tokenizer))
+    except BaseException:
+        for fleet in fleets:
+            fleet.close()
+        raise
+    return backends

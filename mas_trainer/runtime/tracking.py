@@ -35,7 +35,6 @@ configured here as verl configures them (same names, MLflow keys sanitised the s
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import logging
 import math
@@ -45,38 +44,15 @@ import struct
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
-from mas_trainer.errors import UserError
+from mas_trainer.config import check_trackers
 
-__all__ = ["TRACKERS", "Trackers", "check_trackers", "flatten", "tracker_values", "wandb_history"]
+__all__ = ["Trackers", "flatten", "tracker_values", "wandb_history"]
 
 log = logging.getLogger(__name__)
 
-TRACKERS = ("console", "tensorboard", "mlflow", "wandb")
 TRACKERS_FILE = "trackers.json"
-
-# what each tracker imports, and what to install when it is missing
-_NEEDS: dict[str, tuple[tuple[str, ...], str]] = {
-    "tensorboard": (("tensorboard",), "pip install tensorboard"),
-    "mlflow": (("mlflow", "sqlalchemy", "alembic"), "pip install 'mas-trainer[trackers]' (or: pip install mlflow)"),
-    "wandb": (("wandb",), "pip install 'mas-trainer[trackers]' (or: pip install wandb)"),
-}
-
-
-def check_trackers(names: Iterable[str]) -> None:
-    """One line naming what to install for each tracker whose package is missing; called
-    when the config loads and again before `fit` starts anything."""
-    for name in names:
-        if name not in TRACKERS:
-            raise UserError(f"logger: unknown tracker {name!r}; choose from {', '.join(TRACKERS)}")
-        modules, how = _NEEDS.get(name, ((), ""))
-        missing = [m for m in modules if importlib.util.find_spec(m) is None]
-        if name == "mlflow" and "mlflow" not in missing and os.environ.get("MLFLOW_TRACKING_URI", "sqlite").split(":")[0] != "sqlite":
-            missing = []  # a server or another store: the client alone is enough
-        if missing:
-            raise UserError(f"logger: {name} needs the {', '.join(missing)} package{'s' if len(missing) > 1 else ''}, "
-                            f"not installed: {how}")
 
 
 def tracker_values(row: dict[str, Any]) -> dict[str, float]:

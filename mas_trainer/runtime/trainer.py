@@ -32,7 +32,8 @@ from mas_trainer.runtime.backends import policy_backends
 from mas_trainer.runtime.session import Session
 from mas_trainer.runtime.plan import WorkerPlan
 from mas_trainer.runtime.progress import FitProgress
-from mas_trainer.runtime.tracking import Trackers, check_trackers
+from mas_trainer.config import check_trackers
+from mas_trainer.runtime.tracking import Trackers
 from mas_trainer.runtime.star import WorkerEngine, resolve_device, start_workers
 from mas_trainer.trace.schema import Trajectory
 

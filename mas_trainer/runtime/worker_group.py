@@ -56,7 +56,7 @@ class WorkerGroup:
 
         if plan.torch_threads:
             torch.set_num_threads(plan.torch_threads)
-        from mas_trainer.learners.lora import is_adapter
+        from mas_trainer.engines.models import is_adapter
 
         self.policy = plan.policy
         learner = LearnerConfig.model_validate(plan.learner)

@@ -17,7 +17,7 @@ from mas_trainer.engines.models import load_model  # noqa: E402
 from mas_trainer.engines.torch_engine import TorchEngine  # noqa: E402
 from mas_trainer.errors import UserError  # noqa: E402
 from mas_trainer.learners import LearnerConfig, TorchLearner, Turn  # noqa: E402
-from mas_trainer.learners.lora import is_adapter  # noqa: E402
+from mas_trainer.engines.models import is_adapter  # noqa: E402
 
 FP32 = dict(bf16=False, fused_adamw=False)
 LORA = dict(lora_rank=4, lora_alpha=8, **FP32)

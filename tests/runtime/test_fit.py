@@ -378,7 +378,7 @@ def test_lora_policy_checkpoints_an_adapter_that_resumes_evals_and_exports(tmp_p
     from safetensors.torch import load_file
 
     from mas_trainer.engines.models import load_model
-    from mas_trainer.learners.lora import adapter_base, is_adapter
+    from mas_trainer.engines.models import adapter_base, is_adapter
     from mas_trainer.runtime.evaluate import evaluate
     from mas_trainer.runtime.export import export
 

@@ -16,7 +16,8 @@ from mas_trainer.errors import UserError
 from mas_trainer.runtime import trainer
 from mas_trainer.runtime.progress import duration, number, step_line, val_line
 from mas_trainer.runtime.rundir import RunDir
-from mas_trainer.runtime.tracking import Trackers, check_trackers, tracker_values, wandb_history
+from mas_trainer.config import check_trackers
+from mas_trainer.runtime.tracking import Trackers, tracker_values, wandb_history
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = ROOT / "tests" / "fixtures" / "words_app.py"
