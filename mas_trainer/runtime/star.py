@@ -21,6 +21,7 @@ from typing import Any, Protocol, Sequence
 
 from mas_trainer.engines.base import Generation, SamplingParams
 from mas_trainer.runtime.plan import WorkerPlan
+from mas_trainer.runtime.ray_init import init_ray, init_ray_for
 
 __all__ = ["WorkerGroupHandle", "WorkerHandle", "VerlGroupHandle", "ReplicaGroupHandle", "WorkerEngine", "start_workers",
            "resolve_device", "serving_backends"]
@@ -210,145 +211,6 @@ def _torch_threads(n_policies: int, configured: int | None) -> int:
     return configured or max(1, (os.cpu_count() or 1) // max(1, n_policies))
 
 
-# Ray's own processes of a local instance die with the driver (parent-death signal), and its
-# actors are not detached, so they follow; but its dashboard and runtime-env agents, when the
-# driver is killed (-9), wait about a minute on the dead GCS before they exit. The watchdog
-# ends everything the local instance started as soon as the driver is gone, however it died.
-# A process is the instance's when the mark is in its environment or when its parent is the
-# instance's: Ray's agents retitle themselves (setproctitle), which may overwrite the part of
-# the environment block the kernel shows, and once the raylet is dead they are orphans, so the
-# watchdog remembers them (pid and start time) while the driver lives.
-RAY_OWNER_ENV = "MAS_TRAINER_RAY_OWNER"
-_WATCHDOG = r"""
-import os, select, signal, sys, time
-tag = sys.argv[1].encode() + b"\0"
-parent, me = os.getppid(), os.getpid()
-known = {}  # pid -> start time
-
-def scan():
-    procs = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit() and int(name) != me:
-            try:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    fields = f.read().rsplit(b")", 1)[1].split()
-                procs[int(name)] = (int(fields[1]), fields[19])  # ppid, start time: fields 4 and 22 of proc(5)
-            except (OSError, IndexError, ValueError):
-                pass
-    for pid in [p for p, start in known.items() if procs.get(p, (0, None))[1] != start]:
-        del known[pid]  # gone, or its pid was reused
-    for pid, (ppid, start) in procs.items():
-        if pid not in known:
-            try:
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    if tag in f.read():
-                        known[pid] = start
-            except OSError:
-                pass
-    grown = True
-    while grown:
-        grown = False
-        for pid, (ppid, start) in procs.items():
-            if pid not in known and ppid in known:
-                known[pid] = start
-                grown = True
-    return procs
-
-# the driver is gone when its end of the pipe closes, or when this process is re-parented (a
-# forked child of the driver could keep the pipe open after the driver died)
-while os.getppid() == parent:
-    if select.select([sys.stdin], [], [], 1.0)[0] and not os.read(sys.stdin.fileno(), 4096):
-        break
-    scan()
-quiet = 0
-for _ in range(40):  # sweep until two passes in a row find nothing: Ray may still be starting one
-    procs = scan()
-    hit = False
-    for pid, start in list(known.items()):
-        if procs.get(pid, (0, None))[1] == start:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                hit = True
-            except OSError:
-                pass
-    quiet = 0 if hit else quiet + 1
-    if quiet >= 2:
-        break
-    time.sleep(0.25)
-"""
-_watchdog: Any = None  # (process, mark); its pipe stays open for the driver's life
-
-
-def _ray_watchdog() -> str | None:
-    """The value of RAY_OWNER_ENV that marks the processes the watchdog will end (the local Ray
-    instance's, which inherit the driver's environment at `ray.init`); starts it once per driver."""
-    global _watchdog
-    import subprocess
-    import sys
-    import uuid
-
-    if not os.path.isdir("/proc"):
-        return None
-    if _watchdog is None or _watchdog[0].poll() is not None:
-        mark = f"{os.getpid()}-{uuid.uuid4().hex}"
-        proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _WATCHDOG, f"{RAY_OWNER_ENV}={mark}"],
-                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
-        _watchdog = (proc, mark)
-    return _watchdog[1]
-
-
-def _init_ray(runtime: Any, needed_cpus: int, env: dict[str, str]) -> None:
-    import ray
-
-    if ray.is_initialized():
-        return
-    local = runtime.ray_address is None
-    mark = _ray_watchdog() if local else None
-    if mark:  # only the processes ray.init starts carry it, not the driver's other children
-        os.environ[RAY_OWNER_ENV] = mark
-    args = dict(
-        address=runtime.ray_address,
-        # a local instance offers at least one logical CPU per rank: ranks mostly wait on each other
-        num_cpus=(runtime.num_cpus or max(os.cpu_count() or 1, needed_cpus)) if local else None,
-        include_dashboard=False,
-        log_to_driver=True,
-        configure_logging=False,
-        runtime_env={"env_vars": env} if env else None,
-    )
-    try:
-        try:
-            ray.init(**args)
-        except RuntimeError as exc:
-            # Ray forks its head processes from a driver that already runs threads (the gateway,
-            # torch's pools); seen once in CI: the GCS server died before writing its port file
-            # ("double free or corruption"), so a local head gets one more try. A cluster address
-            # is not retried: its failure is the user's to see.
-            if not local:
-                raise
-            log.warning("the local Ray instance did not start (%s); trying once more", str(exc).splitlines()[0])
-            ray.shutdown()
-            ray.init(**args)
-    finally:
-        if mark:
-            os.environ.pop(RAY_OWNER_ENV, None)
-
-
-def init_ray_for(device: str, runtime: Any, needed_cpus: int) -> dict[str, str]:
-    """Ray for verl worker groups and rollout replicas; on CPU with verl's platform for CPUs
-    (its environment, returned, goes to every worker)."""
-    env: dict[str, str] = {}
-    if device == "cpu":
-        from verl.plugin.platform.platform_manager import set_platform
-
-        from mas_trainer.learners.verl_cpu import PlatformCPU, worker_env
-
-        env = worker_env()
-        set_platform(PlatformCPU())  # the controller places CPU bundles, not GPU ones
-    _init_ray(runtime, needed_cpus, env)
-    return env
-
-
 def start_workers(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, WorkerGroupHandle]:
     """One worker group per trainable policy, as `runtime.learner` and `runtime.backend` say."""
     if runtime.learner == "verl":
@@ -374,7 +236,7 @@ def start_workers(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, Worke
         return handles
     import ray
 
-    _init_ray(runtime, 0, {})
+    init_ray(runtime, 0, {})
     threads = _torch_threads(len(plans), runtime.torch_threads)
     actor_cls = ray.remote(WorkerGroup)
     for name, plan in plans.items():

@@ -394,11 +394,11 @@ def _processes_marked(mark: str) -> dict[int, str]:
 
 _DRIVER = """
 import os, subprocess, sys, time
-from mas_trainer.runtime import star
-mark = star._ray_watchdog()
+from mas_trainer.runtime import ray_init
+mark = ray_init.start_watchdog()
 # the raylet: marked, it starts an agent whose environment block does not show the mark (as one
 # that retitles itself may), and dies, which leaves the agent an orphan
-raylet = subprocess.Popen([sys.executable, "-c", sys.argv[1]], env={**os.environ, star.RAY_OWNER_ENV: mark},
+raylet = subprocess.Popen([sys.executable, "-c", sys.argv[1]], env={**os.environ, ray_init.RAY_OWNER_ENV: mark},
                           stdout=subprocess.PIPE, text=True)
 print(raylet.stdout.readline().strip(), flush=True)
 time.sleep(600)
@@ -446,7 +446,7 @@ def test_killing_the_driver_of_a_ray_run_leaves_no_ray_process(tmp_path):
     """kill -9 of the driver pid alone takes the local Ray instance it started (GCS, raylet, its
     agents) and the worker-group actors with it within seconds: Ray's head processes share the
     driver's fate (parent-death signal), the actors are not detached, and the watchdog of
-    `runtime/star.py` ends the dashboard and runtime-env agents, which alone would wait about
+    `runtime/ray_watchdog.py` ends the dashboard and runtime-env agents, which alone would wait about
     a minute on the dead GCS."""
     pytest.importorskip("ray")
     if not Path("/proc/self/environ").exists():

@@ -72,31 +72,31 @@ def _runtime(address=None):
 
 
 def test_a_local_ray_head_that_fails_to_start_gets_one_more_try(monkeypatch, caplog):
-    from mas_trainer.runtime import star
+    from mas_trainer.runtime import ray_init
 
     flaky = _FlakyInit(1)
     monkeypatch.setattr(ray, "init", flaky)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "shutdown", lambda: None)
-    star._init_ray(_runtime(), 1, {"A": "1"})
+    ray_init.init_ray(_runtime(), 1, {"A": "1"})
     assert len(flaky.calls) == 2 and flaky.calls[0] == flaky.calls[1]
     assert flaky.calls[1]["runtime_env"] == {"env_vars": {"A": "1"}}
     assert "did not start (Timed out waiting for file" in caplog.text and "trying once more" in caplog.text
-    assert star.RAY_OWNER_ENV not in os.environ  # the mark is only for ray.init's children
+    assert ray_init.RAY_OWNER_ENV not in os.environ  # the mark is only for ray.init's children
 
 
 def test_a_second_failure_and_a_cluster_failure_are_raised(monkeypatch):
-    from mas_trainer.runtime import star
+    from mas_trainer.runtime import ray_init
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "shutdown", lambda: None)
     twice = _FlakyInit(2)
     monkeypatch.setattr(ray, "init", twice)
     with pytest.raises(RuntimeError, match="gcs_server_port"):
-        star._init_ray(_runtime(), 1, {})
+        ray_init.init_ray(_runtime(), 1, {})
     assert len(twice.calls) == 2
     cluster = _FlakyInit(1)
     monkeypatch.setattr(ray, "init", cluster)
     with pytest.raises(RuntimeError, match="gcs_server_port"):
-        star._init_ray(_runtime("ray://head:10001"), 1, {})
+        ray_init.init_ray(_runtime("ray://head:10001"), 1, {})
     assert len(cluster.calls) == 1
