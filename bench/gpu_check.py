@@ -1,12 +1,24 @@
-"""A few `fit` steps with the engine and the verl learner on the GPU (bench/gpu_check.sh).
+"""The GPU check: a few `fit` steps of each GPU path on the device (bench/gpu_check.sh).
 
 No weights can reach the device machine, so the policy is a randomly initialised model of a
-real shape (Qwen2.5-0.5B's, on the bundled tokenizer's vocabulary). Prints, per step, rollout
-tokens/s (the engine), the update's seconds and tokens/s (verl's FSDP2 worker: old log-probs,
-train_mini_batch, weight gather) and the update's MFU against the GPU's bf16 dense peak, then a
-JSON line. Runs on CPU too (`--device cpu --shape tiny`), which is how it is checked here.
+real shape (Qwen2.5-0.5B's, on the bundled tokenizer's vocabulary). Cases (`--cases`):
 
-    python bench/gpu_check.py [--steps 4] [--shape qwen2.5-0.5b|qwen2.5-1.5b|tiny] [--device auto]
+- `torch`: the torch learner, its engine on the GPU;
+- `verl-grpo`: verl's FSDP2 `TrainingWorker` with GRPO;
+- `verl-gae`: the same with GAE (a value-model `TrainingWorker` as the critic);
+- `nccl-sync`: the verl learner sending its weights over NCCL to an embedded rollout replica
+  (`engine=torch-replica`) after each update. NCCL refuses two ranks on one GPU, so this case
+  needs two GPUs; with fewer it is reported as skipped, with the reason.
+
+Per step it prints rollout tokens/s, the update's seconds, the learner's old-log-prob
+forward on its own, and the MFU of the train step: 6 N FLOPs per trained token (forward and
+backward) over the `train_mini_batch` seconds, against the GPU's bf16 dense peak. One case's
+failure is printed with its traceback and does not stop the others; the last line is JSON
+with every case, and the exit status is 1 if any case failed. On CPU
+(`--device cpu --shape tiny`) the same cases run, which is how it is checked there.
+
+    python bench/gpu_check.py [--cases torch,verl-grpo,verl-gae,nccl-sync] [--steps 3]
+                              [--shape qwen2.5-0.5b|qwen2.5-1.5b|tiny] [--device auto]
 """
 
 from __future__ import annotations
@@ -14,13 +26,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "tests" / "fixtures" / "words_app.py"
 DATA = ROOT / "tests" / "fixtures" / "words.jsonl"
+POLICY = "solo"  # the policy of words_app.py:single
 
 SHAPES = {  # (hidden, layers, heads, kv heads, intermediate)
     "qwen2.5-0.5b": (896, 24, 14, 2, 4864),
@@ -28,6 +43,28 @@ SHAPES = {  # (hidden, layers, heads, kv heads, intermediate)
     "tiny": (64, 2, 4, 2, 128),
 }
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+CASES = {  # name -> the overrides that choose its path
+    "torch": ["runtime.learner=torch"],
+    "verl-grpo": ["runtime.learner=verl", "advantage.estimator=grpo"],
+    "verl-gae": ["runtime.learner=verl", "advantage.estimator=gae"],
+    "nccl-sync": ["runtime.learner=verl", "runtime.engine=torch-replica", "runtime.replica.weight_sync=nccl"],
+}
+
+
+def mfu(params: int, tokens: int, train_s: float, peak_flops: float | None) -> float | None:
+    """Model FLOPs utilisation of a train step: 6 N per token (forward 2N + backward 4N) for
+    `tokens` trained tokens in `train_s` seconds, over the device's peak; None without a peak."""
+    if not peak_flops or train_s <= 0:
+        return None
+    return 6 * params * tokens / train_s / peak_flops
+
+
+def check_overrides(case: str, device: str, steps: int, tasks: int, n: int, model: str) -> list[str]:
+    """The `fit` overrides of one case: console tracking only (the check installs no
+    TensorBoard), small batches, the random model."""
+    return [*CASES[case], "logger=[console]", f"runtime.device={device}", f"steps={steps}", f"save_every={steps}",
+            f"eval_every={steps}", f"rollout.tasks_per_step={tasks}", f"rollout.n={n}", "rollout.max_tokens=64",
+            "learner.mini_batch_size=8", "learner.micro_batch_size=8", "runtime.max_batch_size=64", f"model={model}"]
 
 
 def random_model(shape: str, folder: Path) -> int:
@@ -50,49 +87,80 @@ def random_model(shape: str, folder: Path) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--tasks", type=int, default=8)
-    parser.add_argument("--n", type=int, default=4)
-    args = parser.parse_args(argv)
-    import torch
+def _step_figures(row: dict, run: Path, params: int, peak: float | None) -> dict:
+    step = row["step"]
+    lines = (run / "trajectories" / f"step_{step:06d}.jsonl").read_text().splitlines()
+    calls = [c for t in map(json.loads, lines) for c in t["llm_calls"] if c["trainable"]]
+    tokens = sum(len(c["prompt_ids"]) + len(c["response_ids"]) for c in calls)
+    train_s = row.get(f"policy/{POLICY}/time/train_mini_batch_s") or row["time/update_s"]
+    return {"step": step, "rollout_tokens_per_s": row["perf/tokens_per_s"], "rollout_s": row["time/rollout_s"],
+            "update_s": row["time/update_s"], "train_s": train_s,
+            "old_logprob_s": row.get(f"policy/{POLICY}/time/old_logprob_s"), "trained_tokens": tokens,
+            "mfu": mfu(params, tokens, train_s, peak)}
 
+
+def run_case(case: str, args: argparse.Namespace, model: Path, params: int, peak: float | None, gpus: int) -> dict:
+    if case == "nccl-sync" and args.device != "cpu" and gpus < 2:
+        return {"case": case, "status": "skipped", "why": f"NCCL refuses two ranks on one GPU; this machine has {gpus}"}
+    if case == "nccl-sync" and args.device == "cpu":
+        return {"case": case, "status": "skipped", "why": "NCCL needs GPUs (CI runs this path over gloo)"}
     from mas_trainer.config import load_config
     from mas_trainer.runtime.trainer import fit
 
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    peak = next((v for k, v in PEAK_BF16.items() if k in gpu), None)
-    tmp = Path(tempfile.mkdtemp(prefix="gpu-check-"))
-    params = random_model(args.shape, tmp / "model")
-    print(f"GPU: {gpu}; model: random {args.shape} ({params / 1e6:.0f}M parameters); torch {torch.__version__}", flush=True)
+    run = Path(tempfile.mkdtemp(prefix=f"gpu-check-{case}-"))
     tasks = [json.loads(line) for line in DATA.read_text().splitlines()]
-    cfg = load_config(overrides=[
-        "runtime.learner=verl", f"runtime.device={args.device}", f"steps={args.steps}", f"save_every={args.steps}",
-        f"eval_every={args.steps}", f"rollout.tasks_per_step={args.tasks}", f"rollout.n={args.n}", "rollout.max_tokens=64",
-        "learner.mini_batch_size=8", "learner.micro_batch_size=8", "runtime.max_batch_size=64", f"model={tmp / 'model'}"])
+    cfg = load_config(overrides=check_overrides(case, args.device, args.steps, args.tasks, args.n, str(model)))
     t0 = time.perf_counter()
-    rows = fit(f"{APP}:single", tasks, cfg, tmp / "run")
-    wall = time.perf_counter() - t0
-    result: dict = {"gpu": gpu, "shape": args.shape, "params": params, "date": time.strftime("%Y-%m-%d"), "wall_s": wall, "steps": []}
-    for row in (r for r in rows if r["kind"] == "train"):
-        step = row["step"]
-        calls = [json.loads(line) for line in (tmp / "run" / "trajectories" / f"step_{step:06d}.jsonl").read_text().splitlines()]
-        tokens = sum(len(c["prompt_ids"]) + len(c["response_ids"]) for t in calls for c in t["llm_calls"] if c["trainable"])
-        train_s = row.get("policy/solo/time/train_mini_batch_s") or row["time/update_s"]
-        # forward+backward of the update (6 N per token) plus the old-log-prob forward (2 N)
-        mfu = 8 * params * tokens / train_s / peak if peak else None
-        s = {"step": step, "rollout_tokens_per_s": row["perf/tokens_per_s"], "rollout_s": row["time/rollout_s"],
-             "update_s": row["time/update_s"], "train_mini_batch_s": train_s, "update_tokens_per_s": tokens / row["time/update_s"],
-             "mfu": mfu}
-        result["steps"].append(s)
-        print(f"step {step}: rollout {s['rollout_tokens_per_s']:.0f} tok/s ({s['rollout_s']:.1f} s); update {s['update_s']:.1f} s, "
-              f"{s['update_tokens_per_s']:.0f} tok/s; MFU {mfu if mfu is None else f'{mfu:.3f}'}", flush=True)
-    print(json.dumps(result))
-    return result
+    rows = fit(f"{APP}:single", tasks, cfg, run)
+    steps = [_step_figures(r, run, params, peak) for r in rows if r["kind"] == "train"]
+    for s in steps:
+        old = "-" if s["old_logprob_s"] is None else f"{s['old_logprob_s']:.2f} s"
+        m = "-" if s["mfu"] is None else f"{s['mfu']:.3f}"
+        print(f"  [{case}] step {s['step']}: rollout {s['rollout_tokens_per_s']:.0f} tok/s ({s['rollout_s']:.1f} s); "
+              f"update {s['update_s']:.2f} s (train {s['train_s']:.2f} s, old log-probs {old}); MFU {m}", flush=True)
+    return {"case": case, "status": "ok", "wall_s": time.perf_counter() - t0, "steps": steps}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
+    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    parser.add_argument("--tasks", type=int, default=8)
+    parser.add_argument("--n", type=int, default=4)
+    args = parser.parse_args(argv)
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        parser.error(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if args.device == "auto":
+        args.device = "cuda" if gpus else "cpu"
+    gpu = torch.cuda.get_device_name(0) if gpus else "none"
+    peak = next((v for k, v in PEAK_BF16.items() if k in gpu), None)
+    model = Path(tempfile.mkdtemp(prefix="gpu-check-model-")) / "model"
+    params = random_model(args.shape, model)
+    print(f"GPU: {gpu} x{gpus}; model: random {args.shape} ({params / 1e6:.0f}M parameters); torch {torch.__version__}; "
+          f"cases: {', '.join(cases)}", flush=True)
+    results = []
+    for case in cases:
+        print(f"== {case}", flush=True)
+        try:
+            result = run_case(case, args, model, params, peak, gpus)
+        except Exception as exc:  # one broken path must not hide the others
+            traceback.print_exc()
+            result = {"case": case, "status": "failed", "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+        if result["status"] != "ok":
+            print(f"  [{case}] {result['status']}: {result.get('why') or result.get('error')}", flush=True)
+        results.append(result)
+    summary = {"gpu": gpu, "gpus": gpus, "shape": args.shape, "params": params, "date": time.strftime("%Y-%m-%d"),
+               "torch": torch.__version__, "cases": results}
+    print(json.dumps(summary))
+    return 1 if any(r["status"] == "failed" for r in results) else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
