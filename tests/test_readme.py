@@ -1,0 +1,100 @@
+"""The README and docs stay usable: every `mas-trainer` command the README shows names a verb
+and flags the CLI has, the apps and data it names exist, and every relative link in the README
+and docs/ reaches a file (and, with an anchor, one of its headings)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from mas_trainer.cli import _parser
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def _bash_blocks(text: str) -> list[str]:
+    return re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+
+
+def _commands(text: str) -> list[list[str]]:
+    """The `mas-trainer ...` lines of the bash blocks, variables of the block expanded, comments cut."""
+    out = []
+    for block in _bash_blocks(text):
+        env: dict[str, str] = {}
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words and all(re.fullmatch(r"[A-Z_]+=\S+", w) for w in words):
+                env.update(w.split("=", 1) for w in words)
+                continue
+            words = [re.sub(r"\$([A-Z_]+)", lambda m, env=env: env.get(m.group(1), m.group(0)), w) for w in words]
+            if words and words[0] == "mas-trainer":
+                out.append(words[1:])
+    return out
+
+
+def _verbs() -> dict[str, object]:
+    action = next(a for a in _parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    return dict(action.choices)
+
+
+def test_the_readme_shows_every_verb():
+    shown = {cmd[0] for cmd in _commands(README.read_text())}
+    assert shown == set(_verbs()), f"verbs the README shows: {sorted(shown)}; the CLI has {sorted(_verbs())}"
+
+
+@pytest.mark.parametrize("command", _commands(README.read_text()), ids=lambda c: " ".join(c)[:60])
+def test_each_readme_command_parses(command, tmp_path):
+    verbs = _verbs()
+    assert command[0] in verbs, f"mas-trainer has no verb {command[0]!r}"
+    flags = {s for a in verbs[command[0]]._actions for s in a.option_strings}
+    used = [w for w in command[1:] if w.startswith("--")]
+    assert not [w for w in used if w.split("=")[0] not in flags], f"unknown flags in {command}"
+    args, extra = _parser().parse_known_args(command)  # positional arguments and values as the CLI reads them
+    overrides = [*getattr(args, "overrides", []), *extra]
+    assert all(re.fullmatch(r"[a-z_.]+=\S+", o) for o in overrides) and (not overrides or command[0] == "fit")
+    if overrides:  # and the config keys and values it sets are ones `fit` accepts
+        from mas_trainer.config import load_config
+
+        load_config(overrides=overrides)
+    inputs = [w for w in command[1:] if w.split(":")[0].endswith(".py")]  # the app
+    inputs += [command[i + 1] for i, w in enumerate(command[:-1]) if w in ("--data", "--val-data")]
+    for path in inputs:  # the apps and task files it names exist in the repository
+        assert (ROOT / path.split(":")[0]).is_file(), f"{command}: {path} is not in the repository"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[`*_]", lambda m: "_" if m.group(0) == "_" else "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    return {_slug(m.group(1)) for m in re.finditer(r"^#+\s+(.*)$", text, flags=re.M)}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_reach_files_and_headings(page):
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"^[a-z]+:", target) or target.startswith("#"):
+            continue
+        file, _, anchor = target.partition("#")
+        dest = (page.parent / file).resolve()
+        if not dest.exists():
+            broken.append(target)
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+            broken.append(target)
+    assert not broken, f"{page.relative_to(ROOT)}: links that reach nothing: {broken}"
+
+
+def test_the_readme_stays_a_guide():
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 260, "experiment logs belong in docs/results/, benchmark tables in docs/benchmarks.md"
+    assert "have not run" in README.read_text()  # until the GPU check has run, the README says so
