@@ -17,7 +17,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncGenerator, AsyncIterator, Literal, Protocol, Sequence, runtime_checkable
 
-__all__ = ["SamplingParams", "Generation", "Delta", "Engine", "StreamingEngine", "ChatFormat", "stream_generation",
+__all__ = ["SamplingParams", "choice_id", "Generation", "Delta", "Engine", "StreamingEngine", "ChatFormat", "stream_generation",
            "max_context", "cut_at_stop", "EngineUnavailable"]
 
 
@@ -76,6 +76,12 @@ class Delta:
     generation: Generation | None = None
 
 
+def choice_id(call_id: str, i: int) -> str:
+    """The id of choice `i` of one LLM call: the call's own id for the first, `"{id}-{i}"` after
+    (the gateway answers with these ids; worker groups file a choice's tokens under them)."""
+    return call_id if i == 0 else f"{call_id}-{i}"
+
+
 @runtime_checkable
 class Engine(Protocol):
     """Generates for one policy. Concurrent `generate` calls are batched together."""
@@ -87,7 +93,7 @@ class Engine(Protocol):
     ) -> list[Generation]:
         """Return `params.n` generations for one prompt.
 
-        `turn_id` names the LLM call (choice i > 0 is `f"{turn_id}-{i}"`): an engine that
+        `turn_id` names the LLM call (choice i is `choice_id(turn_id, i)`): an engine that
         trains later (a worker group) keeps the turn's tokens under it; others ignore it.
         """
         ...

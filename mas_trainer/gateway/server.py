@@ -45,7 +45,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import baggage, propagate, trace
 from pydantic import ValidationError
 
-from mas_trainer.engines.base import (ChatFormat, Delta, Engine, EngineUnavailable, Generation, SamplingParams, max_context,
+from mas_trainer.engines.base import (ChatFormat, Delta, Engine, EngineUnavailable, Generation, SamplingParams, choice_id, max_context,
                                       stream_generation)
 from mas_trainer.gateway.flights import Flight, Flights, Stopped
 from mas_trainer.gateway.ledger import Ledger
@@ -559,7 +559,7 @@ def _choice(i: int, gen: Generation, content: str | None, tool_calls: list[dict]
 def _llm_call(call: _Call, i: int, gen: Generation, content: str | None, tool_calls: list[dict], end: float) -> LLMCall:
     d = call.decision
     return LLMCall(
-        id=call.call_id if i == 0 else f"{call.call_id}-{i}",
+        id=choice_id(call.call_id, i),
         node_id=d.node_call_id,
         node=d.node,
         role=d.role,

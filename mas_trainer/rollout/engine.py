@@ -24,7 +24,7 @@ import time
 import uuid
 from typing import Any, Callable, Protocol, Sequence
 
-from mas_trainer.engines.base import EngineUnavailable, Generation, SamplingParams, cut_at_stop
+from mas_trainer.engines.base import EngineUnavailable, Generation, SamplingParams, choice_id, cut_at_stop
 from mas_trainer.errors import UserError
 
 __all__ = ["ReplicaClient", "ReplicaEngine", "ReplicaError", "vllm_sampling"]
@@ -95,7 +95,7 @@ class ReplicaEngine:
             raise self.failure
         rid = turn_id or uuid.uuid4().hex
         t0 = time.perf_counter()
-        outs = await asyncio.gather(*(self._one(rid if i == 0 else f"{rid}-{i}", list(prompt_ids), params, i)
+        outs = await asyncio.gather(*(self._one(choice_id(rid, i), list(prompt_ids), params, i)
                                       for i in range(params.n)))
         self.requests += 1
         self.busy_s += time.perf_counter() - t0

@@ -119,18 +119,11 @@ class TorchRolloutServer(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     async def update_weights(self, global_steps: int | None = None) -> None:
-        received = {name: t.clone() async for name, t in self.checkpoint_engine.receive_weights(global_steps=global_steps)}
+        from mas_trainer.learners.verl_learner import load_streamed_weights
 
-        def load(model: Any) -> None:
-            own = model.state_dict()
-            missing = [n for n in received if n not in own]
-            if missing:
-                raise RuntimeError(f"weights the replica's model does not have: {', '.join(missing[:3])}")
-            with torch.no_grad():
-                for name, tensor in received.items():
-                    own[name].copy_(tensor.to(own[name].device, own[name].dtype))
-
-        await asyncio.wrap_future(self.engine.run_exclusive(load))
+        received = [(name, t.clone()) async for name, t in self.checkpoint_engine.receive_weights(global_steps=global_steps)]
+        # the learner's stream, verl's names (MoE experts unpacked): the same copy as the learner's own engine
+        await asyncio.wrap_future(self.engine.run_exclusive(lambda model: load_streamed_weights(model, received)))
 
     async def shutdown(self) -> None:
         self.engine.close()

@@ -19,7 +19,7 @@ import logging
 import os
 from typing import Any, Protocol, Sequence
 
-from mas_trainer.engines.base import Generation, SamplingParams
+from mas_trainer.engines.base import Generation, SamplingParams, choice_id
 from mas_trainer.runtime.plan import WorkerPlan
 from mas_trainer.runtime.ray_init import init_ray, init_ray_for
 
@@ -125,7 +125,7 @@ class ReplicaGroupHandle:
             gens = await self.engine.generate(prompt_ids, params, turn_id=turn_id)
             if turn_id is not None:
                 for i, g in enumerate(gens):
-                    self.turns[turn_id if i == 0 else f"{turn_id}-{i}"] = (list(prompt_ids), g.token_ids, g.logprobs)
+                    self.turns[choice_id(turn_id, i)] = (list(prompt_ids), g.token_ids, g.logprobs)
             return gens
         if method == "discard":
             n = len(self.turns)

@@ -31,7 +31,7 @@ import torch
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 
-from mas_trainer.engines.base import Generation, SamplingParams
+from mas_trainer.engines.base import Generation, SamplingParams, choice_id
 from mas_trainer.engines.models import bf16_is_fast
 from mas_trainer.runtime.plan import WorkerPlan
 from mas_trainer.runtime.worker_group import engine_stats
@@ -123,7 +123,7 @@ class PolicyWorker(Worker):
         gens = await self.engine.generate(prompt_ids, params)
         if turn_id is not None:
             for i, g in enumerate(gens):
-                self.buffer[turn_id if i == 0 else f"{turn_id}-{i}"] = (list(prompt_ids), g.token_ids, g.logprobs)
+                self.buffer[choice_id(turn_id, i)] = (list(prompt_ids), g.token_ids, g.logprobs)
         return gens
 
     async def discard(self) -> int:

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
-from mas_trainer.engines.base import Generation, SamplingParams
+from mas_trainer.engines.base import Generation, SamplingParams, choice_id
 from mas_trainer.runtime.plan import WorkerPlan
 
 __all__ = ["WorkerGroup", "BufferedTurn", "engine_stats"]
@@ -85,7 +85,7 @@ class WorkerGroup:
         gens = await self.engine.generate(prompt_ids, params)
         if turn_id is not None:
             for i, g in enumerate(gens):
-                self.buffer[turn_id if i == 0 else f"{turn_id}-{i}"] = BufferedTurn(list(prompt_ids), g.token_ids, g.logprobs)
+                self.buffer[choice_id(turn_id, i)] = BufferedTurn(list(prompt_ids), g.token_ids, g.logprobs)
         return gens
 
     def discard(self) -> int:
