@@ -107,17 +107,17 @@ class ReplicaEngine:
             out = await asyncio.wait_for(
                 self.client.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling), self.timeout_s)
         except asyncio.TimeoutError:
-            raise self._fail(f"no answer within {self.timeout_s:g} s (rollout.replica.timeout_s)") from None
+            raise self.fail(f"no answer within {self.timeout_s:g} s (rollout.replica.timeout_s)") from None
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a dead actor, a refused request: the run cannot go on with this policy
-            raise self._fail(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from exc
+            raise self.fail(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from exc
         if out.stop_reason in ("aborted", "abort"):
-            raise self._fail("the replica aborted the request")
+            raise self.fail("the replica aborted the request")
         ids = [int(t) for t in out.token_ids]
         logprobs = [float(x) for x in (out.log_probs or [])]
         if len(logprobs) != len(ids):
-            raise self._fail(f"{len(ids)} tokens but {len(logprobs)} log-probs (is calculate_log_probs off?)")
+            raise self.fail(f"{len(ids)} tokens but {len(logprobs)} log-probs (is calculate_log_probs off?)")
         self.tokens += len(ids)
         if self._on_output is not None:
             self._on_output(request_id, out)
@@ -130,7 +130,8 @@ class ReplicaEngine:
         reason = "stop" if ended or cut or (len(ids) < params.max_tokens) else "length"
         return Generation(ids, logprobs, text, reason, list(prompt_ids))
 
-    def _fail(self, why: str) -> ReplicaError:
+    def fail(self, why: str) -> ReplicaError:
+        """Record the replica failure `why` (the run's one error line) and return it to raise."""
         why = " ".join(why.split())  # one line
         err = ReplicaError(f"policy {self.model_name}: rollout replica failed: {why}; "
                            "the run stops here and `mas-trainer fit --resume` continues from the last checkpoint")

@@ -146,7 +146,7 @@ class ReplicaGroupHandle:
             try:
                 metrics.update(await self.fleet.sync_weights(self.learner.group, int(metrics.get("updates", 0))))
             except Exception as exc:  # a replica gone during the sync: stop here, resumable
-                raise self.engine._fail(f"weight sync: {type(exc).__name__}: {str(exc).strip()[:200]}") from exc
+                raise self.engine.fail(f"weight sync: {type(exc).__name__}: {str(exc).strip()[:200]}") from exc
             metrics["replica/stale_turns"] = float(stale)
             return {**metrics, **self._stats()}
         if method == "load":

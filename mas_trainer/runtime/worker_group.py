@@ -151,9 +151,18 @@ class WorkerGroup:
 
     async def load(self, learner_dir: str) -> None:
         """Resume the optimizer and counters (the weights came with the plan's model folder)."""
+        import pickle
+
         import torch
 
-        state = torch.load(os.path.join(learner_dir, "optimizer.pt"), weights_only=False)
+        from mas_trainer.errors import UserError
+
+        path = os.path.join(learner_dir, "optimizer.pt")
+        try:  # tensors, numbers and containers only: a run directory must not be able to run code here
+            state = torch.load(path, weights_only=True)
+        except pickle.UnpicklingError:
+            raise UserError(f"{path} holds more than tensors and numbers (a pickle that could run code); refused: "
+                            "resume only run directories this project wrote") from None
 
         def load(_model: Any) -> None:
             self.learner.load_state_dict(state["learner"])

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from mas_trainer.apps import load_object
 from mas_trainer.config import ConfigError, load_config
+from mas_trainer.errors import UserError
 from mas_trainer.runtime.rundir import RunDir
 from mas_trainer.runtime.trainer import fit, take_tasks
 
@@ -347,12 +348,32 @@ def test_gae_with_a_critic_for_one_policy_grpo_for_the_other(tmp_path):
     rows = fit(f"{APP}:graph", TASKS[:2], cfg, tmp_path / "run")
     train = [r for r in rows if r["kind"] == "train"]
     assert "policy/crew/critic/vf_loss" in train[0] and "policy/lead/critic/vf_loss" not in train[0]
-    state = torch.load(tmp_path / "run" / "checkpoint" / "learner" / "crew" / "optimizer.pt", weights_only=False)
+    state = torch.load(tmp_path / "run" / "checkpoint" / "learner" / "crew" / "optimizer.pt", weights_only=True)
     assert set(state) == {"learner", "critic"}
     # resume restores the critic too
     rows = fit(f"{APP}:graph", TASKS[:2], _cfg("steps=3", "save_every=1", "policies.crew.advantage.estimator=gae",
                                                 "critic.lr=1e-3"), tmp_path / "run", resume=True)
     assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3]
+
+
+class _Planted:
+    """What a hostile optimizer.pt could hold: unpickling it would run `open(...)`."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_resume_refuses_an_optimizer_state_that_would_run_code(tmp_path):
+    fit(f"{APP}:graph", TASKS[:2], _cfg("steps=1", "save_every=1"), tmp_path / "run")
+    planted = tmp_path / "run" / "checkpoint" / "learner" / "crew" / "optimizer.pt"
+    marker = tmp_path / "ran"
+    torch.save({"learner": _Planted(marker)}, planted)
+    with pytest.raises(UserError, match=r"optimizer\.pt holds more than tensors.*refused"):
+        fit(f"{APP}:graph", TASKS[:2], _cfg("steps=2", "save_every=1"), tmp_path / "run", resume=True)
+    assert not marker.exists()
 
 
 def test_full_separation_and_a_frozen_node(tmp_path):
