@@ -67,6 +67,11 @@ def test_each_readme_command_parses(command, tmp_path):
         assert (ROOT / path.split(":")[0]).is_file(), f"{command}: {path} is not in the repository"
 
 
+def _prose(text: str) -> str:
+    """`text` without its fenced code blocks (fences at the start of a line, not inline ```` ``` ````)."""
+    return re.sub(r"^[ \t]*(`{3,}).*?^[ \t]*\1[^\n]*$", "", text, flags=re.S | re.M)
+
+
 def _slug(heading: str) -> str:
     """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
     text = re.sub(r"[`*_]", lambda m: "_" if m.group(0) == "_" else "", heading.strip().lower())
@@ -74,13 +79,15 @@ def _slug(heading: str) -> str:
 
 
 def _anchors(path: Path) -> set[str]:
-    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
-    return {_slug(m.group(1)) for m in re.finditer(r"^#+\s+(.*)$", text, flags=re.M)}
+    """The anchors a link into `path` can name: its headings' slugs and explicit `<a id="...">`s."""
+    text = _prose(path.read_text())
+    slugs = {_slug(m.group(1)) for m in re.finditer(r"^#+\s+(.*)$", text, flags=re.M)}
+    return slugs | set(re.findall(r"<a\s+(?:id|name)=\"([^\"]+)\"", text))
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_reach_files_and_headings(page):
-    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    text = _prose(page.read_text())
     broken = []
     for target in re.findall(r"\]\(([^)\s]+)\)", text):
         if re.match(r"^[a-z]+:", target) or target.startswith("#"):
@@ -97,4 +104,21 @@ def test_relative_links_reach_files_and_headings(page):
 def test_the_readme_stays_a_guide():
     lines = README.read_text().splitlines()
     assert len(lines) <= 260, "experiment logs belong in docs/results/, benchmark tables in docs/benchmarks.md"
-    assert "have not run" in README.read_text()  # until the GPU check has run, the README says so
+    text = README.read_text()
+    assert "have not run" in text  # until the GPU check has run, the README says so
+    assert "(docs/scaling.md#the-gpu-paths-read-against-verl-091)" in text
+
+
+def test_the_readme_gives_the_command_ci_runs():
+    ci = (ROOT / ".ci" / "run").read_text()
+    command = re.search(r"^exec (bash scripts/\S+)", ci, flags=re.M)
+    assert command, ".ci/run should exec one script the README names"
+    assert command.group(1) in "\n".join(_bash_blocks(README.read_text()))
+
+
+def test_the_results_table_links_every_results_page():
+    text = README.read_text()
+    section = text[text.index("## Results"):]
+    section = section[: section.index("\n## ", 1)]
+    pages = {p.name for p in (ROOT / "docs" / "results").glob("*.md")}
+    assert pages and pages <= set(re.findall(r"docs/results/([\w.-]+\.md)", section))
