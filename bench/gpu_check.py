@@ -12,10 +12,13 @@ real shape (Qwen2.5-0.5B's, on the bundled tokenizer's vocabulary). Cases (`--ca
 
 Per step it prints rollout tokens/s, the update's seconds, the learner's old-log-prob
 forward on its own, and the MFU of the train step: 6 N FLOPs per trained token (forward and
-backward) over the `train_mini_batch` seconds, against the GPU's bf16 dense peak. One case's
-failure is printed with its traceback and does not stop the others; the last line is JSON
-with every case, and the exit status is 1 if any case failed. On CPU
-(`--device cpu --shape tiny`) the same cases run, which is how it is checked there.
+backward) over the `train_mini_batch` seconds, against the GPU's bf16 dense peak (`mfu()`;
+the torch learner's row has no train-only timer, so its MFU is over the whole update: a lower
+bound). Every case tracks to the console only (`logger=[console]`: the check packs no
+TensorBoard). One case's failure is printed with its traceback and does not stop the others;
+the last line is JSON with every case, and the exit status is 1 if any case failed. On CPU
+(`--device cpu --shape tiny`) the torch, verl-grpo and verl-gae cases run (nccl-sync is
+skipped: NCCL needs GPUs), which is how the script is checked there.
 
     python bench/gpu_check.py [--cases torch,verl-grpo,verl-gae,nccl-sync] [--steps 3]
                               [--shape qwen2.5-0.5b|qwen2.5-1.5b|tiny] [--device auto]
@@ -87,16 +90,32 @@ def random_model(shape: str, folder: Path) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _step_figures(row: dict, run: Path, params: int, peak: float | None) -> dict:
-    step = row["step"]
+def trajectory_tokens(run: Path, step: int) -> int:
+    """Prompt and response tokens of the step's trainable calls (what one epoch forwards)."""
     lines = (run / "trajectories" / f"step_{step:06d}.jsonl").read_text().splitlines()
     calls = [c for t in map(json.loads, lines) for c in t["llm_calls"] if c["trainable"]]
-    tokens = sum(len(c["prompt_ids"]) + len(c["response_ids"]) for c in calls)
-    train_s = row.get(f"policy/{POLICY}/time/train_mini_batch_s") or row["time/update_s"]
-    return {"step": step, "rollout_tokens_per_s": row["perf/tokens_per_s"], "rollout_s": row["time/rollout_s"],
-            "update_s": row["time/update_s"], "train_s": train_s,
-            "old_logprob_s": row.get(f"policy/{POLICY}/time/old_logprob_s"), "trained_tokens": tokens,
-            "mfu": mfu(params, tokens, train_s, peak)}
+    return sum(len(c["prompt_ids"]) + len(c["response_ids"]) for c in calls)
+
+
+def step_figures(row: dict, traj_tokens: int, params: int, peak: float | None, epochs: int = 1) -> dict:
+    """One train row's figures. The MFU's seconds are the train step alone: verl's
+    `train_mini_batch` (`time/train_mini_batch_s`), not the old-log-prob forward before it
+    (`time/old_logprob_s`, reported apart); the torch learner's row has no train-only timer (it
+    takes the engine's old log-probs, no forward of its own), so there the update's seconds
+    stand in (`train_timer` says which; a lower bound on its MFU). Trained tokens: the torch
+    learner's own count (all epochs, skipped turns left out), else the trajectories' x epochs."""
+    pre = f"policy/{POLICY}/"
+    timed = f"{pre}time/train_mini_batch_s" in row
+    train_s = row[f"{pre}time/train_mini_batch_s"] if timed else row["time/update_s"]
+    tokens = int(row[f"{pre}tokens"]) if f"{pre}tokens" in row else traj_tokens * epochs
+    out = {"step": row["step"], "rollout_tokens_per_s": row["perf/tokens_per_s"], "rollout_s": row["time/rollout_s"],
+           "update_s": row["time/update_s"], "train_s": train_s,
+           "train_timer": "train_mini_batch" if timed else "update", "old_logprob_s": row.get(f"{pre}time/old_logprob_s"),
+           "trained_tokens": tokens, "mfu": mfu(params, tokens, train_s, peak)}
+    for key, name in ((f"{pre}time/weight_sync_s", "weight_sync_s"), (f"{pre}mfu", "verl_mfu")):
+        if key in row:  # the NCCL sync's seconds; verl's own MFU estimate, for comparison
+            out[name] = row[key]
+    return out
 
 
 def run_case(case: str, args: argparse.Namespace, model: Path, params: int, peak: float | None, gpus: int) -> dict:
@@ -112,12 +131,15 @@ def run_case(case: str, args: argparse.Namespace, model: Path, params: int, peak
     cfg = load_config(overrides=check_overrides(case, args.device, args.steps, args.tasks, args.n, str(model)))
     t0 = time.perf_counter()
     rows = fit(f"{APP}:single", tasks, cfg, run)
-    steps = [_step_figures(r, run, params, peak) for r in rows if r["kind"] == "train"]
+    steps = [step_figures(r, trajectory_tokens(run, r["step"]), params, peak, cfg.learner.ppo_epochs)
+             for r in rows if r["kind"] == "train"]
     for s in steps:
         old = "-" if s["old_logprob_s"] is None else f"{s['old_logprob_s']:.2f} s"
         m = "-" if s["mfu"] is None else f"{s['mfu']:.3f}"
+        sync = f"; weight sync {s['weight_sync_s']:.2f} s" if "weight_sync_s" in s else ""
         print(f"  [{case}] step {s['step']}: rollout {s['rollout_tokens_per_s']:.0f} tok/s ({s['rollout_s']:.1f} s); "
-              f"update {s['update_s']:.2f} s (train {s['train_s']:.2f} s, old log-probs {old}); MFU {m}", flush=True)
+              f"update {s['update_s']:.2f} s ({s['train_timer']} {s['train_s']:.2f} s over {s['trained_tokens']} tokens, "
+              f"old log-probs {old}{sync}); MFU {m}", flush=True)
     return {"case": case, "status": "ok", "wall_s": time.perf_counter() - t0, "steps": steps}
 
 

@@ -4,16 +4,20 @@
 # The device machine has Python 3.12 with torch (CUDA), transformers, accelerate and peft, but
 # no ray, verl or LangGraph, reaches no package index, and takes at most 64 MiB per call. So:
 #
-#   bash bench/gpu_check.sh prepare      # here: wheels for Python 3.12 + the tokenizer, packed
-#                                        # into .gpu-check/part-*.tar (each < 56 MiB); fails on a
-#                                        # missing wheel; the packed set: bench/gpu_wheels.py
-#   bash bench/gpu_check.sh prove        # here: that set alone imports verl's TrainingWorker
-#   then one device `run` per part, carrying ".gpu-check/part-NN.tar" and running
-#       bash bench/gpu_check.sh stash .gpu-check/part-NN.tar        # parts 1 .. N-1
-#   and for the last part (timeout_s 600)
-#       bash bench/gpu_check.sh run .gpu-check/part-NN.tar          # installs, then bench/gpu_check.py
+#   bash bench/gpu_check.sh prepare      # here: wheels for CPython 3.12 (manylinux x86_64) of the
+#                                        # set bench/gpu_wheels.py picks, + the tokenizer, packed
+#                                        # into .gpu-check/part-NN.tar (each < 56 MiB); stops, naming
+#                                        # the package, on a wheel it cannot fetch or a requirement
+#                                        # the device image's version breaks
+#   bash bench/gpu_check.sh prove        # here (about 2.5 min): that set alone imports verl's
+#                                        # TrainingWorker and the fit path in a clean venv (also
+#                                        # MAS_TRAINER_SLOW=1 pytest tests/bench/test_gpu_check.py -m slow)
+#   then one device `run` per part, back to back (the machine stays warm 30 s after a call),
+#   each with carry [".gpu-check/part-NN.tar"]:
+#       bash bench/gpu_check.sh stash .gpu-check/part-NN.tar        # parts 00 .. N-2
+#   and for the last part (timeout_s 600; the log also lands in $OUT/gpu_check.log):
+#       bash bench/gpu_check.sh run .gpu-check/part-NN.tar [gpu_check.py options]
 #
-# The machine must stay warm between the calls (30 s idle): make them back to back.
 # What it measures: bench/gpu_check.py (a few `fit` steps per case: the torch learner, the verl
 # learner with GRPO and with GAE, and an NCCL weight sync to an embedded replica on 2+ GPUs).
 set -euo pipefail
@@ -25,19 +29,12 @@ case "${1:-}" in
     rm -rf "$WORK" && mkdir -p "$WORK/wheels" "$WORK/tokenizer"
     # everything the project's venv has, less what the device image has and what the check
     # never imports: the one list is bench/gpu_wheels.py (tests/bench/test_gpu_check.py checks it)
-    .venv/bin/pip freeze --exclude-editable | .venv/bin/python bench/gpu_wheels.py > "$WORK/requirements.txt"
-    # wheels for CPython 3.12 where the index has them; pure-Python sdists built into wheels here
-    fetch() {
-      .venv/bin/pip download -q --no-deps --dest "$WORK/wheels" --only-binary=:all: --python-version 3.12 \
-        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-        --platform manylinux2014_x86_64 --platform any "$1" 2>/dev/null \
-      || .venv/bin/pip wheel -q --no-deps --wheel-dir "$WORK/wheels" "$1" >/dev/null 2>&1 \
-      || { echo "gpu_check prepare: no wheel for $1 (Python 3.12, manylinux x86_64)" >&2; return 1; }
-    }
-    export -f fetch; export WORK
-    # a missing wheel fails the whole step: the device would fail later, far from the cause
-    xargs -P 4 -I{} bash -c 'fetch "$@"' _ {} < "$WORK/requirements.txt" \
-      || { echo "gpu_check prepare: stopped, see the missing wheels above" >&2; exit 1; }
+    .venv/bin/pip freeze --exclude-editable > "$WORK/freeze.txt"
+    .venv/bin/python bench/gpu_wheels.py < "$WORK/freeze.txt" > "$WORK/requirements.txt"
+    # a packed distribution that needs another version of one left to the device image stops here
+    .venv/bin/python bench/gpu_wheels.py --check < "$WORK/freeze.txt" \
+      || { echo "gpu_check prepare: stopped: the device image breaks the requirements above" >&2; exit 1; }
+    bash "$0" wheels "$WORK/requirements.txt" "$WORK/wheels"
     # the tokenizer alone (tokenizer_dir() may be the whole converted model's folder)
     .venv/bin/python -c "from transformers import AutoTokenizer; from mas_trainer.engines.models import tokenizer_dir; AutoTokenizer.from_pretrained(tokenizer_dir()).save_pretrained('$WORK/tokenizer')"
     tar -C "$WORK" -cf "$WORK/all.tar" wheels tokenizer
@@ -46,18 +43,64 @@ case "${1:-}" in
     grep -qx "/$WORK/" .git/info/exclude 2>/dev/null || echo "/$WORK/" >> .git/info/exclude
     ls -l "$WORK"/part-*.tar
     ;;
+  wheels)
+    # wheels REQUIREMENTS DEST: a wheel for CPython 3.12 on manylinux x86_64 of each line, from
+    # the index, else built here from its sdist if that gives a pure-Python wheel; anything else
+    # stops the step with the package's name (the device would fail later, far from the cause)
+    reqs=$2 dest=$3
+    mkdir -p "$dest"
+    fetch() {
+      local err tmp whl
+      err=$(.venv/bin/pip download -q --no-deps --dest "$2" --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 --platform any "$1" 2>&1 >/dev/null) && return 0
+      tmp=$(mktemp -d)
+      if .venv/bin/pip wheel -q --no-deps --wheel-dir "$tmp" "$1" >/dev/null 2>&1; then
+        for whl in "$tmp"/*.whl; do
+          case "$whl" in
+            *-py3-none-any.whl|*.py3-none-any.whl) mv "$whl" "$2/" && rm -rf "$tmp" && return 0 ;;
+          esac
+          echo "gpu_check prepare: $1 has no wheel for CPython 3.12 and builds only $(basename "$whl") here" >&2
+        done
+      fi
+      rm -rf "$tmp"
+      echo "gpu_check prepare: no wheel for $1 (CPython 3.12, manylinux x86_64): $(grep -m1 '^ERROR' <<< "$err")" >&2
+      return 1
+    }
+    export -f fetch
+    # every line is tried; xargs exits non-zero when any one failed
+    grep -v '^\s*$' "$reqs" | xargs -P 4 -I{} bash -c 'fetch "$1" "$2"' _ {} "$dest" \
+      || { echo "gpu_check prepare: stopped: the wheels named above are missing" >&2; exit 1; }
+    ;;
   prove)
-    # the packed set is enough: a clean venv (no system packages) holding only what the device
-    # image brings (torch and the rest of bench/gpu_wheels.py's DEVICE_IMAGE, at this venv's
-    # versions) and the packed requirements, all --no-deps, must import verl's TrainingWorker
-    # and the fit path. Python 3.11 here (these machines have no 3.12): the same distributions.
-    mkdir -p "$WORK" && rm -rf "$WORK/prove" && python3 -m venv "$WORK/prove"
+    # the packed set is enough: a clean venv (no system site packages) holding only what the
+    # device image brings (torch and the rest of bench/gpu_wheels.py's DEVICE_IMAGE, at this
+    # venv's versions; torch is the local CPU build) and the packed requirements, all --no-deps,
+    # must import verl's TrainingWorker and the fit path. On this machine's python3, 3.11: the
+    # same distributions at the same versions as the 3.12 wheels `prepare` fetches (a pyenv 3.12
+    # may be here, but the index's only torch for 3.12 is the CUDA build, whose nvidia-*
+    # libraries run to GBs). Where a python3.12 and prepare's wheels are both here, the packed
+    # files themselves are checked too: one version of each, every one installable on 3.12.
+    mkdir -p "$WORK" && rm -rf "$WORK/prove" "$WORK/prove-312" && python3 -m venv "$WORK/prove"
     .venv/bin/pip freeze --exclude-editable > "$WORK/freeze.txt"
+    .venv/bin/python bench/gpu_wheels.py --check < "$WORK/freeze.txt"
     .venv/bin/python bench/gpu_wheels.py --device-side < "$WORK/freeze.txt" > "$WORK/device-side.txt"
     .venv/bin/python bench/gpu_wheels.py < "$WORK/freeze.txt" > "$WORK/packed.txt"
-    "$WORK/prove/bin/pip" install -q --no-deps -r "$WORK/device-side.txt" -r "$WORK/packed.txt"
-    "$WORK/prove/bin/pip" install -q --no-deps --no-build-isolation .
-    (cd / && "$OLDPWD/$WORK/prove/bin/python" -c "from verl.workers.engine_workers import TrainingWorker; import mas_trainer.runtime.trainer, mas_trainer.runtime.verl_group, mas_trainer.rollout.fleet, mas_trainer.rollout.torch_replica, mas_trainer.adapters.langgraph; print('prove: the packed set imports TrainingWorker and the fit path')")  # not from the checkout
+    "$WORK/prove/bin/pip" install -q --no-compile --no-deps -r "$WORK/device-side.txt" -r "$WORK/packed.txt"
+    "$WORK/prove/bin/pip" install -q --no-compile --no-deps --no-build-isolation .
+    (cd / && "$OLDPWD/$WORK/prove/bin/python" -c "
+from verl.workers.engine_workers import TrainingWorker
+import mas_trainer.runtime.trainer, mas_trainer.runtime.verl_group, mas_trainer.runtime.worker_group
+import mas_trainer.rollout.fleet, mas_trainer.rollout.torch_replica, mas_trainer.rollout.gloo_sync
+import mas_trainer.adapters.langgraph, mas_trainer.learners.torch_learner, mas_trainer.learners.verl_learner
+import mas_trainer.runtime.tracking
+print('prove: the packed set imports TrainingWorker and the fit path')")  # not from the checkout
+    py312=$(for p in python3.12 "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12; do
+              "$p" -c "" 2>/dev/null && echo "$p" && break; done || true)
+    if [ -n "$py312" ] && compgen -G "$WORK/wheels/*.whl" > /dev/null; then
+      "$py312" -m pip install -q --dry-run --ignore-installed --no-index --no-deps --target "$WORK/prove-312" \
+        "$WORK"/wheels/*.whl && echo "prove: prepare's $(ls "$WORK"/wheels/*.whl | wc -l) wheels install on $("$py312" -V)"
+    fi
     ;;
   stash)
     mkdir -p "$STASH" && cp "$2" "$STASH/" && ls -l "$STASH"
@@ -66,12 +109,13 @@ case "${1:-}" in
     mkdir -p "$STASH" && cp "$2" "$STASH/"
     cat "$STASH"/part-*.tar > "$STASH/all.tar" && mkdir -p "$STASH/x" && tar -C "$STASH/x" -xf "$STASH/all.tar"
     python3 -m venv --system-site-packages "$STASH/venv"
-    "$STASH/venv/bin/pip" install -q --no-index --no-deps "$STASH"/x/wheels/*.whl
-    "$STASH/venv/bin/pip" install -q --no-index --no-deps --no-build-isolation .
+    # --no-compile: the device's seconds are scarce, and only the imported modules need byte code
+    "$STASH/venv/bin/pip" install -q --no-compile --no-index --no-deps "$STASH"/x/wheels/*.whl
+    "$STASH/venv/bin/pip" install -q --no-compile --no-index --no-deps --no-build-isolation .
     export MAS_TRAINER_GPU_TOKENIZER="$STASH/x/tokenizer" PYTHONUNBUFFERED=1
     "$STASH/venv/bin/python" bench/gpu_check.py "${@:3}" 2>&1 | tee "${OUT:-/tmp}/gpu_check.log"
     ;;
   *)
-    sed -n 2,19p "$0"; exit 2
+    sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2
     ;;
 esac

