@@ -12,5 +12,6 @@ def fake_backend(_base_model: str) -> PolicyBackend:
 @pytest.fixture
 def fake_session():
     """A gateway on 127.0.0.1 with fake engines, OPENAI_BASE_URL pointing at it."""
-    with Session(backend_factory=fake_backend, timeout_s=20, max_in_flight=64) as session:
+    # the rollout timeout is a hang guard: a busy CI machine must not fail a test on speed
+    with Session(backend_factory=fake_backend, timeout_s=300, max_in_flight=64) as session:
         yield session

@@ -8,9 +8,11 @@ step's seed, a temperature override) is not the gateway's state: it reads the
 `RolloutSampling` of whoever drives the rollouts (the `Session`).
 
 Who may call. A training gateway (`rollouts=True`, the Session's) files a call only when its
-baggage carries the token the run's instrumentation signs rollout calls with
-(`trace.instrument.rollout_token`); a call that names a rollout without it is a 403 and
-never reaches the ledger or the engine. Calls naming no rollout need the API key, when one
+baggage carries the token the run's instrumentation signs that one call with
+(`trace.instrument.rollout_token`, over the rollout, node, role and the call's span id from
+its traceparent); a call that names a rollout without it is a 403 and never reaches the
+ledger or the engine. Each signed call id is taken once (`Ledger.claim`): a token replayed
+from the wire is a 409. Calls naming no rollout need the API key, when one
 is set (a Session sets a fresh one per run and hands it to the app as OPENAI_API_KEY). A
 serving gateway (`rollouts=False`) has no rollouts: rollout baggage is ignored and nothing
 is kept per request.
@@ -37,7 +39,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Mapping, Sequence, TypeVar
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -48,7 +50,7 @@ from pydantic import ValidationError
 from mas_trainer.engines.base import (ChatFormat, Delta, Engine, EngineUnavailable, Generation, SamplingParams, choice_id, max_context,
                                       stream_generation)
 from mas_trainer.gateway.flights import Flight, Flights, Stopped
-from mas_trainer.gateway.ledger import Ledger
+from mas_trainer.gateway.ledger import Ledger, Replayed
 from mas_trainer.gateway.protocol import MAX_DEPTH, ChatRequest, bound_schema, error_body, json_schema_of, nested_too_deep
 from mas_trainer.gateway.router import RouteDecision, Router, UnknownModel, UnknownNode
 from mas_trainer.gateway.sampling import RolloutSampling
@@ -158,6 +160,8 @@ class Gateway:
         # Owned by the session when there is one; a gateway alone (serve) never reseeds it.
         self.sampling = sampling or RolloutSampling()
         self.flights = Flights()
+        # set by the HTTP server: told which connections carried an admitted request
+        self.on_admitted: Callable[[Any], None] | None = None
         self.app = self._build_app()
 
     def add_policy(self, name: str, backend: PolicyBackend) -> None:
@@ -184,20 +188,21 @@ class Gateway:
     def _key_ok(self, request: Request) -> bool:
         return not self.api_key or key_matches(request.headers.get("authorization"), self.api_key)
 
-    def _admit(self, request: Request, bag: dict[str, object]) -> bool:
+    def _admit(self, request: Request, bag: dict[str, object], call_id: str | None) -> bool:
         """Whether the call is one of this run's rollout calls; raises for callers refused."""
         rollout = bag.get(A.BAGGAGE_ROLLOUT)
         if self.rollouts and rollout is not None:
-            fields = [None if bag.get(k) is None else str(bag.get(k))
-                      for k in (A.BAGGAGE_NODE, A.BAGGAGE_NODE_CALL, A.BAGGAGE_ROLE)]
-            if rollout_token_ok(bag.get(BAGGAGE_TOKEN), str(rollout), *fields):
-                return True
-            raise _Refused(403, f"the call names rollout {str(rollout)[:64]!r} without its token: this gateway takes "
-                                "only the calls of rollouts its own run started", kind="permission_error",
-                           code="invalid_rollout_token")
-        if not self._key_ok(request):
+            node, node_call, role = (None if bag.get(k) is None else str(bag.get(k))
+                                     for k in (A.BAGGAGE_NODE, A.BAGGAGE_NODE_CALL, A.BAGGAGE_ROLE))
+            if call_id is None or not rollout_token_ok(bag.get(BAGGAGE_TOKEN), str(rollout), node, node_call, role, call_id):
+                raise _Refused(403, f"the call names rollout {str(rollout)[:64]!r} without its token: this gateway takes "
+                                    "only the calls of rollouts its own run started", kind="permission_error",
+                               code="invalid_rollout_token")
+        elif not self._key_ok(request):
             raise _Refused(401, "invalid or missing API key", kind="authentication_error", code="invalid_api_key")
-        return False
+        if self.on_admitted is not None:
+            self.on_admitted(request.scope.get("client"))
+        return rollout is not None and self.rollouts
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.limits.max_body_bytes
@@ -252,7 +257,7 @@ class Gateway:
             json_schema=schema,
         )
 
-    async def _prepare(self, req: ChatRequest, ctx: Any, bag: dict[str, object], rollout: bool) -> _Call:
+    async def _prepare(self, req: ChatRequest, call_id: str, bag: dict[str, object], rollout: bool) -> _Call:
         decision = self.router.route(bag, req.model, self.backends)
         if not rollout:  # only calls tied to one of the run's rollouts are filed or reseeded
             decision = replace(decision, rollout_id=None)
@@ -281,8 +286,6 @@ class Gateway:
                                     "(prompt + completion)", param="messages", code="context_length_exceeded")
             if params.max_tokens > room:
                 params = replace(params, max_tokens=room)
-        span_ctx = trace.get_current_span(ctx).get_span_context()
-        call_id = format(span_ctx.span_id, "016x") if span_ctx.is_valid else uuid.uuid4().hex[:16]
         params = self.sampling.apply(params, decision.rollout_id, decision.node or decision.role)
         return _Call(req, decision, backend, messages, tools, prompt_ids, params, call_id, time.time())
 
@@ -308,7 +311,7 @@ class Gateway:
             return  # serving keeps nothing per request
         end = time.time()
         for i, gen in enumerate(gens):
-            self.ledger.file(call.decision.rollout_id, _llm_call(call, i, gen, *parsed[i], end))
+            self.ledger.file(call.decision.rollout_id, _llm_call(call, i, gen, *parsed[i], end), claim=call.call_id)
 
     async def _sse(self, call: _Call, first: Delta, deltas: AsyncGenerator[Delta, None], flight: Flight) -> AsyncIterator[str]:
         base = {"id": f"chatcmpl-{call.call_id}", "object": "chat.completion.chunk", "created": int(call.start),
@@ -349,6 +352,8 @@ class Gateway:
                 except StopAsyncIteration:
                     break
                 yield events(d)
+            done = [g for g in gens if g is not None]
+            self._file(call, done, parsed)
         except Stopped as exc:  # the rollout ended or the gateway is closing: end the stream
             log.info("stream %s stopped: %s", call.call_id, exc)
             yield f"data: {json.dumps(error_body(str(exc), code=exc.code, kind='server_error'))}\n\n"
@@ -362,9 +367,8 @@ class Gateway:
             return
         finally:
             Flights.finish(flight)
+            self._release(call.decision.rollout_id, call.call_id)  # a no-op once filed
             await deltas.aclose()  # on a hang-up too: the engine stops generating now
-        done = [g for g in gens if g is not None]
-        self._file(call, done, parsed)
         if call.req.include_usage():
             yield chunk([], usage=_usage(call, sum(len(g.token_ids) for g in done)))
         yield "data: [DONE]\n\n"
@@ -374,16 +378,27 @@ class Gateway:
             raise _Refused(431, f"request headers over {self.limits.max_header_bytes} bytes", code="headers_too_large")
         ctx = propagate.extract(request.headers)
         bag = dict(baggage.get_all(ctx))
-        rollout = self._admit(request, bag)
+        span_ctx = trace.get_current_span(ctx).get_span_context()
+        signed_id = format(span_ctx.span_id, "016x") if span_ctx.is_valid else None
+        rollout = self._admit(request, bag, signed_id)
+        # a call outside the run's rollouts is filed nowhere: its id is the gateway's own
+        call_id = signed_id if rollout and signed_id else uuid.uuid4().hex[:16]
+        rollout_id = str(bag.get(A.BAGGAGE_ROLLOUT)) if rollout else None
         try:
-            flight = self.flights.open(str(bag.get(A.BAGGAGE_ROLLOUT)) if rollout else None)
+            flight = self.flights.open(rollout_id)
         except Stopped as exc:
             raise _Refused.stopped(exc) from None
+        if rollout_id is not None:
+            try:
+                self.ledger.claim(rollout_id, call_id)
+            except Replayed as exc:
+                Flights.finish(flight)
+                raise _Refused(409, str(exc), kind="permission_error", code="rollout_call_replayed", retry=False) from None
         streaming = False
         try:
             raw = await self._read_body(request)
             req = self._decode(raw) if len(raw) <= _INLINE_BODY_BYTES else await asyncio.to_thread(self._decode, raw)
-            response = await _unless_gone(request, flight.until_stopped(self._answer(req, ctx, bag, rollout, flight)))
+            response = await _unless_gone(request, flight.until_stopped(self._answer(req, call_id, bag, rollout, flight)))
             streaming = isinstance(response, StreamingResponse)  # its flight ends with the stream
             return response
         except Stopped as exc:  # its rollout ended, or the gateway is closing
@@ -407,9 +422,14 @@ class Gateway:
         finally:
             if not streaming:
                 Flights.finish(flight)
+                self._release(rollout_id, call_id)
 
-    async def _answer(self, req: ChatRequest, ctx: Any, bag: dict[str, object], rollout: bool, flight: Flight) -> Response:
-        call = await self._prepare(req, ctx, bag, rollout)
+    def _release(self, rollout_id: str | None, call_id: str) -> None:
+        if rollout_id is not None:
+            self.ledger.release(rollout_id, call_id)
+
+    async def _answer(self, req: ChatRequest, call_id: str, bag: dict[str, object], rollout: bool, flight: Flight) -> Response:
+        call = await self._prepare(req, call_id, bag, rollout)
         if not req.stream:
             return JSONResponse(await self._complete(call))
         deltas = stream_generation(call.backend.engine, call.prompt_ids, call.params, turn_id=call.turn_id)

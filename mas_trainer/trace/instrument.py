@@ -75,22 +75,25 @@ def span_hex(span: trace.Span) -> str:
     return format(span.get_span_context().span_id, "016x")
 
 
-def rollout_token(rollout_id: str, node: str | None, node_call_id: str | None, role: str | None) -> str:
-    """The token that ties a call's baggage to a rollout this process started."""
-    message = "\x1f".join((rollout_id, node or "", node_call_id or "", role or "")).encode()
+def rollout_token(rollout_id: str, node: str | None, node_call_id: str | None, role: str | None, call_id: str) -> str:
+    """The token that ties one LLM call (`call_id`: its chat span's id, sent as the W3C
+    traceparent) to a rollout this process started. The gateway takes each call id once, so a
+    token seen on the wire cannot sign another call, nor the same one twice."""
+    message = "\x1f".join((rollout_id, node or "", node_call_id or "", role or "", call_id)).encode()
     return hmac.digest(_RUN_SECRET, message, "sha256")[:16].hex()
 
 
-def rollout_token_ok(token: object, rollout_id: str, node: str | None, node_call_id: str | None, role: str | None) -> bool:
+def rollout_token_ok(token: object, rollout_id: str, node: str | None, node_call_id: str | None, role: str | None,
+                     call_id: str) -> bool:
     """Constant-time check of a token received in baggage."""
     if not isinstance(token, str):
         return False
-    return hmac.compare_digest(token.encode(), rollout_token(rollout_id, node, node_call_id, role).encode())
+    return hmac.compare_digest(token.encode(), rollout_token(rollout_id, node, node_call_id, role, call_id).encode())
 
 
 def _headers_for(call: CallContext, span: trace.Span) -> dict[str, str]:
     ctx = trace.set_span_in_context(span)
-    token = rollout_token(call.rollout_id, call.node, call.node_call_id, call.role) if call.rollout_id else None
+    token = rollout_token(call.rollout_id, call.node, call.node_call_id, call.role, span_hex(span)) if call.rollout_id else None
     for key, value in (
         (A.BAGGAGE_ROLLOUT, call.rollout_id),
         (A.BAGGAGE_NODE, call.node),

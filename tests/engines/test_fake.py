@@ -36,10 +36,10 @@ async def test_max_tokens_and_stop():
 
 
 async def test_callable_reply_and_concurrency():
-    engine = FakeEngine(reply=lambda prompt, params, i: f"{len(prompt)}-{i}", latency_s=0.05)
+    engine = FakeEngine(reply=lambda prompt, params, i: f"{len(prompt)}-{i}", latency_s=1.0)
     start = asyncio.get_running_loop().time()
     results = await asyncio.gather(*(engine.generate([0] * k, SamplingParams(n=2)) for k in range(1, 9)))
-    assert asyncio.get_running_loop().time() - start < 0.3  # the latency overlaps
+    assert asyncio.get_running_loop().time() - start < 7  # the latency overlaps: one after the other would take 8 s
     assert [[g.text for g in r] for r in results][2] == ["3-0", "3-1"]
 
 

@@ -107,7 +107,7 @@ def test_tools_compute(load_app):
 
 
 def _session_with(app_ref, engines):
-    session = Session(backend_factory=lambda _m: PolicyBackend(FakeEngine(reply="unrouted"), FakeChatFormat()), timeout_s=20)
+    session = Session(backend_factory=lambda _m: PolicyBackend(FakeEngine(reply="unrouted"), FakeChatFormat()), timeout_s=300)
     session.__enter__()
     try:
         app = session.load_app(app_ref, start_engines=False)
@@ -194,7 +194,7 @@ def test_swarm_hands_off_and_remembers_the_active_agent(monkeypatch):
 def test_trace_on_the_tiny_model(monkeypatch, name):
     """End to end on a real (random, 2-layer) engine: the first agent answers, under its policy."""
     monkeypatch.syspath_prepend(str(ROOT))
-    with Session(model="tiny", timeout_s=60, default_max_tokens=8) as session:
+    with Session(model="tiny", timeout_s=300, default_max_tokens=8) as session:
         session.load_app(f"examples/langgraph_apps/{name}.py:graph")
         [t] = session.run([tasks(name)[0]])
     assert t.status == "ok", t.error

@@ -318,7 +318,7 @@ def test_agentic_search_one_search_can_fetch_every_answer(dummy_openai):
 
 
 def _trace(ref, tasks, n=1):
-    with Session(model="tiny", default_max_tokens=8, timeout_s=120) as session:
+    with Session(model="tiny", default_max_tokens=8, timeout_s=300) as session:
         app = session.load_app(ref)
         return app, session.run(tasks, n=n)
 

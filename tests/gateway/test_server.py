@@ -2,6 +2,7 @@
 
 import json
 import logging
+import secrets
 
 import httpx
 import openai
@@ -15,11 +16,14 @@ from mas_trainer.trace.instrument import rollout_token
 from mas_trainer.trace.schema import LLMCall
 
 
-def signed(rollout, node=None, call=None, role=None):
-    """Rollout baggage as this process's instrumentation sends it (with its token)."""
+def signed(rollout, node=None, call=None, role=None, span=None):
+    """Headers of one rollout call as this process's instrumentation sends them: the chat
+    span in the traceparent and the baggage with the token that signs that span."""
+    span = span or secrets.token_hex(8)
     fields = {"mas.rollout": rollout, "mas.node": node, "mas.node_call": call, "mas.role": role,
-              "mas.token": rollout_token(rollout, node, call, role)}
-    return ",".join(f"{k}={v}" for k, v in fields.items() if v is not None)
+              "mas.token": rollout_token(rollout, node, call, role, span)}
+    return {"traceparent": f"00-0af7651916cd43dd8448eb211c80319c-{span}-01",
+            "baggage": ",".join(f"{k}={v}" for k, v in fields.items() if v is not None)}
 
 
 class Recording(FakeEngine):
@@ -112,11 +116,7 @@ def test_streaming_matches_the_plain_response(served):
 
 def test_baggage_routes_by_node_and_files_tokens_by_rollout(served):
     server, _, ledger = served
-    headers = {
-        "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
-        "baggage": signed("r1", "coder", "abc", "coder"),
-    }
-    r = httpx.post(f"{server.base_url}/chat/completions", headers=headers,
+    r = httpx.post(f"{server.base_url}/chat/completions", headers=signed("r1", "coder", "abc", "coder", span="b7ad6b7169203331"),
                    json={"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 200
     [call] = ledger.take("r1")
@@ -127,18 +127,17 @@ def test_baggage_routes_by_node_and_files_tokens_by_rollout(served):
 def test_validation_temperature_overrides_rollout_requests_only(served):
     server, engines, _ = served
     gw = server.gateway
-    rollout = {"baggage": signed("r2", "planner", None, "planner")}
     body = {"model": "p", "messages": [{"role": "user", "content": "x"}], "temperature": 0.7}
     gw.sampling.reseed(5, temperature=0.0)  # as the session that owns it does between batches
     try:
-        assert httpx.post(f"{server.base_url}/chat/completions", headers=rollout, json=body).status_code == 200
+        assert httpx.post(f"{server.base_url}/chat/completions", headers=signed("r2", "planner", None, "planner"), json=body).status_code == 200
         assert engines["p"].params[-1].temperature == 0.0
         # a request outside any rollout (a user poking the endpoint) keeps its own sampling
         assert httpx.post(f"{server.base_url}/chat/completions", json=body).status_code == 200
         assert engines["p"].params[-1].temperature == 0.7
     finally:
         gw.sampling.reseed(None)
-    assert httpx.post(f"{server.base_url}/chat/completions", headers=rollout, json=body).status_code == 200
+    assert httpx.post(f"{server.base_url}/chat/completions", headers=signed("r2", "planner", None, "planner"), json=body).status_code == 200
     assert engines["p"].params[-1].temperature == 0.7
 
 

@@ -82,8 +82,8 @@ def test_stop_answers_a_plain_and_a_streamed_call_in_flight(capfd, caplog):
     t0 = time.monotonic()
     server.stop()
     for t in threads:
-        t.join(10)
-    assert time.monotonic() - t0 < 5
+        t.join(60)
+    assert time.monotonic() - t0 < 40  # a hang guard: the engine would answer in 60 s
     plain_reply = got["plain"]
     assert plain_reply.status_code == 503 and plain_reply.headers["x-should-retry"] == "false"
     assert plain_reply.json()["error"]["code"] == "shutting_down"
@@ -99,8 +99,9 @@ def test_end_rollouts_answers_that_rollouts_calls_and_refuses_its_later_ones(cap
     engine = Slow()
     gw, server = _serve(engine)
     bag = {"mas.rollout": "r1", "mas.node": "ask", "mas.node_call": "c1", "mas.role": "ask",
-           "mas.token": rollout_token("r1", "ask", "c1", "ask")}
-    headers = {"baggage": ",".join(f"{k}={v}" for k, v in bag.items())}
+           "mas.token": rollout_token("r1", "ask", "c1", "ask", "b7ad6b7169203331")}
+    headers = {"baggage": ",".join(f"{k}={v}" for k, v in bag.items()),
+               "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
     try:
         replies = []
         thread = threading.Thread(target=lambda: replies.append(httpx.post(

@@ -81,8 +81,8 @@ def _noise(capfd, caplog) -> list[str]:
 def test_timed_out_rollouts_free_their_calls_and_the_session_ends_quietly(capfd, caplog):
     caplog.set_level(logging.INFO, logger="mas_trainer")  # an in-process CLI test may have left it at WARNING
     engine = HangingEngine()
-    # long enough for both calls to reach the engine before their rollouts time out
-    with Session(backend_factory=lambda _m: PolicyBackend(engine, FakeChatFormat()), timeout_s=2) as session:
+    # long enough for both calls to reach the engine before their rollouts time out, on a busy machine too
+    with Session(backend_factory=lambda _m: PolicyBackend(engine, FakeChatFormat()), timeout_s=10) as session:
         session.load_app(_app())
         t0 = time.monotonic()
         trajs = session.run([{"question": "q1"}, {"question": "q2"}])
@@ -93,7 +93,7 @@ def test_timed_out_rollouts_free_their_calls_and_the_session_ends_quietly(capfd,
         while (engine.cancelled < 2 or not _ended_logged(caplog)) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert engine.cancelled == 2 and not engine.closed.is_set()
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 60  # a hang guard: the engine never answers
     assert engine.calls == 2  # answered 503 with x-should-retry: false, so the client did not retry
     assert _noise(capfd, caplog) == []
     assert _ended_logged(caplog)
@@ -118,9 +118,8 @@ def test_a_call_in_flight_when_the_session_ends_is_answered_503_before_the_engin
         thread = threading.Thread(target=call)
         thread.start()
         assert engine.started.wait(10)
-        t0 = time.monotonic()
-    thread.join(10)
-    assert time.monotonic() - t0 < 5
+    thread.join(60)
+    assert not thread.is_alive()  # a hang guard: the engine never answers
     (reply,) = replies
     assert reply.status_code == 503 and reply.headers["x-should-retry"] == "false"
     assert reply.json()["error"]["code"] == "shutting_down"
@@ -143,7 +142,7 @@ def test_an_interrupted_run_cancels_its_rollouts_and_ends_quietly(capfd, caplog)
         pending = [t for t in asyncio.all_tasks(session.loop) if not t.done()]
         assert pending == []  # the hanging rollout was cancelled, not left on the loop
         t0 = time.monotonic()
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 60  # a hang guard: the rollout would wait on the engine for ever
     assert _noise(capfd, caplog) == []
 
 
@@ -167,10 +166,10 @@ def test_a_call_a_sync_node_starts_after_its_rollout_timed_out_is_refused_not_se
     caplog.set_level(logging.INFO, logger="mas_trainer")
     engine = FakeEngine(reply="late")
     outcome: list[object] = []
-    done = threading.Event()
+    done, timed_out = threading.Event(), threading.Event()
 
     def slow(s: State) -> State:
-        time.sleep(2.5)  # the rollout times out meanwhile (timeout_s=1)
+        timed_out.wait(120)  # the rollout times out meanwhile (a hang guard, not a clock)
         try:
             outcome.append(ChatOpenAI(model="m", max_retries=2).invoke(s["question"]).content)
         except Exception as exc:  # noqa: BLE001 - what the thread got is the assertion
@@ -184,11 +183,12 @@ def test_a_call_a_sync_node_starts_after_its_rollout_timed_out_is_refused_not_se
     g.add_edge(START, "slow")
     g.add_edge("slow", END)
     app = trainable(g.compile(), roles={"slow": "p"}, policies={"p": "base"}, reward=lambda task, state, traj: 1.0)
-    with Session(backend_factory=lambda _m: PolicyBackend(engine, FakeChatFormat()), timeout_s=1) as session:
+    with Session(backend_factory=lambda _m: PolicyBackend(engine, FakeChatFormat()), timeout_s=3) as session:
         session.load_app(app)
         (traj,) = session.run([{"question": "q"}])
         assert traj.status == "timeout"
-        assert done.wait(10)
+        timed_out.set()
+        assert done.wait(60)
     (got,) = outcome
     assert isinstance(got, Exception) and "has ended" in str(got), got
     assert engine.calls == []  # never reached the engine

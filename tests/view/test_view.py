@@ -125,7 +125,7 @@ def _fake_run(out: Path, app: str | Callable, tasks: list[dict], *, steps: int =
     overrides = [f"reward.allocator={allocator}", f"reward.on_failure={on_failure}", f"rollout.n={n}",
                  *(f"reward.options.{k}={v}" for k, v in (options or {}).items())]
     cfg = load_config(overrides=overrides)
-    with Session(model="tiny", backend_factory=factory, timeout_s=20, max_in_flight=1) as session:
+    with Session(model="tiny", backend_factory=factory, timeout_s=300, max_in_flight=1) as session:
         runner = session.load_app(app if isinstance(app, str) else app())  # built once the gateway is up
         run = RunDir(out)
         run.create(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
