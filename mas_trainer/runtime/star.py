@@ -15,11 +15,13 @@ Two learners, one protocol (`WorkerGroupHandle`: generate, discard, train, save,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
-from typing import Any, Protocol, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 from mas_trainer.engines.base import Generation, SamplingParams, choice_id
+from mas_trainer.errors import UserError
 from mas_trainer.runtime.plan import WorkerPlan
 from mas_trainer.runtime.ray_init import init_ray, init_ray_for
 
@@ -51,7 +53,8 @@ class WorkerHandle:
 
     async def call(self, method: str, *args: Any) -> Any:
         if self._remote:
-            return await _cancellable(getattr(self._target, method).remote(*args))
+            with _user_errors():
+                return await _cancellable(getattr(self._target, method).remote(*args))
         result = getattr(self._target, method)(*args)
         if hasattr(result, "__await__"):
             result = await result
@@ -84,7 +87,8 @@ class VerlGroupHandle:
         if method in self._RANK0:
             return await _cancellable(getattr(self.group.workers[0], method).remote(*args))
         refs = getattr(self.group, method)(*args)
-        results = await asyncio.gather(*refs)
+        with _user_errors():
+            results = await asyncio.gather(*refs)
         return results[0]
 
     def close(self) -> None:
@@ -167,6 +171,19 @@ class ReplicaGroupHandle:
             self.fleet.close()
         finally:
             self.learner.close()
+
+
+@contextlib.contextmanager
+def _user_errors() -> Iterator[None]:
+    """A UserError raised in a Ray worker reaches the CLI as its one line, not as Ray's
+    traceback-laden wrapper (which is also an instance of the cause's type)."""
+    try:
+        yield
+    except UserError as exc:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, UserError) and cause is not exc:
+            raise UserError(str(cause)) from None
+        raise
 
 
 async def _cancellable(ref: Any) -> Any:

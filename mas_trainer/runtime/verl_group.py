@@ -350,6 +350,9 @@ class PolicyWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def load(self, learner_dir: str) -> int:
         """Resume: shards, optimizer and RNG from `learner_dir`, then the engine's weights."""
+        from mas_trainer.runtime.untrusted import refuse_code_in_checkpoints
+
+        refuse_code_in_checkpoints(learner_dir)  # verl unpickles these with weights_only=False
         with self._on_device():
             self.actor.load_checkpoint(learner_dir, del_local_after_load=False)
             if self.critic is not None:

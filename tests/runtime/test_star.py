@@ -8,6 +8,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from mas_trainer.errors import UserError  # noqa: E402
 from mas_trainer.runtime.star import WorkerHandle  # noqa: E402
 
 
@@ -29,6 +30,11 @@ class Slow:
     async def status(self) -> str:
         return self.state
 
+    def load(self, folder: str) -> None:  # as a worker group refuses a planted checkpoint file
+        from mas_trainer.errors import UserError
+
+        raise UserError(f"{folder}/optimizer.pt holds a pickle; refused")
+
 
 def test_cancelling_the_await_cancels_the_ray_task():
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
@@ -49,6 +55,11 @@ def test_cancelling_the_await_cancels_the_ray_task():
         while ray.get(actor.status.remote()) == "running" and time.time() < deadline:
             time.sleep(0.1)
         assert ray.get(actor.status.remote()) == "cancelled"
+
+        # a worker's UserError reaches the CLI as its own line, not Ray's wrapped traceback
+        with pytest.raises(UserError) as err:
+            asyncio.run(handle.call("load", "/run/checkpoint"))
+        assert str(err.value) == "/run/checkpoint/optimizer.pt holds a pickle; refused"
     finally:
         ray.shutdown()
 
