@@ -148,8 +148,10 @@ class RuntimeConfig(_Strict):
     backend: Literal["ray", "local"] = Field("ray", description="torch learner: ray = one Ray actor per policy; local = worker groups in this process")
     ray_address: str | None = Field(None, description="join this Ray cluster instead of starting a local one")
     num_cpus: int | None = Field(None, description="CPUs of the local Ray instance (default: all)")
-    worker_cpus: float = Field(0.0, ge=0, description="CPUs each worker group actor reserves (0 fits any number on one machine)")
-    torch_threads: int | None = Field(None, ge=1, description="torch threads per worker group (default: cores / policies)")
+    worker_cpus: float = Field(0.0, ge=0, description="CPUs each worker group actor reserves (0 fits any number on one machine); "
+                               "Ray backend only")
+    torch_threads: int | None = Field(None, ge=1, description="torch threads per worker group (default: cores / policies); "
+                                      "Ray backend only")
     max_batch_size: int = Field(8, ge=1, description="engine rows decoded together")
     batch_wait_ms: float = Field(50.0, ge=0, description="how long an idle engine waits for more requests to fill a batch")
     engine_bf16: bool | Literal["auto"] = Field(
@@ -279,6 +281,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), b
                 raise ConfigError(f"policies.{name}.{part}: {_describe_error(exc, model)}") from exc
     _check_reward(cfg)
     _check_learner(cfg)
+    _check_ignored(cfg)
     _check_filter_groups(cfg)
     try:
         check_trackers(cfg.logger)  # a missing tracker package: one line, before anything starts
@@ -358,6 +361,24 @@ def _check_learner(cfg: FitConfig) -> None:
                     where = f"policies.{name}.{part}.mini_batch_size" if name else f"{part}.mini_batch_size"
                     raise ConfigError(f"{where}={mini} must be a multiple of the worker group's world size {world} "
                                       "(resources.nodes x resources.procs_per_node): each rank takes an equal share")
+
+
+def _check_ignored(cfg: FitConfig) -> None:
+    """A key the chosen path would not read is refused, not silently dropped."""
+    rt = cfg.runtime
+    verl = rt.learner == "verl" or (rt.learner == "auto" and rt.device == "cuda")
+    if verl:
+        given = [("learner.fused_adamw", "fused_adamw" in cfg.learner.model_fields_set)]
+        given += [(f"policies.{n}.learner.fused_adamw", "fused_adamw" in p.learner) for n, p in cfg.policies.items()]
+        for where, is_set in given:
+            if is_set:
+                raise ConfigError(f"{where} applies to the torch learner only (verl's FSDP optimizer picks its own AdamW "
+                                  "kernel): drop the key, or use runtime.learner=torch")
+    if rt.backend == "local":
+        for key in ("worker_cpus", "torch_threads"):
+            if key in rt.model_fields_set:
+                raise ConfigError(f"runtime.{key} sizes the Ray worker groups; with runtime.backend=local they run in this "
+                                  "process (torch's threads: OMP_NUM_THREADS): drop the key, or use runtime.backend=ray")
 
 
 def _check_placement(cfg: FitConfig, engines: set[str]) -> None:

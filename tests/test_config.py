@@ -56,3 +56,19 @@ def test_config_models_are_importable_from_their_old_places():
     from mas_trainer.learners.config import CriticConfig
 
     assert AdvantageConfig is light_advantage and CriticConfig is light_critic
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["runtime.learner=verl", "learner.fused_adamw=true"], r"learner.fused_adamw applies to the torch learner only"),
+    (["runtime.learner=auto", "runtime.device=cuda", "policies.p.learner.fused_adamw=false"],
+     r"policies.p.learner.fused_adamw applies to the torch learner only"),
+    (["runtime.backend=local", "runtime.worker_cpus=1"], r"runtime.worker_cpus sizes the Ray worker groups"),
+    (["runtime.backend=local", "runtime.torch_threads=2"], r"runtime.torch_threads sizes the Ray worker groups"),
+])
+def test_a_key_the_chosen_path_would_not_read_is_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=overrides)
+
+
+def test_the_same_keys_load_where_they_are_read():
+    load_config(overrides=["runtime.learner=torch", "learner.fused_adamw=true", "runtime.worker_cpus=1", "runtime.torch_threads=2"])

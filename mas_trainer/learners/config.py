@@ -64,7 +64,7 @@ class LearnerConfig(BaseModel):
     bf16: bool | Literal["auto"] = Field(
         "auto", description="bf16 compute for forward/backward, fp32 weights (auto: where bf16 is fast: GPUs, CPUs with AVX512-BF16/AMX, ~2x faster there; AVX2-only CPUs emulate it ~100x slower)."
     )
-    fused_adamw: bool | Literal["auto"] = Field("auto", description="Fused AdamW kernel (auto: where torch has one).")
+    fused_adamw: bool | Literal["auto"] = Field("auto", description="Fused AdamW kernel (auto: where torch has one); torch learner only.")
     seed: int = Field(0, description="Seed of the mini-batch shuffle.")
     old_logprobs: Literal["auto", "recompute", "rollout_correction", "bypass"] = Field(
         "auto", description="Old log-probs of the PPO ratio (verl learner): recompute = the learner's forward before the update "
