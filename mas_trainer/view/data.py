@@ -22,6 +22,10 @@ is shown as recorded.
 
 Nothing here trusts the files' contents: the page renders every string as text. Numbers that
 JSON cannot carry (NaN, infinities) become the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``.
+Nothing here trusts the run directory's layout either: every file is read through
+:meth:`ViewSource.inside`, which follows links and refuses what ends up outside the run. A line
+that cannot be read (not JSON, not an object, nested deeper than :data:`MAX_DEPTH`) is skipped
+and named in the payload's ``warnings`` (and logged once), never an error of the whole page.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import yaml
 
 from mas_trainer.errors import UserError
 
-__all__ = ["ViewSource", "build_charts", "token_pieces", "jsonable", "STEP_NAME"]
+__all__ = ["ViewSource", "build_charts", "token_pieces", "jsonable", "read_jsonl", "STEP_NAME", "MAX_DEPTH"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +53,10 @@ _TRAIN_FILE = re.compile(r"^step_(\d+)$")
 _VAL_FILE = re.compile(r"^step_(\d+)_val$")
 # fit's ids: s000001-t00005-r0, and s000001d1-t00005-r0 for a later draw of rollout.filter_groups
 _ROLLOUT_ID = re.compile(r"^(?P<group>[sv]\d+(?:d\d+)?-t(?P<task>\d+))-r(?P<k>\d+)$")
+# far deeper than anything fit writes, far shallower than what the recursive code downstream
+# (jsonable, the JSON encoders, the page) survives at Python's recursion limit
+MAX_DEPTH = 100
+_MAX_LISTED = 10  # unreadable lines named one by one per file; the rest are counted
 
 
 def jsonable(value: Any) -> Any:
@@ -61,7 +69,9 @@ def jsonable(value: Any) -> Any:
         return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [jsonable(v) for v in value]
-    return value
+    if value is None or isinstance(value, (str, int)):
+        return value
+    return str(value)  # what YAML can make that JSON cannot carry (dates, sets)
 
 
 def _num(value: Any) -> float | None:
@@ -145,6 +155,55 @@ def build_charts(rows: list[dict[str, Any]], per_policy: dict[str, dict[str, lis
     return main, extra
 
 
+# --- reading files ---------------------------------------------------------------------------------
+def _too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
+    """Whether `value` nests lists/dicts more than `limit` levels, walked without recursion."""
+    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
+def _parse_row(line: str) -> tuple[dict[str, Any] | None, str]:
+    """One JSON-lines row, or why it cannot be one."""
+    try:
+        row = json.loads(line)
+    except RecursionError:
+        return None, f"nested deeper than {MAX_DEPTH} levels"
+    except ValueError as exc:  # JSONDecodeError, and integers longer than int() accepts
+        return None, f"not valid JSON ({str(exc)[:100]})"
+    if not isinstance(row, dict):
+        return None, f"a JSON {type(row).__name__}, not an object"
+    if _too_deep(row):
+        return None, f"nested deeper than {MAX_DEPTH} levels"
+    return row, ""
+
+
+def read_jsonl(path: Path, label: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """The file's rows (JSON objects) and a warning per line skipped: ``LABEL line N: why; skipped``."""
+    rows: list[dict[str, Any]] = []
+    warnings: list[str] = []
+    skipped = 0
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row, why = _parse_row(line)
+            if row is not None:
+                rows.append(row)
+                continue
+            skipped += 1
+            if skipped <= _MAX_LISTED:
+                warnings.append(f"{label} line {n}: {why}; skipped")
+    if skipped > _MAX_LISTED:
+        warnings.append(f"{label}: {skipped - _MAX_LISTED} more unreadable line(s) skipped")
+    return rows, warnings
+
+
 # --- tokens ------------------------------------------------------------------------------------
 def token_pieces(tokenizer: Any, ids: list[int]) -> list[str]:
     """The text each response token adds, so that the pieces join to the decoded response.
@@ -178,8 +237,10 @@ def token_pieces(tokenizer: Any, ids: list[int]) -> list[str]:
 
 # --- the source --------------------------------------------------------------------------------
 class _StepFile:
-    def __init__(self, name: str, path: Path, step: int | None, kind: str) -> None:
-        self.name, self.path, self.step, self.kind = name, path, step, kind
+    """`path`: the file once links are followed; `label`: where it is listed (``trajectories/NAME.jsonl``)."""
+
+    def __init__(self, name: str, path: Path, label: str, step: int | None, kind: str) -> None:
+        self.name, self.path, self.label, self.step, self.kind = name, path, label, step, kind
 
 
 class ViewSource:
@@ -200,7 +261,8 @@ class ViewSource:
         self._tokenizers: dict[str, tuple[Any, str]] = {}
         self._summaries: dict[str, tuple[tuple[int, int], dict[str, Any]]] = {}
         self._steps: dict[str, tuple[tuple[int, int], dict[str, Any]]] = {}
-        self.notes: list[str] = []
+        self._said: set[str] = set()
+        self._trees: dict[str, tuple[tuple[int, int], dict[str, Any] | None, str]] = {}
         if p.is_dir():
             if not ((p / "trajectories").is_dir() or (p / "metrics.jsonl").is_file()):
                 raise UserError(f"{path}: not a run directory of `mas-trainer fit` (no metrics.jsonl or trajectories/); "
@@ -212,24 +274,72 @@ class ViewSource:
             parent = p.parent
             run = parent.parent if parent.name == "trajectories" else None
             self.root = run if run is not None and ((run / "app.json").is_file() or (run / "metrics.jsonl").is_file()) else None
+        # the one file named on the command line is the user's choice, wherever its links lead
+        self._given = self.single.resolve() if self.single is not None else None
+        self._base = self.root.resolve() if self.root is not None else None
+
+    # --- paths ---------------------------------------------------------------------------------
+    def _label(self, path: Path) -> str:
+        if self.root is not None and path.is_relative_to(self.root):
+            return path.relative_to(self.root).as_posix()
+        return path.name
+
+    def _warn(self, message: str, warnings: list[str] | None) -> None:
+        """Into `warnings` (the payload) every time; into the log once per message."""
+        if warnings is not None:
+            warnings.append(message)
+        with self._lock:
+            if message in self._said:
+                return
+            if len(self._said) > 10_000:  # a file rewritten over and over: forget, do not grow
+                self._said.clear()
+            self._said.add(message)
+        log.warning("%s", message)
+
+    def inside(self, path: Path, *, folder: bool = False, warnings: list[str] | None = None) -> Path | None:
+        """`path` with every link followed, if that is a regular file (`folder`: a folder) inside
+        the run directory, or the trajectories file the viewer was started on; else None.
+
+        Every file the viewer reads or serves comes through here: a link out of the run, or a
+        `..` that climbs out of it, is refused with a warning; a path that does not exist is
+        just absent (metrics.jsonl before the first step).
+        """
+        if not (path.exists() or path.is_symlink()):
+            return None
+        try:
+            real = path.resolve(strict=True)
+        except (OSError, RuntimeError):  # a dangling link, a loop of links
+            self._warn(f"{self._label(path)}: a broken link; skipped", warnings)
+            return None
+        if real != self._given and not (self._base is not None and real.is_relative_to(self._base)):
+            self._warn(f"{self._label(path)}: leads out of the run directory; skipped", warnings)
+            return None
+        if not (real.is_dir() if folder else real.is_file()):
+            self._warn(f"{self._label(path)}: not a {'folder' if folder else 'regular file'}; skipped", warnings)
+            return None
+        return real
 
     # --- files ---------------------------------------------------------------------------------
-    def step_files(self) -> list[_StepFile]:
+    def step_files(self, warnings: list[str] | None = None) -> list[_StepFile]:
         if self.single is not None:
             files = [self.single]
         else:
             assert self.root is not None
-            folder = self.root / "trajectories"
-            files = sorted(folder.glob("*.jsonl")) if folder.is_dir() else []
+            folder = self.inside(self.root / "trajectories", folder=True, warnings=warnings)
+            files = sorted((self.root / "trajectories").glob("*.jsonl")) if folder is not None else []
         out = []
         for f in files:
             stem = f.stem if f.suffix == ".jsonl" else f.name
             if not STEP_NAME.match(stem):
                 continue
+            real = self.inside(f, warnings=warnings)
+            if real is None:
+                continue
             m, v = _TRAIN_FILE.match(stem), _VAL_FILE.match(stem)
             step = int(m.group(1)) if m else int(v.group(1)) if v else None
             kind = "train" if m else "val" if v else "trace"
-            out.append(_StepFile(stem, f, step, kind))
+            label = f"trajectories/{f.name}" if self.single is None else f.name
+            out.append(_StepFile(stem, real, label, step, kind))
         order = {"val": 0, "train": 1, "trace": 2}
         out.sort(key=lambda s: (s.step if s.step is not None else -1, order[s.kind], s.name))
         return out
@@ -240,73 +350,69 @@ class ViewSource:
         return next((s for s in self.step_files() if s.name == name), None)
 
     def raw_files(self) -> dict[str, Path]:
-        """Relative path -> file, for the files of the run the server may hand out as they are."""
+        """Relative path -> file (links followed, inside the run), for the files the server may hand out as they are."""
         out: dict[str, Path] = {}
         if self.root is not None:
             for rel in ("metrics.jsonl", "app.json", "config.yaml", "rewards.png"):
-                if (self.root / rel).is_file():
-                    out[rel] = self.root / rel
+                real = self.inside(self.root / rel)
+                if real is not None:
+                    out[rel] = real
         for s in self.step_files():
-            rel = f"trajectories/{s.path.name}" if self.root is not None and self.single is None else s.path.name
-            out[rel] = s.path
+            out[s.label] = s.path
         return out
 
     def title(self) -> str:
         return (self.root or self.path).name if self.single is None else self.path.name
 
-    def app(self) -> dict[str, Any] | None:
-        return self._read_json(self.root / "app.json") if self.root is not None else None
+    def app(self, warnings: list[str] | None = None) -> dict[str, Any] | None:
+        return self._tree("app.json", warnings)
 
-    def config(self) -> dict[str, Any] | None:
-        if self.root is None or not (self.root / "config.yaml").is_file():
+    def config(self, warnings: list[str] | None = None) -> dict[str, Any] | None:
+        return self._tree("config.yaml", warnings)
+
+    def _tree(self, rel: str, warnings: list[str] | None) -> dict[str, Any] | None:
+        """app.json or config.yaml as a dict, or None with a warning saying why not."""
+        path = self.inside(self.root / rel, warnings=warnings) if self.root is not None else None
+        if path is None:
             return None
+        # parsed once per version of the file: every request reads both, and a hostile
+        # config.yaml can take PyYAML seconds to refuse
+        stamp = self._stamp(path)
+        with self._lock:
+            cached = self._trees.get(rel)
+        if cached is None or cached[0] != stamp:
+            cached = (stamp, *self._parse_tree(path, rel))
+            with self._lock:
+                self._trees[rel] = cached
+        if cached[2]:
+            self._warn(f"{rel}: {cached[2]}; ignored", warnings)
+        return cached[1]
+
+    @staticmethod
+    def _parse_tree(path: Path, rel: str) -> tuple[dict[str, Any] | None, str]:
+        """(the file as a dict, "") or (None, why not)."""
         try:
-            tree = yaml.safe_load((self.root / "config.yaml").read_text())
-        except yaml.YAMLError:
-            return None
-        return tree if isinstance(tree, dict) else None
+            text = path.read_text(encoding="utf-8", errors="replace")
+            tree = yaml.safe_load(text) if rel.endswith(".yaml") else json.loads(text)
+        except RecursionError:
+            return None, f"nested deeper than {MAX_DEPTH} levels"
+        except (OSError, ValueError, yaml.YAMLError) as exc:
+            return None, f"not readable ({type(exc).__name__}: {' '.join(str(exc).split())[:120]})"
+        if not isinstance(tree, dict):
+            return None, "not a mapping"
+        if _too_deep(tree):
+            return None, f"nested deeper than {MAX_DEPTH} levels"
+        return tree, ""
 
-    def metrics(self) -> list[dict[str, Any]]:
-        if self.root is None:
-            return []
-        path = self.root / "metrics.jsonl"
-        rows = []
-        if path.is_file():
-            for line in path.read_text(errors="replace").splitlines():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a row cut by a kill mid-write
-                if isinstance(row, dict):
-                    rows.append(row)
+    def metrics(self, warnings: list[str] | None = None) -> list[dict[str, Any]]:
+        path = self.inside(self.root / "metrics.jsonl", warnings=warnings) if self.root is not None else None
+        return self._rows(path, "metrics.jsonl", warnings) if path is not None else []
+
+    def _rows(self, path: Path, label: str, warnings: list[str] | None) -> list[dict[str, Any]]:
+        rows, problems = read_jsonl(path, label)
+        for message in problems:
+            self._warn(message, warnings)
         return rows
-
-    @staticmethod
-    def _read_json(path: Path) -> dict[str, Any] | None:
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return None
-        return data if isinstance(data, dict) else None
-
-    @staticmethod
-    def _read_trajectories(path: Path) -> tuple[list[dict[str, Any]], int]:
-        """The file's trajectories (dicts) and how many lines could not be read."""
-        out, bad = [], 0
-        with path.open(errors="replace") as f:
-            for line in f:
-                if not line.strip():
-                    continue
-                try:
-                    item = json.loads(line)
-                except json.JSONDecodeError:
-                    bad += 1
-                    continue
-                if isinstance(item, dict):
-                    out.append(item)
-                else:
-                    bad += 1
-        return out, bad
 
     @staticmethod
     def _stamp(path: Path) -> tuple[int, int]:
@@ -320,20 +426,21 @@ class ViewSource:
             cached = self._summaries.get(s.name)
             if cached and cached[0] == stamp:
                 return cached[1]
-        trajs, bad = self._read_trajectories(s.path)
+        warnings: list[str] = []
+        trajs = self._rows(s.path, s.label, warnings)
         per_policy: dict[str, list[float]] = defaultdict(list)
         rewards = []
         for t in trajs:
             turns = _dict(_dict(t.get("rewards")).get("turns"))
             for c in _list(t.get("llm_calls")):
                 c = _dict(c)
-                v = _num(turns.get(c.get("id")))
+                v = _num(turns.get(str(c.get("id"))))
                 if v is not None:
                     per_policy[str(c.get("policy"))].append(v)
             r = _traj_reward(t)
             if r is not None:
                 rewards.append(r)
-        summary = {"name": s.name, "step": s.step, "kind": s.kind, "rollouts": len(trajs), "unreadable_lines": bad,
+        summary = {"name": s.name, "step": s.step, "kind": s.kind, "rollouts": len(trajs), "warnings": warnings,
                    "groups": len({_group_key(t) for t in trajs}),
                    "mean_reward": statistics.fmean(rewards) if rewards else None,
                    "errors": sum(1 for t in trajs if t.get("status") != "ok"),
@@ -343,27 +450,30 @@ class ViewSource:
         return summary
 
     def index(self) -> dict[str, Any]:
-        """Everything but the trajectories: curves, policy map, settings, list of steps."""
-        steps = [self._summary(s) for s in self.step_files()]
+        """Everything but the trajectories: curves, policy map, settings, list of steps, and
+        `warnings`: every file or line that was skipped, and why."""
+        warnings: list[str] = []
+        steps = [self._summary(s) for s in self.step_files(warnings)]
         per_policy: dict[str, dict[str, list[list[float]]]] = {"train": defaultdict(list), "val": defaultdict(list)}
         for s in steps:
             if s["kind"] in per_policy and s["step"] is not None:
                 for p, v in sorted(s["policy_reward"].items()):
                     per_policy[s["kind"]][p].append([s["step"], v])
-        rows = self.metrics()
+        rows = self.metrics(warnings)
         charts, more = build_charts(rows, per_policy)
-        cfg = self.config() or {}
+        app, cfg = self.app(warnings), self.config(warnings) or {}
         reward_cfg = cfg.get("reward") if isinstance(cfg.get("reward"), dict) else None
         notes = []
         if self.root is None:
             notes.append("a trajectories file outside a run directory: no curves, no policy map, no advantages")
         elif not rows:
             notes.append("metrics.jsonl has no rows yet")
+        warnings += [w for s in steps for w in s["warnings"]]
         return jsonable({
             "title": self.title(), "source": str(self.path), "kind": "file" if self.single is not None else "run",
-            "app": self.app(), "reward_config": reward_cfg, "advantage_config": self._advantage_settings(),
+            "app": app, "reward_config": reward_cfg, "advantage_config": self._advantage_settings(),
             "charts": charts, "more_charts": more, "steps": steps, "notes": notes,
-            "raw_files": sorted(self.raw_files()),
+            "warnings": list(dict.fromkeys(warnings)), "raw_files": sorted(self.raw_files()),
         })
 
     # --- advantages ----------------------------------------------------------------------------
@@ -456,8 +566,9 @@ class ViewSource:
         if self.tokenizer_spec:
             candidates.append((self.tokenizer_spec, f"--tokenizer {self.tokenizer_spec}"))
         elif self.root is not None:
-            folder = self.root / "checkpoint" / "policies" / policy
-            if (folder / "tokenizer_config.json").is_file() or (folder / "tokenizer.json").is_file():
+            # the policy name comes from the trajectory: a plain name, a folder inside the run
+            folder = self.inside(self.root / "checkpoint" / "policies" / policy, folder=True) if STEP_NAME.match(policy) else None
+            if folder is not None and any(self.inside(folder / f) for f in ("tokenizer_config.json", "tokenizer.json")):
                 candidates.append((str(folder), f"checkpoint/policies/{policy}"))
             base = _dict(_dict(_dict(self.app()).get("policies")).get(policy)).get("base_model")
             if isinstance(base, str) and base:
@@ -491,7 +602,8 @@ class ViewSource:
         return data
 
     def _build_step(self, s: _StepFile) -> dict[str, Any]:
-        trajs, bad = self._read_trajectories(s.path)
+        warnings: list[str] = []
+        trajs = self._rows(s.path, s.label, warnings)
         adv_status, advantages = self._advantages(s, trajs)
         tokenizers: dict[str, str] = {}
         groups: dict[str, dict[str, Any]] = {}
@@ -504,15 +616,11 @@ class ViewSource:
             g["left_out"] = g.get("left_out") or _dict(_dict(t.get("rewards")).get("detail")).get("left_out")
             rollouts.append(self._rollout(t, advantages, tokenizers))
         for g in groups.values():
-            rs = [_traj_reward(trajs[i]) for i in g["rollouts"]]
-            rs = [r for r in rs if r is not None]
+            rs = [r for r in (_traj_reward(trajs[i]) for i in g["rollouts"]) if r is not None]
             g["mean_reward"] = statistics.fmean(rs) if rs else None
-        notes = []
-        if bad:
-            notes.append(f"{bad} line(s) of {s.path.name} could not be read (cut by a kill mid-write?)")
-        return jsonable({"name": s.name, "step": s.step, "kind": s.kind, "file": s.path.name,
+        return jsonable({"name": s.name, "step": s.step, "kind": s.kind, "file": s.label,
                          "advantages": adv_status, "tokenizers": tokenizers, "groups": list(groups.values()),
-                         "rollouts": rollouts, "notes": notes})
+                         "rollouts": rollouts, "warnings": warnings})
 
     def _rollout(self, t: dict[str, Any], advantages: dict[str, list[float]], tokenizers: dict[str, str]) -> dict[str, Any]:
         rewards = _dict(t.get("rewards"))

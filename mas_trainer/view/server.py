@@ -10,14 +10,20 @@ The server binds 127.0.0.1 only and answers GET/HEAD on:
   (metrics, app.json, config.yaml, rewards.png, trajectory files), never anything else.
 
 Query parameters are validated (a step name must name a listed file), paths with ``..``,
-absolute paths, encoded separators or links that leave the run directory are refused, and a
+absolute paths, encoded separators or links that leave the run directory are refused (every
+file goes through :meth:`ViewSource.inside`, for the API and the static file alike), and a
 ``Host`` header other than the server's own address is refused (DNS rebinding).
+
+A connection that sends nothing, or stops mid-request, is dropped after `idle_timeout`
+seconds; at most `max_connections` are handled at once, more get a 503 at once, so idle or
+slow clients cannot pile up threads.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -34,6 +40,10 @@ __all__ = ["ViewServer", "serve_view", "write_html", "page_data", "select_steps"
 log = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
+IDLE_TIMEOUT_S = 30.0
+MAX_CONNECTIONS = 32
+_BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\nConnection: close\r\n"
+         b"Content-Length: 35\r\n\r\ntoo many open connections, retry.\r\n")
 
 
 def _initial_step(source: ViewSource, index: dict[str, Any]) -> str | None:
@@ -90,6 +100,12 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "mas-trainer-view"
     sys_version = ""
 
+    def setup(self) -> None:
+        super().setup()
+        # every read and write on the socket then gives up after this long, and
+        # BaseHTTPRequestHandler drops the connection on that TimeoutError
+        self.connection.settimeout(self.server.idle_timeout)
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         log.debug("%s " + format, self.address_string(), *args)
 
@@ -122,8 +138,10 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802
         try:
             self._route()
-        except BrokenPipeError:
+        except (BrokenPipeError, ConnectionResetError):
             pass
+        except TimeoutError:
+            raise  # the client stopped reading: the base class drops the connection
         except Exception as exc:  # noqa: BLE001 - one bad file must not take the server down
             log.exception("view: %s failed", self.path)
             self._error(500, f"{type(exc).__name__}: {str(exc)[:300]}")
@@ -178,26 +196,30 @@ class _Handler(BaseHTTPRequestHandler):
         if (not rel or "\\" in rel or "\x00" in rel or rel.startswith("/")
                 or any(part in ("", ".", "..") for part in rel.split("/"))):
             return self._error(HTTPStatus.BAD_REQUEST, "bad path")
-        files = self.server.source.raw_files()
-        target = files.get(rel)
-        if target is None:
-            return self._error(HTTPStatus.NOT_FOUND, "not a file of this run")
-        base = (self.server.source.root or self.server.source.path.parent).resolve()
-        real = target.resolve()
-        if not real.is_file() or not real.is_relative_to(base):
+        real = self.server.source.raw_files().get(rel)  # links already followed, and kept only inside the run
+        if real is None:
             return self._error(HTTPStatus.NOT_FOUND, "not a file of this run")
         ctype = "image/png" if real.suffix == ".png" else "text/plain; charset=utf-8"
         return self._send(200, real.read_bytes(), ctype, {"Content-Security-Policy": "default-src 'none'; sandbox"})
 
 
 class ViewServer(ThreadingHTTPServer):
-    """The view's HTTP server on 127.0.0.1:`port` (0: any free port); `url` once bound."""
+    """The view's HTTP server on 127.0.0.1:`port` (0: any free port); `url` once bound.
+
+    `idle_timeout`: seconds a connection may wait on its client; `max_connections`: handled at once.
+    """
 
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, source: ViewSource, port: int = 0) -> None:
+    def __init__(self, source: ViewSource, port: int = 0, *, idle_timeout: float = IDLE_TIMEOUT_S,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
+        if not idle_timeout > 0 or max_connections < 1:
+            raise UserError(f"view server: idle_timeout must be > 0 and max_connections >= 1 "
+                            f"(got {idle_timeout}, {max_connections})")
         self.source = source
+        self.idle_timeout = float(idle_timeout)
+        self._slots = threading.BoundedSemaphore(max_connections)
         try:
             super().__init__((HOST, port), _Handler)
         except OSError as exc:
@@ -205,6 +227,32 @@ class ViewServer(ThreadingHTTPServer):
         self.port = self.server_address[1]
         self.url = f"http://{HOST}:{self.port}/"
         self._thread: threading.Thread | None = None
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        # a thread per connection, but never more than max_connections of them
+        if not self._slots.acquire(blocking=False):
+            log.info("view: %s refused: too many open connections", client_address)
+            self._refuse(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def _refuse(self, request: socket.socket) -> None:
+        try:
+            request.settimeout(1.0)
+            request.sendall(_BUSY)
+        except OSError:
+            pass
+        self.shutdown_request(request)
 
     def host_ok(self, host: str | None) -> bool:
         return host in (f"{HOST}:{self.port}", f"localhost:{self.port}") or (self.port == 80 and host in (HOST, "localhost"))
@@ -222,9 +270,10 @@ class ViewServer(ThreadingHTTPServer):
             self._thread.join(timeout=5)
 
 
-def serve_view(source: ViewSource, port: int = 8765, *, announce: Any = print) -> None:
+def serve_view(source: ViewSource, port: int = 8765, *, announce: Any = print, idle_timeout: float = IDLE_TIMEOUT_S,
+               max_connections: int = MAX_CONNECTIONS) -> None:
     """Serve until Ctrl-C."""
-    server = ViewServer(source, port)
+    server = ViewServer(source, port, idle_timeout=idle_timeout, max_connections=max_connections)
     if source.advantages_enabled and source.root is not None:
         # verl's estimators take seconds to import: do it now, not on the first click
         threading.Thread(target=_warm_up, daemon=True).start()

@@ -96,6 +96,7 @@
     document.title = 'mas-trainer view · ' + INDEX.title;
     const box = el('section', { id: 'overview' });
     for (const n of INDEX.notes || []) box.appendChild(el('div', { class: 'note', text: n }));
+    for (const w of INDEX.warnings || []) box.appendChild(el('div', { class: 'note warn', text: w }));
     const app = INDEX.app;
     if (app && app.roles) {
       box.appendChild(el('h2', { text: 'Roles and policies' }));
@@ -256,7 +257,7 @@
     return { adv: adv || 1, hasAdv: any, rmin: rmin, rmax: rmax };
   }
   function renderStep(body, step) {
-    for (const n of step.notes || []) body.appendChild(el('div', { class: 'note', text: n }));
+    for (const w of step.warnings || []) body.appendChild(el('div', { class: 'note warn', text: w }));
     const scale = stepScale(step);
     const advNote = (step.advantages && step.advantages.note) || '';
     if (state.colour === 'advantage' && !scale.hasAdv) body.appendChild(el('div', { class: 'note', id: 'adv-note', text: advNote || 'no advantages for this file; colouring by allocated reward' }));

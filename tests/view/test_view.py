@@ -271,7 +271,10 @@ def test_trajectories_file_alone_and_tokenizer_option(runs, tmp_path):
     index = src.index()
     assert index["kind"] == "file" and index["charts"] == [] and index["notes"]
     step = src.step("trajectories")
-    assert step["notes"] and step["advantages"]["status"] == "none"
+    assert step["advantages"]["status"] == "none"
+    cut = step["warnings"]
+    assert len(cut) == 1 and re.fullmatch(r"trajectories\.jsonl line \d+: not valid JSON \(.*\); skipped", cut[0]), cut
+    assert index["warnings"] == cut
     call = step["rollouts"][0]["llm_calls"][0]
     assert call["pieces"] is None and call["response_ids"]  # no tokenizer known: ids
     assert "".join(ViewSource(lone, tokenizer="tiny").step("trajectories")["rollouts"][0]["llm_calls"][0]["pieces"]).startswith("Paris")
