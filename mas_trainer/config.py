@@ -8,6 +8,8 @@ here, before anything starts. Importing this module does not import torch.
 
 from __future__ import annotations
 
+import difflib
+
 import importlib.util
 import os
 from pathlib import Path
@@ -23,7 +25,7 @@ from mas_trainer.rewards.allocators import LevelWeights, allocator_names, check_
 from mas_trainer.rollout.config import ENGINES, ReplicaConfig
 
 __all__ = [
-    "FitConfig", "PolicyConfig", "RuntimeConfig", "Resources", "load_config", "describe_keys", "check_torch_only",
+    "FitConfig", "PolicyConfig", "RuntimeConfig", "Resources", "load_config", "describe_keys", "check_torch_only", "check_policy_names",
     "check_trackers", "TRACKERS", "ConfigError",
 ]
 
@@ -222,8 +224,11 @@ def _describe_error(err: ValidationError, root: type[BaseModel] | None = None) -
     loc = ".".join(str(p) for p in e["loc"])
     if e["type"] == "extra_forbidden":
         section = root if root is not None and len(e["loc"]) == 1 else _section_of(tuple(e["loc"][:-1]))
-        valid = ", ".join(section.model_fields) if section is not None else "see mas-trainer fit --help"
-        return f"unknown config key {loc!r}; valid keys here: {valid}"
+        if section is None:
+            return f"unknown config key {loc!r}; see mas-trainer fit --help"
+        close = difflib.get_close_matches(str(e["loc"][-1]), list(section.model_fields), n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        return f"unknown config key {loc!r}; {hint}valid keys here: {', '.join(section.model_fields)}"
     return f"config key {loc!r}: {e['msg'].removeprefix('Value error, ')}"
 
 
@@ -361,6 +366,16 @@ def _check_learner(cfg: FitConfig) -> None:
                     where = f"policies.{name}.{part}.mini_batch_size" if name else f"{part}.mini_batch_size"
                     raise ConfigError(f"{where}={mini} must be a multiple of the worker group's world size {world} "
                                       "(resources.nodes x resources.procs_per_node): each rank takes an equal share")
+
+
+def check_policy_names(cfg: FitConfig, app_policies: Iterable[str]) -> None:
+    """`policies.NAME.*` must name one of the app's policies (known once the app is imported)."""
+    known = sorted(app_policies)
+    for name in cfg.policies:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(f"policies.{name}: the app has no policy {name!r}; {hint}its policies: {', '.join(known) or 'none'}")
 
 
 def _check_ignored(cfg: FitConfig) -> None:

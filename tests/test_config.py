@@ -21,7 +21,7 @@ def test_import_does_not_load_torch_and_common_estimators_do_not_load_verl():
     [
         (["advantage.estimator=grpp"], "config key 'advantage.estimator': advantage estimator 'grpp' is not usable here; choose one of .*grpo"),
         (["policies.coder.advantage.estimator=remax"], "policies.coder.advantage: .*'remax' is not usable here; choose one of .*rloo"),
-        (["reward.weights.trajectroy=0"], "unknown config key 'reward.weights.trajectroy'; valid keys here: trajectory, role, turn"),
+        (["reward.weights.trajectroy=0"], r"unknown config key 'reward.weights.trajectroy'; did you mean 'trajectory'\? valid keys here: trajectory, role, turn"),
         (["reward.options.initial=1"], "allocator 'broadcast' has no option 'initial'; valid: none"),
         (["reward.allocator=turn_delta", "reward.options.per_rol=true"], "'turn_delta' has no option 'per_rol'; valid: initial, per_role"),
         (["reward.on_failure=skip"], "reward.on_failure"),
@@ -72,3 +72,19 @@ def test_a_key_the_chosen_path_would_not_read_is_refused(overrides, message):
 
 def test_the_same_keys_load_where_they_are_read():
     load_config(overrides=["runtime.learner=torch", "learner.fused_adamw=true", "runtime.worker_cpus=1", "runtime.torch_threads=2"])
+
+
+def test_an_unknown_key_names_the_closest_valid_one():
+    with pytest.raises(ConfigError, match=r"unknown config key 'learner.lrr'; did you mean 'lr'\? valid keys here: lr, "):
+        load_config(overrides=["learner.lrr=1e-5"])
+    with pytest.raises(ConfigError, match=r"policies.front.learner: unknown config key 'cliip_ratio_low'; did you mean 'clip_ratio_low'\?"):
+        load_config(overrides=["policies.front.learner.cliip_ratio_low=0.1"])
+
+
+def test_a_policy_override_must_name_a_policy_of_the_app():
+    from mas_trainer.config import check_policy_names
+
+    cfg = load_config(overrides=["policies.frontt.learner.lr=1e-5"])
+    with pytest.raises(ConfigError, match=r"^policies.frontt: the app has no policy 'frontt'; did you mean 'front'\? its policies: back, front$"):
+        check_policy_names(cfg, ["front", "back"])
+    check_policy_names(load_config(overrides=["policies.front.learner.lr=1e-5"]), ["front", "back"])
