@@ -379,3 +379,137 @@ def add(a, b):
         for t in targets:  # only if the containment failed
             t.unlink(missing_ok=True)
         outside.rmdir()
+
+
+# ---------------------------------------------------------------- what the candidate leaves behind
+
+def called_deep(fn, frames=200):
+    """fn() from ``frames`` calls down, as the verifier is called from deep inside LangGraph."""
+    return fn() if frames == 0 else called_deep(fn, frames - 1)
+
+
+@pytest.fixture
+def scratch_root(tmp_path, monkeypatch):
+    """The folder the sandbox makes its scratch folders in (tempfile's), empty and private to the test."""
+    root = tmp_path / "scratch_root"
+    root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(root))
+    return root
+
+
+def nested(depth, body=""):
+    """A candidate that makes ``depth`` nested folders (deeper than PATH_MAX allows by name: by chdir)."""
+    return f"""
+import os
+for _ in range({depth}):
+    os.mkdir("d")
+    os.chdir("d")
+{body}
+def add(a, b):
+    return a + b
+"""
+
+
+@pytest.mark.parametrize("kind", AVAILABLE)
+@pytest.mark.parametrize("depth", [900, 3000])
+def test_deeply_nested_folders_are_removed(kind, depth, scratch_root):
+    r = called_deep(lambda: run(nested(depth, 'open("f", "w").write("x")'), kind=kind, time_limit_s=20.0))
+    assert r.all_passed and not r.timed_out, r.error  # the candidate's own verdict, not a crash
+    assert list(scratch_root.iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", AVAILABLE)
+def test_locked_folders_many_files_and_symlinks_out_are_removed(kind, scratch_root, tmp_path):
+    outside = tmp_path / "outside"  # what the symlinks point at: it must survive the clean-up
+    outside.mkdir()
+    (outside / "keep.txt").write_text("keep")
+    body = f"""
+for i in range(300):
+    open("f%d" % i, "w").close()
+for target, name in (({str(outside)!r}, "out"), ({str(outside / "keep.txt")!r}, "out_file"), ("/", "root"),
+                     ("..", "up"), (".", "self")):
+    os.symlink(target, name)
+for i in range(1000):  # climb back up, locking a file and then the folder on each level
+    open("locked", "w").close()
+    os.chmod("locked", 0)
+    os.chdir("..")
+    os.chmod("d", (0, 0o500, 0o100, 0o300)[i % 4])
+os.symlink({str(outside)!r}, "out")
+os.chmod(".", 0o500)
+"""
+    r = called_deep(lambda: run(nested(1000, body), kind=kind, time_limit_s=20.0))
+    assert r.all_passed and not r.timed_out, r.error
+    assert list(scratch_root.iterdir()) == []
+    assert (outside / "keep.txt").read_text() == "keep" and os.listdir(outside) == ["keep.txt"]
+
+
+def test_the_clean_up_removes_any_tree_without_following_symlinks(tmp_path):
+    """The clean-up on its own, as this user (so locked folders lock it out unless it unlocks them)."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("keep")
+    os.chmod(outside, 0o500)
+    scratch, fd = sandbox._make_scratch(str(tmp_path))
+    level = os.open(scratch, os.O_RDONLY | os.O_DIRECTORY)
+    for i in range(1100):  # by descriptor, as a candidate would (the tests above go past PATH_MAX)
+        os.mkdir("d", dir_fd=level)
+        os.symlink(str(outside), "out", dir_fd=level)
+        if i % 500 == 0:
+            os.mkfifo("fifo", dir_fd=level)
+            for j in range(100):
+                os.close(os.open(f"f{j}", os.O_CREAT | os.O_WRONLY, 0, dir_fd=level))
+        child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=level)
+        os.close(level)
+        level = child
+    os.symlink("..", "up", dir_fd=level)
+    os.close(level)
+    # lock every level, deepest last (locking a folder first would shut the way down)
+    level = os.open(scratch, os.O_RDONLY | os.O_DIRECTORY)
+    for i in range(1100):
+        child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=level)
+        os.fchmod(level, (0, 0o500, 0o100, 0o300)[i % 4])
+        os.close(level)
+        level = child
+    os.fchmod(level, 0)
+    os.close(level)
+    called_deep(lambda: sandbox._remove_scratch(scratch, fd))
+    os.chmod(outside, 0o700)
+    assert not os.path.lexists(scratch) and os.listdir(tmp_path) == ["outside"]
+    assert os.listdir(outside) == ["keep.txt"] and (outside / "keep.txt").read_text() == "keep"
+
+
+@pytest.mark.parametrize("kind", AVAILABLE)
+def test_what_the_candidate_writes_is_bounded_or_reported(kind, scratch_root, monkeypatch, caplog):
+    monkeypatch.setattr(sandbox, "SCRATCH_LIMIT", 1024 * 1024)
+    sized = kind == "bwrap" and sandbox._sized_tmpfs()
+    # /run and /dev only where they are the sandbox's own: under unshare and none they are this machine's
+    code = f"""
+import os
+def fill(folder, count):
+    for i in range(count):
+        try:
+            with open(os.path.join(folder, "code_gen_fill%d" % i), "wb") as f:
+                f.write(b"x" * 512 * 1024)
+        except OSError as exc:
+            print("STOPPED", folder, i, exc.strerror)
+            return
+    print("WROTE", folder, count)
+fill(".", 8)
+for folder in {["/run", "/dev", "/dev/shm"] if sized else []}:
+    fill(folder, 12)
+def add(a, b):
+    return a + b
+"""
+    with caplog.at_level("WARNING", logger=sandbox.log.name):
+        r = run(code, kind=kind)
+    assert r.all_passed, r.error
+    assert list(scratch_root.iterdir()) == []
+    if sized:
+        # the scratch folder holds at most SCRATCH_LIMIT bytes; /run and /dev are read-only, /dev/shm small
+        assert "WROTE . 8" not in r.output and "No space left on device" in r.output, r.output
+        assert "STOPPED /run 0 Read-only file system" in r.output and "STOPPED /dev 0 " in r.output, r.output
+        assert "WROTE /dev/shm" not in r.output, r.output
+    else:
+        # no bound here (writes are not contained): what the candidate left is reported, then removed
+        assert "WROTE . 8" in r.output, r.output
+        assert any("left" in m and "scratch folder" in m for m in caplog.messages), caplog.messages

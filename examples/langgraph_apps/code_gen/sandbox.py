@@ -27,8 +27,13 @@ The sandbox runs under the strongest isolation that works here (probed once, see
 
 ``bwrap``    bubblewrap (Debian package ``bubblewrap``): new user, pid, network, IPC, UTS and
              cgroup namespaces, all capabilities dropped, the file system read-only except
-             its own scratch folder (mounted at ``/tmp``), a fresh ``/proc``, ``/dev`` and an
-             empty ``/run``, a new session; it dies with the thread that started it.
+             its own scratch folder (``/tmp``: a tmpfs of at most ``SCRATCH_LIMIT`` bytes,
+             gone with the namespace) and a ``/dev/shm`` of at most ``FILE_SIZE_LIMIT``
+             bytes, a fresh ``/proc``, a fresh read-only ``/dev`` and an empty read-only
+             ``/run``, a new session; it dies with the thread that started it. A bubblewrap
+             without ``--size`` (before 0.7.0, or setuid) binds a folder of this machine's
+             temporary folder at ``/tmp`` instead, bounded only by the time limit, and leaves
+             ``/dev/shm`` read-only with the rest of ``/dev``.
 ``unshare``  util-linux ``unshare``: new user, pid, mount (fresh ``/proc``), network, IPC and
              UTS namespaces, but the file system is as writable as for this user.
 ``none``     a plain child process in its own session (logged as a warning).
@@ -41,12 +46,20 @@ file-size limit (``resource`` limits set in the sandbox before the candidate run
 standard input, and at most ``output_cap`` characters kept of what the candidate printed.
 
 Not contained in any mode: reading the file system (whatever this user can read, the task
-files included), CPU use within the time limit, and disk use within the scratch folder (each
-file at most 4 MiB, but not their number). ``unshare`` adds file-system writes (as root that
-includes the Python files the judge imports, so only ``bwrap`` keeps the verdict out of reach
-across runs); ``none`` adds
-signals, ``/proc`` of this user's processes, ptrace of the judge, network and leftover
-processes. Run untrusted models' code with bubblewrap installed, or in a throw-away VM.
+files included), CPU use within the time limit, and the number of files in the scratch folder
+(within the time limit). ``unshare`` and ``none`` (and a bubblewrap without ``--size``) add
+disk use: their scratch folder is a folder of this machine's temporary folder, each file at
+most 4 MiB but their total bounded only by the time limit (what exceeded ``SCRATCH_LIMIT`` is
+logged as a warning). ``unshare`` adds file-system writes (as root that includes the Python
+files the judge imports, so only ``bwrap`` keeps the verdict out of reach across runs);
+``none`` adds signals, ``/proc`` of this user's processes, ptrace of the judge, network and
+leftover processes. Run untrusted models' code with bubblewrap installed, or in a throw-away VM.
+
+Whatever the candidate leaves in its scratch folder (folders nested thousands deep, folders
+and files it locked with ``chmod``, symlinks out of the folder, many files) is removed after
+every run by ``_remove_scratch``: without recursion, holding one folder open at a time, never
+through a symlink and never into another file system; a problem there is logged, never raised,
+so ``run_tests`` still returns the candidate's verdict.
 """
 
 from __future__ import annotations
@@ -57,6 +70,7 @@ import logging
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -71,6 +85,7 @@ DEFAULT_TIME_LIMIT_S = 5.0
 DEFAULT_MEMORY_LIMIT_MB = 1024
 DEFAULT_OUTPUT_CAP = 4000  # characters of captured output / error text kept
 FILE_SIZE_LIMIT = 4 * 1024 * 1024  # bytes, for any one file the candidate writes (its output included)
+SCRATCH_LIMIT = 64 * 1024 * 1024  # bytes, all the files in the scratch folder together (bwrap; others: logged)
 MAX_REPLY = 4 * 1024 * 1024  # bytes of one encoded return value
 ISOLATIONS = ("bwrap", "unshare", "none")  # strongest first
 
@@ -507,15 +522,25 @@ _ENV = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONHASHSEED": "0", 
 _PROBE = "import os, sys; sys.exit(0 if os.getpid() < 10 else 3)"
 
 
+def _bwrap(workdir: str, sized: bool) -> list[str]:
+    """bubblewrap's command prefix; ``sized``: the writable folders are size-limited tmpfs mounts."""
+    if sized:  # memory that goes with the namespace, bounded by the kernel: nothing to fill or clean up
+        shm = ["--size", str(FILE_SIZE_LIMIT), "--tmpfs", "/dev/shm"]
+        scratch = ["--size", str(SCRATCH_LIMIT), "--tmpfs", "/tmp"]
+    else:  # no --size: /dev/shm read-only with the rest of /dev, the scratch folder a folder of this machine
+        shm, scratch = [], ["--bind", workdir, "/tmp"]
+    return [
+        "bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+        "--ro-bind", "/", "/", "--dev", "/dev", *shm, "--remount-ro", "/dev", "--proc", "/proc",
+        "--tmpfs", "/run", "--remount-ro", "/run",  # hides the sockets of services running here
+        *scratch, "--chdir", "/tmp", "--",
+    ]
+
+
 def _launcher(kind: str, workdir: str) -> list[str]:
     """The command prefix that starts the sandbox under ``kind`` isolation."""
     if kind == "bwrap":
-        return [
-            "bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-            "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
-            "--tmpfs", "/run",  # hides the sockets of services running here
-            "--bind", workdir, "/tmp", "--chdir", "/tmp", "--",
-        ]
+        return _bwrap(workdir, _sized_tmpfs())
     if kind == "unshare":
         return [
             "unshare", "--user", "--map-root-user", "--pid", "--fork", "--kill-child", "--mount-proc",
@@ -533,10 +558,15 @@ def probe(kind: str) -> str | None:
     tool = _launcher(kind, "/")[0]
     if shutil.which(tool) is None:
         return f"{tool} is not installed"
+    return _try_launcher(tool, lambda tmp: _launcher(kind, tmp))
+
+
+def _try_launcher(tool: str, launcher) -> str | None:
+    """None when ``launcher(scratch folder)`` runs this interpreter in a new pid namespace, else why not."""
     with tempfile.TemporaryDirectory(prefix="code_gen_probe_") as tmp:
         try:
             proc = subprocess.run(
-                _launcher(kind, tmp) + [sys.executable, "-I", "-c", _PROBE],
+                launcher(tmp) + [sys.executable, "-I", "-c", _PROBE],
                 cwd=tmp, env=_ENV, stdin=subprocess.DEVNULL, capture_output=True, timeout=30,
             )
         except (OSError, subprocess.SubprocessError) as exc:
@@ -545,6 +575,21 @@ def probe(kind: str) -> str | None:
         return None
     lines = proc.stderr.decode("utf-8", "replace").strip().splitlines()
     return f"{tool} failed: " + (lines[-1] if lines else f"exit status {proc.returncode}")
+
+
+@functools.lru_cache(maxsize=None)
+def _sized_tmpfs() -> bool:
+    """Whether bubblewrap can mount size-limited tmpfs here (``--size``: 0.7.0 and later, not setuid)."""
+    if shutil.which("bwrap") is None:
+        return False
+    why = _try_launcher("bwrap", lambda tmp: _bwrap(tmp, sized=True))
+    if why is not None:
+        log.warning(
+            "code_gen sandbox: bubblewrap cannot mount a size-limited tmpfs (%s); the scratch folder is a "
+            "folder of %s, its size bounded only by the time limit (bubblewrap 0.7.0 or later bounds it)",
+            why, tempfile.gettempdir(),
+        )
+    return why is None
 
 
 @functools.lru_cache(maxsize=None)
@@ -694,6 +739,159 @@ def _text(value) -> str | None:
     return None if value is None else str(value)
 
 
+# ---------------------------------------------------------------- the scratch folder
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_LISTINGS = 3  # times one folder is listed while emptying it (more: a process still writing there)
+
+
+def _make_scratch(parent: str | None = None) -> tuple[str, int]:
+    """A new private folder for one run, and a descriptor of it (for the clean-up, wherever it goes)."""
+    path = tempfile.mkdtemp(prefix="code_gen_", dir=parent)
+    try:
+        return path, os.open(path, _DIR_FLAGS)
+    except BaseException:
+        os.rmdir(path)
+        raise
+
+
+def _remove_scratch(path: str, fd: int) -> None:
+    """Remove the scratch folder and everything the candidate left in it; closes ``fd``.
+
+    Never raises and never recurses: a tree the candidate built to break the clean-up (nested
+    thousands deep, locked with chmod, symlinks out) must not cost the run its verdict. What
+    cannot be removed is logged.
+    """
+    problem = None
+    try:
+        removed, used, problem = _empty_folder(fd)
+        if os.path.samestat(os.lstat(path), os.fstat(fd)):
+            os.rmdir(path)
+        else:  # the candidate renamed its folder (unshare, none); its content is gone all the same
+            problem = problem or f"{path} is no longer the scratch folder"
+        if used > SCRATCH_LIMIT:
+            log.warning(
+                "code_gen sandbox: the candidate left %d files and folders, %.1f MiB, in its scratch folder "
+                "(over the %d MiB bound; removed)", removed, used / 2**20, SCRATCH_LIMIT // 2**20,
+            )
+    except Exception as exc:  # noqa: BLE001 - logged: the verdict does not depend on it
+        problem = problem or f"{type(exc).__name__}: {exc}"
+    finally:
+        os.close(fd)
+    if problem:
+        log.warning("code_gen sandbox: could not remove all of the scratch folder %s: %s", path, problem)
+
+
+class _Level:
+    """One folder on the way down from the scratch folder: its name, identity, and names left to remove."""
+
+    __slots__ = ("name", "ident", "names", "listings")
+
+    def __init__(self, name: str, ident: tuple[int, int]):
+        self.name, self.ident, self.names, self.listings = name, ident, [], 0
+
+
+def _ident(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+def _empty_folder(top: int) -> tuple[int, int, str | None]:
+    """Remove everything inside the folder open at ``top`` (the folder itself stays).
+
+    Depth first, with a list for a stack instead of recursion, and only one folder open at a
+    time besides ``top``: the way back up is ``..``, checked to be the folder it came down
+    from, so no depth runs out of stack or descriptors. Entries are looked at with lstat and
+    folders opened with O_NOFOLLOW, so a symlink is removed, never followed; a folder on
+    another file system (a mount point) is left alone; a folder the candidate locked (chmod
+    000, 0500) is given back to its owner before it is emptied (files need no unlocking).
+
+    Returns (entries removed, bytes they used, the first problem or None).
+    """
+    removed = used = 0
+    problem = None
+    top_st = os.fstat(top)
+    _unlock(top, top_st)
+    path = [_Level("", _ident(top_st))]  # from the scratch folder down to the folder being emptied
+    fd = top
+    try:
+        while True:
+            level = path[-1]
+            if not level.names and level.listings < _LISTINGS:
+                level.listings += 1
+                level.names = os.listdir(fd)
+            if not level.names:  # emptied (or still being written to by a leftover process): go up
+                if len(path) == 1:
+                    return removed, used, problem
+                path.pop()
+                parent = os.open("..", _DIR_FLAGS, dir_fd=fd)
+                if _ident(os.fstat(parent)) != path[-1].ident:
+                    os.close(parent)
+                    return removed, used, problem or "a folder was moved while it was being removed"
+                if fd != top:
+                    os.close(fd)
+                fd = parent
+                try:
+                    os.rmdir(level.name, dir_fd=fd)
+                    removed += 1
+                except OSError as exc:
+                    problem = problem or f"{level.name}: {exc.strerror}"
+                continue
+            name = level.names.pop()
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                if not stat.S_ISDIR(st.st_mode):
+                    os.unlink(name, dir_fd=fd)
+                    removed += 1
+                    used += st.st_blocks * 512
+                elif st.st_dev != top_st.st_dev:
+                    problem = problem or f"{name}: a mount point, left alone"
+                else:
+                    child = _open_folder(name, fd, st)
+                    if fd != top:
+                        os.close(fd)
+                    fd = child
+                    path.append(_Level(name, _ident(st)))
+                    used += st.st_blocks * 512
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                problem = problem or f"{name}: {exc.strerror or exc}"
+    finally:
+        if fd != top:
+            os.close(fd)
+
+
+def _open_folder(name: str, parent: int, st: os.stat_result) -> int:
+    """The folder ``name`` in ``parent`` (just lstat-ed as ``st``), opened and unlocked for emptying."""
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+    except PermissionError:  # locked (no read or search permission): give it back to its owner first
+        if hasattr(os, "O_PATH"):
+            path_fd = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+            try:  # through the descriptor: the folder itself, even if a symlink took its name meanwhile
+                os.chmod(f"/proc/self/fd/{path_fd}", 0o700)
+            finally:
+                os.close(path_fd)
+        else:
+            os.chmod(name, 0o700, dir_fd=parent, follow_symlinks=False)
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+    try:
+        opened = os.fstat(fd)
+        if _ident(opened) != _ident(st):
+            raise OSError(f"{name} was replaced while it was being emptied")
+        _unlock(fd, opened)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _unlock(fd: int, st: os.stat_result) -> None:
+    """Let the owner list the folder and remove what it holds (read, write, search)."""
+    if stat.S_IMODE(st.st_mode) & 0o700 != 0o700:
+        os.fchmod(fd, 0o700)
+
+
 # ---------------------------------------------------------------- the run
 
 def run_tests(
@@ -721,16 +919,19 @@ def run_tests(
         "fsize_bytes": FILE_SIZE_LIMIT,
     }).encode()
     start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="code_gen_", ignore_cleanup_errors=True) as workdir, \
-            tempfile.TemporaryFile() as output:
-        sandbox, judge = _start(kind, workdir, output, MAX_REPLY)
-        try:
-            records, judge_error, timed_out, ended = _collect_verdict(judge, sandbox, kind, spec, time_limit_s)
-        finally:
-            _stop_sandbox(sandbox, kind)
-            _kill_group(judge)
-            judge.wait()
-        printed, last_line = _read_output(output, output_cap)
+    workdir, workdir_fd = _make_scratch()
+    try:
+        with tempfile.TemporaryFile() as output:
+            sandbox, judge = _start(kind, workdir, output, MAX_REPLY)
+            try:
+                records, judge_error, timed_out, ended = _collect_verdict(judge, sandbox, kind, spec, time_limit_s)
+            finally:
+                _stop_sandbox(sandbox, kind)
+                _kill_group(judge)
+                judge.wait()
+            printed, last_line = _read_output(output, output_cap)
+    finally:
+        _remove_scratch(workdir, workdir_fd)  # once nothing the candidate started is left to write there
     return _verdict(
         records, tests, timed_out=timed_out, time_limit_s=time_limit_s, ended=ended, last_line=last_line,
         judge_error=judge_error, output=printed, duration=time.monotonic() - start, isolation=kind,
