@@ -382,16 +382,17 @@ def _check_ignored(cfg: FitConfig) -> None:
     """A key the chosen path would not read is refused, not silently dropped."""
     rt = cfg.runtime
     verl = rt.learner == "verl" or (rt.learner == "auto" and rt.device == "cuda")
+    # a value other than the default (a run's config.yaml spells out every key, so "given" is not enough)
     if verl:
-        given = [("learner.fused_adamw", "fused_adamw" in cfg.learner.model_fields_set)]
-        given += [(f"policies.{n}.learner.fused_adamw", "fused_adamw" in p.learner) for n, p in cfg.policies.items()]
-        for where, is_set in given:
-            if is_set:
+        given = [("learner.fused_adamw", cfg.learner.fused_adamw)]
+        given += [(f"policies.{n}.learner.fused_adamw", p.learner.get("fused_adamw", "auto")) for n, p in cfg.policies.items()]
+        for where, value in given:
+            if value != "auto":
                 raise ConfigError(f"{where} applies to the torch learner only (verl's FSDP optimizer picks its own AdamW "
                                   "kernel): drop the key, or use runtime.learner=torch")
     if rt.backend == "local":
         for key in ("worker_cpus", "torch_threads"):
-            if key in rt.model_fields_set:
+            if getattr(rt, key) != RuntimeConfig.model_fields[key].default:
                 raise ConfigError(f"runtime.{key} sizes the Ray worker groups; with runtime.backend=local they run in this "
                                   "process (torch's threads: OMP_NUM_THREADS): drop the key, or use runtime.backend=ray")
 

@@ -78,8 +78,14 @@ def test_unedited_app_gets_each_node_from_its_trained_policy(trained_run, monkey
         direct = client.chat.completions.create(model="crew", messages=[{"role": "user", "content": "Write: " + state["plan"]}],
                                                 temperature=0, max_tokens=8)
         assert state["answer"] == direct.choices[0].message.content
-        # no node: served by model name as the routes say; unknown names are refused
-        assert client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}]).choices
+        # no node: served by model name as the routes say; the answer says which policy gave it
+        raw = client.chat.completions.with_raw_response.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}])
+        answer = raw.parse()
+        assert raw.headers["x-mas-policy"] == "crew" and answer.model == "gpt-4o-mini" and answer.policy == "crew"
+        stream = client.chat.completions.with_raw_response.create(model="lead", messages=[{"role": "user", "content": "hi"}],
+                                                                  stream=True, max_tokens=2)
+        assert stream.headers["x-mas-policy"] == "lead"
+        # unknown names are refused
         with pytest.raises(openai.NotFoundError):
             client.chat.completions.create(model="gpt-5", messages=[{"role": "user", "content": "hi"}])
 

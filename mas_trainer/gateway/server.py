@@ -59,11 +59,13 @@ from mas_trainer.trace import attributes as A
 from mas_trainer.trace.instrument import BAGGAGE_TOKEN, rollout_token_ok
 from mas_trainer.trace.schema import LLMCall
 
-__all__ = ["PolicyBackend", "Gateway", "GatewayServer", "RequestLimits", "ServerLimits", "key_matches"]
+__all__ = ["PolicyBackend", "Gateway", "GatewayServer", "RequestLimits", "ServerLimits", "key_matches", "POLICY_HEADER"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+# Names the policy that answered, on every completion (streamed or not).
+POLICY_HEADER = "x-mas-policy"
 # Bodies up to this size are parsed and validated on the event loop: cheaper than a thread
 # hop, and over in microseconds. Larger ones go to a thread so they delay nobody.
 _INLINE_BODY_BYTES = 64 * 1024
@@ -304,6 +306,7 @@ class Gateway:
             "prompt_token_ids": list(call.prompt_ids),
             "usage": _usage(call, completion_tokens),
             "system_fingerprint": f"mas-trainer:{call.decision.policy}",
+            "policy": call.decision.policy,  # which policy answered: `model` echoes what the client asked for
         }
 
     def _file(self, call: _Call, gens: list[Generation], parsed: list[tuple[str | None, list[dict]]]) -> None:
@@ -431,7 +434,7 @@ class Gateway:
     async def _answer(self, req: ChatRequest, call_id: str, bag: dict[str, object], rollout: bool, flight: Flight) -> Response:
         call = await self._prepare(req, call_id, bag, rollout)
         if not req.stream:
-            return JSONResponse(await self._complete(call))
+            return JSONResponse(await self._complete(call), headers={POLICY_HEADER: call.decision.policy})
         deltas = stream_generation(call.backend.engine, call.prompt_ids, call.params, turn_id=call.turn_id)
         try:
             # the first token before the status line: an engine that refuses the request (a
@@ -442,7 +445,7 @@ class Gateway:
             raise
         # from here Starlette cancels the stream when the client hangs up
         return StreamingResponse(self._sse(call, first, deltas, flight), media_type="text/event-stream",
-                                 headers={"cache-control": "no-cache"})
+                                 headers={"cache-control": "no-cache", POLICY_HEADER: call.decision.policy})
 
     # --- HTTP --------------------------------------------------------------------------------
     def _build_app(self) -> FastAPI:
