@@ -17,6 +17,16 @@ moment resumes from the last complete one; rows and trajectory files written aft
 are removed on resume, then written again by the resumed steps: none lost, none twice.
 A run killed before its first checkpoint has nothing to resume: `start_over` clears it.
 
+Resume trusts nothing it reads (`load_state`, `check_resume`, `check_start_over`): state.json
+is validated field by field (`CheckpointState`), then checked against the records beside it
+before anything is deleted. The records must reach the checkpoint's step (else the state is
+not this data's), and none may lie past the step where the run would have committed its next
+checkpoint (`save_every`, `steps` of config.yaml, the config of the attempt that wrote them):
+such a record proves a later checkpoint was committed, so the state is stale and acting on it
+would delete committed steps. The checkpoint's files are checked for truncation (safetensors
+headers against their size, torch zip archives, JSON). A damaged line of metrics.jsonl is
+skipped with a warning, the rows after it kept.
+
 Durability (power loss, not only kill -9): records are flushed as they are written and
 fsynced once per checkpoint, just before it is committed (`commit`): the trajectory files,
 `metrics.jsonl`, every file and folder of the staged checkpoint, `state.json`; then the
@@ -34,17 +44,28 @@ import contextlib
 import errno
 import fcntl
 import json
+import logging
 import os
+import re
 import shutil
+import struct
+import zipfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from pydantic import BaseModel, ValidationError
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from mas_trainer.errors import UserError
 from mas_trainer.spec import FROZEN_POLICY, ResolvedSpec, TrainSpec
 
-__all__ = ["RunDir", "AppRecord", "PolicyRecord", "fsync_path", "fsync_tree"]
+__all__ = ["RunDir", "AppRecord", "CheckpointState", "PolicyRecord", "fsync_path", "fsync_tree"]
+
+log = logging.getLogger(__name__)
+
+_STEP_FILE = re.compile(r"step_(\d{1,9})(_val)?")  # a trajectory file's stem: step_000012, step_000010_val
+_DEFAULT_SAVE_EVERY, _DEFAULT_STEPS = 10, 20  # FitConfig's defaults, for a config.yaml that leaves them out
+_RESTORE = "restore the run's own checkpoint folder from a backup, or train into a new --output"
 
 
 def fsync_path(path: str | Path) -> None:
@@ -94,6 +115,84 @@ class AppRecord(BaseModel):
         pols = {p: v.base_model for p, v in self.policies.items() if p != FROZEN_POLICY}
         spec = TrainSpec.build(self.roles, pols, role_names=self.role_names, frozen=self.frozen, default_policy=self.default_policy)
         return spec.resolve(self.nodes)
+
+
+class CheckpointState(BaseModel):
+    """`checkpoint/state.json` as `fit` commits it. Strict: a wrong type, a missing or unknown
+    field refuses the whole state (a checkpoint is only ever written after a step: step >= 1)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    step: int = Field(ge=1)
+    position: int = Field(ge=0)
+    seed: int
+    policies: list[str]
+
+    @field_validator("policies")
+    @classmethod
+    def _folder_names(cls, names: list[str]) -> list[str]:
+        for name in names:  # each names a folder under checkpoint/policies and checkpoint/learner
+            if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+                raise ValueError(f"{name!r} is not a policy folder name")
+        return names
+
+
+def _row_step(row: Any) -> int | None:
+    """The step of a metrics row, None when it is not one (not an object, no whole step >= 0)."""
+    if not isinstance(row, dict):
+        return None
+    step = row.get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
+
+
+def file_step(path: Path) -> tuple[int, bool] | None:
+    """(step, held-out) of a trajectory file of `fit` (`step_000012.jsonl`, `step_000010_val.jsonl`)."""
+    m = _STEP_FILE.fullmatch(path.stem)
+    return (int(m.group(1)), m.group(2) is not None) if m else None
+
+
+def _damage(path: Path) -> str | None:
+    """Why a checkpoint file is damaged (cut short by a full disk, a copy, a crash outside `fit`),
+    or None: checked by format, without loading it. safetensors: the header's tensors must end
+    exactly at the end of the file; torch archives (zip): the central directory must be there;
+    JSON: must parse. Other files are not checked."""
+    suffix = path.suffix
+    if suffix not in (".safetensors", ".pt", ".pth", ".bin", ".json"):
+        return None
+    size = path.stat().st_size
+    if size == 0:
+        return "it is empty"
+    with path.open("rb") as f:
+        head = f.read(8)
+        if suffix == ".safetensors":
+            if len(head) < 8:
+                return "cut short inside its header"
+            (n,) = struct.unpack("<Q", head)
+            if n > 100_000_000:  # safetensors' own limit
+                return f"its header claims {n} bytes"
+            if n > size - 8:
+                return f"cut short inside its header: {size} bytes, a header of {n}"
+            try:
+                header = json.loads(f.read(n))
+                end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+            except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError):
+                return "its header is not valid safetensors"
+            if 8 + n + end != size:
+                return f"{'cut short' if size < 8 + n + end else 'the wrong size'}: {size} bytes where its header describes {8 + n + end}"
+            return None
+    if suffix == ".json":
+        try:
+            json.loads(path.read_bytes())
+        except (ValueError, RecursionError) as exc:
+            return f"not valid JSON: {exc}"
+        return None
+    if head[:4] == b"PK\x03\x04":  # torch.save's archive (a legacy pickle is not checked)
+        try:
+            with zipfile.ZipFile(path):
+                pass
+        except (zipfile.BadZipFile, OSError, ValueError) as exc:
+            return f"not a complete torch archive: {exc}"
+    return None
 
 
 class RunDir:
@@ -193,15 +292,147 @@ class RunDir:
         self._unsynced.clear()
 
     def metrics(self) -> list[dict[str, Any]]:
+        """Every intact row of metrics.jsonl, in order: a damaged line is skipped, not the rows after it."""
+        return self._read_metrics()[0]
+
+    def _read_metrics(self) -> tuple[list[dict[str, Any]], list[tuple[int, str]]]:
+        """(intact rows, [(line number, why)] of the damaged lines). The last line without its
+        newline is a row cut by a kill mid-write: "cut"."""
         if not self.metrics_path.exists():
-            return []
-        rows = []
-        for line in self.metrics_path.read_text().splitlines():
+            return [], []
+        try:
+            data = self.metrics_path.read_bytes()
+        except OSError as exc:
+            raise UserError(f"{self.metrics_path} cannot be read ({exc.strerror or exc}); make it a readable file "
+                            "(the run's metrics rows, one JSON object a line)") from None
+        lines = data.split(b"\n")
+        cut = lines.pop()  # b"" when the file ends with its newline
+        rows: list[dict[str, Any]] = []
+        damaged: list[tuple[int, str]] = []
+        for i, raw in enumerate(lines, 1):
+            if not raw.strip():
+                continue
             try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:  # a row cut by a kill mid-write
-                break
-        return rows
+                row = json.loads(raw)
+            except (ValueError, RecursionError):  # not JSON, not UTF-8
+                damaged.append((i, "not a JSON row"))
+                continue
+            if _row_step(row) is None:
+                damaged.append((i, "not a metrics row (a JSON object with a whole step >= 0)"))
+                continue
+            rows.append(row)
+        if cut.strip():
+            damaged.append((len(lines) + 1, "cut"))
+        return rows, damaged
+
+    def _warn_damaged(self, damaged: list[tuple[int, str]]) -> None:
+        for lineno, why in damaged[:5]:
+            if why == "cut":  # what a kill mid-write leaves: expected, the step runs again
+                log.info("%s line %d: a row cut short by the end of the run; dropped", self.metrics_path, lineno)
+            else:
+                log.warning("%s line %d: %s, damaged; skipped (dropped from the file), the intact rows after it are kept",
+                            self.metrics_path, lineno, why)
+        if len(damaged) > 5:
+            log.warning("%s: %d more damaged lines skipped", self.metrics_path, len(damaged) - 5)
+
+    # --- what a resume may trust ---------------------------------------------------------------
+    def _records(self) -> tuple[set[int], int, str]:
+        """(training steps that left a metrics row or a trajectory file, the highest step of any
+        record, train or held-out, -1 if none, and which file holds it)."""
+        train: set[int] = set()
+        last, where = -1, ""
+        for row in self.metrics():
+            step = row["step"]
+            if row.get("kind") == "train":
+                train.add(step)
+            if step > last:
+                last, where = step, self.metrics_path.name
+        for path in self.trajectory_files():
+            found = file_step(path)
+            if found is None:
+                continue
+            step, held_out = found
+            if not held_out:
+                train.add(step)
+            if step > last:
+                last, where = step, f"{self.traj_dir.name}/{path.name}"
+        return train, last, where
+
+    def _schedule(self) -> tuple[int, int]:
+        """(save_every, steps) of config.yaml: the config of the `fit` that wrote the records
+        after the checkpoint (each `fit` writes it once it has removed the previous one's)."""
+        path = self.root / "config.yaml"
+        try:
+            config = yaml.safe_load(path.read_text())
+        except FileNotFoundError:
+            raise UserError(f"{path} is missing: without it the checkpoint cannot be checked against the run's records, "
+                            f"so nothing was deleted; restore it (the run's resolved config), or train into a new --output") from None
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+            why = str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UserError(f"{path} is damaged ({why}): without it the checkpoint cannot be checked against the run's "
+                            "records, so nothing was deleted; restore it (the run's resolved config), or train into a new "
+                            "--output") from None
+        config = config if isinstance(config, dict) else {}
+        values = []
+        for key, default in (("save_every", _DEFAULT_SAVE_EVERY), ("steps", _DEFAULT_STEPS)):
+            value = config.get(key, default)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UserError(f"{path}: {key}={value!r} is not a whole number >= 1, so the checkpoint cannot be checked "
+                                "against the run's records and nothing was deleted; restore the run's config.yaml")
+            values.append(value)
+        return values[0], values[1]
+
+    def _next_commit(self, step: int) -> tuple[int, int]:
+        """(the step at which the run, past `step`, commits its next checkpoint; save_every)."""
+        save_every, steps = self._schedule()
+        if step >= steps:
+            return step, save_every
+        return min((step // save_every + 1) * save_every, steps), save_every
+
+    def check_start_over(self) -> None:
+        """Before `start_over` clears a run without a checkpoint: refuse if its records go past
+        the step where its first checkpoint was committed (the checkpoint was lost, not never written)."""
+        _train, last, where = self._records()
+        bound, save_every = self._next_commit(0)
+        if last > bound:
+            raise UserError(f"{self.root} has no checkpoint, but its {where} holds step {last}, past step {bound} where the run "
+                            f"committed its first checkpoint (save_every={save_every}): the checkpoint folder was removed, and "
+                            f"starting over would delete the committed steps, so nothing was deleted; {_RESTORE}")
+
+    def check_resume(self, state: dict[str, Any]) -> None:
+        """Refuse, before anything is deleted, a checkpoint that does not match the records
+        beside it or whose files are damaged (see the module's docstring)."""
+        path, step = self.checkpoint / "state.json", state["step"]
+        if state["position"] < step:
+            raise UserError(f"{path}: position {state['position']} is less than step {step} (each step draws at least one "
+                            f"task): not a state `mas-trainer fit` wrote, so nothing was deleted; {_RESTORE}")
+        train, last, where = self._records()
+        reached = max(train, default=0)
+        if step > reached:
+            raise UserError(f"{path} says step {step}, but the run's records (metrics.jsonl, trajectories/) end at step "
+                            f"{reached}: the checkpoint is not this run's, so nothing was deleted; {_RESTORE}")
+        bound, save_every = self._next_commit(step)
+        if last > bound:
+            raise UserError(f"{path} says step {step}, but {where} holds step {last}, past step {bound} where the run "
+                            f"committed its next checkpoint (save_every={save_every}): the checkpoint is older than the run's "
+                            f"records and resuming from it would delete committed steps, so nothing was deleted; {_RESTORE}")
+        for policy in state["policies"]:
+            for folder in (self.policy_dir(policy), self.learner_dir(policy)):
+                if not folder.is_dir():
+                    raise UserError(f"{folder} is missing: the checkpoint of step {step} is incomplete, so nothing was "
+                                    f"deleted; {_RESTORE}")
+        for dirpath, _dirs, files in os.walk(self.checkpoint):
+            for name in sorted(files):
+                file = Path(dirpath) / name
+                if file.is_symlink():
+                    continue
+                try:
+                    why = _damage(file)
+                except OSError as exc:
+                    why = f"cannot be read: {exc.strerror or exc}"
+                if why is not None:
+                    raise UserError(f"{file} is damaged ({why}): `--resume` cannot continue from the checkpoint of step "
+                                    f"{step}, and nothing was deleted; {_RESTORE}")
 
     # --- checkpoints -----------------------------------------------------------------------
     def staging(self) -> Path:
@@ -228,10 +459,29 @@ class RunDir:
         shutil.rmtree(self._old, ignore_errors=True)
 
     def load_state(self) -> dict[str, Any] | None:
+        """The committed checkpoint's state (`CheckpointState` as a dict), None when there is no
+        checkpoint; a damaged or foreign state.json is refused in one line (UserError)."""
         if not self.checkpoint.exists() and self._old.exists():  # killed between the two renames
             os.replace(self._old, self.checkpoint)
-        state = self.checkpoint / "state.json"
-        return json.loads(state.read_text()) if state.exists() else None
+        path = self.checkpoint / "state.json"
+        if not self.checkpoint.exists():
+            return None
+        if not path.exists():  # `commit` renames a folder with its state.json in it: never one without
+            raise UserError(f"{self.checkpoint} has no state.json: the checkpoint is incomplete or damaged, so nothing "
+                            f"was deleted; {_RESTORE}")
+        try:
+            data = json.loads(path.read_bytes())
+        except OSError as exc:
+            raise UserError(f"{path} cannot be read ({exc.strerror or exc}); nothing was deleted: {_RESTORE}") from None
+        except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8
+            raise UserError(f"{path} is damaged (not JSON: {str(exc).splitlines()[0]}); nothing was deleted: {_RESTORE}") from None
+        try:
+            return CheckpointState.model_validate(data).model_dump()
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            field = ".".join(map(str, err["loc"])) or "the state"
+            raise UserError(f"{path} is not a checkpoint state written by `mas-trainer fit` ({field}: {err['msg']}); "
+                            f"nothing was deleted: {_RESTORE}") from None
 
     def policy_dir(self, policy: str, root: Path | None = None) -> Path:
         return (root or self.checkpoint) / "policies" / policy
@@ -241,8 +491,13 @@ class RunDir:
         return (root or self.checkpoint) / "learner" / policy
 
     def truncate_to(self, step: int) -> None:
-        """Forget what steps after `step` wrote (they will run again)."""
-        rows = [r for r in self.metrics() if r.get("step", 0) <= step]
+        """Forget what steps after `step` wrote (they will run again): their metrics rows and
+        trajectory files. Damaged lines of metrics.jsonl go too (with a warning), never the
+        intact rows after them. Callers check the step first (`check_resume`)."""
+        all_rows, damaged = self._read_metrics()
+        if step >= 0:
+            self._warn_damaged(damaged)
+        rows = [r for r in all_rows if r["step"] <= step]
         tmp = self.metrics_path.with_suffix(".tmp")
         with tmp.open("w") as f:  # the rows kept are the checkpoint's: durable before the old file goes
             f.write("".join(json.dumps(r) + "\n" for r in rows))
@@ -251,7 +506,8 @@ class RunDir:
         os.replace(tmp, self.metrics_path)
         fsync_path(self.root)
         for path in self.trajectory_files():
-            if int(path.stem.split("_")[1]) > step:
+            found = file_step(path)
+            if found is not None and found[0] > step:  # a file `fit` did not name is not its to delete
                 path.unlink()
         for path in self.traj_dir.glob("*.tmp"):
             path.unlink()

@@ -63,11 +63,26 @@ def tracker_values(row: dict[str, Any]) -> dict[str, float]:
 
 
 # --- the run ids `--resume` continues ----------------------------------------------------------
+_RUN_ID = re.compile(r"[\w-]{1,128}")  # the MLflow and W&B run ids `fit` writes (hex)
+
+
 def _load_ids(root: Path) -> dict[str, Any]:
+    """trackers.json; a damaged one (not JSON, not run ids) is set aside with a warning: the
+    trackers then start new runs, which get every row up to the checkpoint."""
+    path = root / TRACKERS_FILE
     try:
-        return json.loads((root / TRACKERS_FILE).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        ids = json.loads(path.read_bytes())
+    except FileNotFoundError:
         return {}
+    except (OSError, ValueError, RecursionError) as exc:
+        log.warning("%s is damaged (%s): the trackers start new runs", path, str(exc).splitlines()[0] if str(exc) else exc)
+        return {}
+    ok = isinstance(ids, dict) and all(isinstance(v, str) for v in ids.values()) and all(
+        _RUN_ID.fullmatch(ids[k]) for k in ("mlflow_run_id", "wandb_run_id") if k in ids)
+    if not ok:
+        log.warning("%s is damaged (not the run ids `fit` writes): the trackers start new runs", path)
+        return {}
+    return ids
 
 
 def _save_ids(root: Path, ids: dict[str, Any]) -> None:

@@ -37,7 +37,7 @@ from mas_trainer.runtime.tracking import Trackers
 from mas_trainer.runtime.star import WorkerEngine, resolve_device, start_workers
 from mas_trainer.trace.schema import Trajectory
 
-__all__ = ["fit", "summarize"]
+__all__ = ["RolloutsFailed", "fit", "summarize"]
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,25 @@ def summarize(trajs: list[Trajectory], *, timeouts_apart: bool = False) -> dict[
     return row
 
 
+class RolloutsFailed(UserError):
+    """Every rollout of a training step failed (each LLM call refused, the app raising, time
+    outs): there is nothing to learn from, so the run stops before that step's checkpoint."""
+
+
+def rollouts_failed(step: int, trajs: list[Trajectory], where: Path) -> RolloutsFailed | None:
+    """The error that stops the run when every rollout of training step `step` failed, else None."""
+    failed = [t for t in trajs if t.status != "ok"]
+    if not trajs or len(failed) < len(trajs):
+        return None
+    first = failed[0]
+    cause = " ".join((first.error or first.status).split())
+    cause = cause if len(cause) <= 300 else cause[:300] + "..."
+    kinds = ", ".join(f"{n} {status}" for status, n in sorted(Counter(t.status for t in failed).items()))
+    return RolloutsFailed(f"step {step}: all {len(trajs)} rollouts failed ({kinds}); the first, {first.rollout_id}, with: "
+                          f"{cause}; nothing was trained and no checkpoint written for this step (the rollouts: {where}); "
+                          "fix the cause, then run again with --resume")
+
+
 class _Fit:
     def __init__(self, app_ref: Any, tasks: list[dict], cfg: FitConfig, rundir: RunDir, val_tasks: list[dict], console: Console) -> None:
         self.app_ref, self.tasks, self.cfg, self.rundir, self.val_tasks, self.console = app_ref, tasks, cfg, rundir, val_tasks, console
@@ -162,6 +181,14 @@ class _Fit:
             if kept >= (c.rollout.min_groups or c.rollout.tasks_per_step):
                 break
         t1 = time.perf_counter()
+        failure = rollouts_failed(step, trajs, self.rundir.traj_dir / f"step_{step:06d}.jsonl")
+        if failure is not None:  # nothing to learn from: stop before the update and the checkpoint
+            self.rundir.write_trajectories(step, (t.to_json() for t in trajs))  # what failed, for `view` (resume removes it)
+            for handle in self.handles.values():  # a dead rollout replica says it more precisely (rollout/engine.py)
+                engine_failure = getattr(getattr(handle, "engine", None), "failure", None)
+                if isinstance(engine_failure, BaseException):
+                    raise engine_failure
+            raise failure
         by_policy: dict[str, list] = defaultdict(list)
         for rec in records:
             by_policy[rec.policy].append(rec)
@@ -224,7 +251,15 @@ class _Fit:
     async def loop(self, session: Session, state: dict | None, progress: FitProgress) -> None:
         c = self.cfg
         if state:
-            await asyncio.gather(*(h.call("load", str(self.rundir.learner_dir(p))) for p, h in self.handles.items()))
+            try:
+                await asyncio.gather(*(h.call("load", str(self.rundir.learner_dir(p))) for p, h in self.handles.items()))
+            except UserError:
+                raise
+            except (OSError, EOFError, RuntimeError, ValueError, KeyError) as exc:  # a damaged file the format checks let by
+                why = " ".join(str(exc).split())[:300] or type(exc).__name__
+                raise UserError(f"{self.rundir.checkpoint / 'learner'}: the learner state of the checkpoint of step "
+                                f"{state['step']} cannot be loaded ({type(exc).__name__}: {why}); nothing was deleted: restore "
+                                "the run's own checkpoint folder from a backup, or train into a new --output") from exc
         step, position = (state["step"], state["position"]) if state else (0, 0)
         if state is None:
             self.record(await self.held_out(session, 0))
@@ -262,6 +297,7 @@ class _Fit:
         self._started = time.perf_counter()
         c, run = self.cfg, self.rundir
         state = run.load_state()  # also without --resume: it tells a run with a checkpoint from one killed before it
+        # (a damaged or foreign state.json is refused there, before anything is deleted)
         if not resume and run.holds_run():
             if state is not None:
                 raise ConfigError(f"{run.root} already holds a run; pass --resume to continue it (from its checkpoint "
@@ -270,15 +306,29 @@ class _Fit:
                               "resume; pass --resume to start it over from step 0 (its metrics rows and trajectory files "
                               "are discarded) or choose another --output")
         if state is None and run.holds_run():  # --resume: start over, as verl's auto resume does
+            run.check_start_over()  # unless its records show a checkpoint was committed (and lost)
             rows, files = run.start_over()
             log.warning("%s has no complete checkpoint (the run stopped before its first one): starting over from "
                         "step 0; discarded %d metrics rows and %d trajectory files", run.root, rows, files)
         elif state is not None:
+            run.check_resume(state)  # the state against the records it would prune, the checkpoint's files
+            if state["step"] > c.steps:
+                raise ConfigError(f"{run.root}: its checkpoint is at step {state['step']}, past steps={c.steps}, so there is "
+                                  f"nothing to train; to train on, pass steps=N with N > {state['step']} (steps counts from the "
+                                  "run's start)")
+            if state["step"] == c.steps:  # finished: say so, touch nothing
+                self.console.print(f"{run.root} has finished its {c.steps} steps (checkpoint at step {state['step']}): nothing "
+                                   f"to train; to train more, run again with --resume and steps=N, N > {c.steps}",
+                                   markup=False, highlight=False, soft_wrap=True)
+                return [r for r in run.metrics() if r["step"] <= state["step"]]
             log.info("%s: resuming after step %d (data position %d)", run.root, state["step"], state["position"])
-        run.create(yaml.safe_dump(c.model_dump(mode="json"), sort_keys=False))
+        # the records after the checkpoint go before config.yaml is rewritten, so that config.yaml is always the
+        # config of the `fit` that wrote whatever lies past the checkpoint (what `check_resume` bounds them by)
         run.truncate_to(state["step"] if state else -1)
+        run.create(yaml.safe_dump(c.model_dump(mode="json"), sort_keys=False))
         self.rows = run.metrics()
-        self._elapsed_before = next((r["time/elapsed_s"] for r in reversed(self.rows) if "time/elapsed_s" in r), 0.0)
+        self._elapsed_before = next((float(r["time/elapsed_s"]) for r in reversed(self.rows)
+                                     if isinstance(r.get("time/elapsed_s"), (int, float))), 0.0)
         with Session(model=c.model, max_in_flight=c.rollout.max_in_flight or c.runtime.max_batch_size, timeout_s=c.rollout.timeout_s,
                      default_max_tokens=c.rollout.max_tokens) as session:
             app = session.load_app(self.app_ref, start_engines=False, recursion_limit=c.rollout.recursion_limit)
@@ -303,6 +353,12 @@ class _Fit:
                 for p, pol in spec.policies.items() if pol.trainable
             }
             log.info("learner %s on %s for %s", learner, device, ", ".join(plans) or "no trainable policy")
+            saved = list(state["policies"]) if state else []
+            missing = sorted(set(plans) - set(saved)) if state else []
+            if missing:
+                raise ConfigError(f"{run.checkpoint} holds no weights for policy {missing[0]!r}, which the app trains (it has "
+                                  f"{', '.join(saved) or 'none'}): resume with the app the run was started with, "
+                                  "or train into a new --output")
             if c.rollout.filter_groups and not plans:
                 log.warning("rollout.filter_groups is ignored: no policy is trainable, so no group is trained on; "
                             "each step makes one draw")

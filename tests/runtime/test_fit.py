@@ -230,13 +230,13 @@ def test_filter_groups_is_checked():
 
 
 def test_config_errors_are_one_line():
-    with pytest.raises(ConfigError, match=r"unknown config key 'learner.lrr'; valid keys here: lr, "):
+    with pytest.raises(ConfigError, match=r"unknown config key 'learner.lrr'; did you mean 'lr'\? valid keys here: lr, "):
         load_config(overrides=["learner.lrr=1"])
     with pytest.raises(ConfigError, match=r"unknown config key 'rollouts'"):
         load_config(overrides=["rollouts.n=2"])
     with pytest.raises(ConfigError, match=r"config key 'steps'"):
         load_config(overrides=["steps=-1"])
-    with pytest.raises(ConfigError, match=r"policies.p.learner: unknown config key 'lrr'; valid keys here: lr, "):
+    with pytest.raises(ConfigError, match=r"policies.p.learner: unknown config key 'lrr'; did you mean 'lr'\? valid keys here: lr, "):
         load_config(overrides=["policies.p.learner.lrr=1e-5"])
     assert load_config(overrides=["policies.p.learner.lr=0.5"]).learner_for("p").lr == 0.5
 
