@@ -103,6 +103,9 @@ class RolloutConfig(_Strict):
         None, ge=1, description="with filter_groups: draw again only while fewer than this many groups have spread "
         "(default tasks_per_step, DAPO's rule; a later draw still takes all the groups missing from tasks_per_step). "
         "E.g. half of tasks_per_step: early steps, where most groups differ, take one draw, late ones, where most agree, more")
+    max_failed: float = Field(
+        1.0, gt=0, le=1, description="fit stops (exit 2, no checkpoint of that step) when at least this share of a training "
+        "step's rollouts failed (error or timeout); 1.0: only when all did")
 
     @field_validator("temperature_schedule")
     @classmethod

@@ -115,16 +115,17 @@ class RolloutsFailed(UserError):
     outs): there is nothing to learn from, so the run stops before that step's checkpoint."""
 
 
-def rollouts_failed(step: int, trajs: list[Trajectory], where: Path) -> RolloutsFailed | None:
-    """The error that stops the run when every rollout of training step `step` failed, else None."""
+def rollouts_failed(step: int, trajs: list[Trajectory], where: Path, max_failed: float = 1.0) -> RolloutsFailed | None:
+    """The error that stops the run when at least `max_failed` of training step `step`'s rollouts failed, else None."""
     failed = [t for t in trajs if t.status != "ok"]
-    if not trajs or len(failed) < len(trajs):
+    if not failed or len(failed) < max_failed * len(trajs):
         return None
     first = failed[0]
     cause = " ".join((first.error or first.status).split())
     cause = cause if len(cause) <= 300 else cause[:300] + "..."
     kinds = ", ".join(f"{n} {status}" for status, n in sorted(Counter(t.status for t in failed).items()))
-    return RolloutsFailed(f"step {step}: all {len(trajs)} rollouts failed ({kinds}); the first, {first.rollout_id}, with: "
+    share = f"all {len(trajs)}" if len(failed) == len(trajs) else f"{len(failed)} of {len(trajs)} (rollout.max_failed={max_failed:g})"
+    return RolloutsFailed(f"step {step}: {share} rollouts failed ({kinds}); the first, {first.rollout_id}, with: "
                           f"{cause}; nothing was trained and no checkpoint written for this step (the rollouts: {where}); "
                           "fix the cause, then run again with --resume")
 
@@ -181,7 +182,7 @@ class _Fit:
             if kept >= (c.rollout.min_groups or c.rollout.tasks_per_step):
                 break
         t1 = time.perf_counter()
-        failure = rollouts_failed(step, trajs, self.rundir.traj_dir / f"step_{step:06d}.jsonl")
+        failure = rollouts_failed(step, trajs, self.rundir.traj_dir / f"step_{step:06d}.jsonl", c.rollout.max_failed)
         if failure is not None:  # nothing to learn from: stop before the update and the checkpoint
             self.rundir.write_trajectories(step, (t.to_json() for t in trajs))  # what failed, for `view` (resume removes it)
             for handle in self.handles.values():  # a dead rollout replica says it more precisely (rollout/engine.py)

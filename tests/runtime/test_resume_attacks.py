@@ -201,3 +201,20 @@ def test_resume_with_an_app_that_trains_a_policy_the_checkpoint_lacks_is_one_err
         fit(f"{APP}:graph", TASKS[:2], _cfg("steps=3"), out, resume=True)
     kept = lambda files: {k: v for k, v in files.items() if k not in ("app.json", "config.yaml")}  # noqa: E731 - rewritten
     assert kept(_files(out)) == kept(before)
+
+
+def test_the_failure_threshold_is_a_share_of_the_step_rollouts(tmp_path):
+    from mas_trainer.runtime.trainer import rollouts_failed
+    from mas_trainer.trace.schema import Trajectory
+
+    def trajs(failed, ok):
+        return ([Trajectory(rollout_id=f"f{i}", task={}, status="error", error="boom") for i in range(failed)]
+                + [Trajectory(rollout_id=f"o{i}", task={}, status="ok") for i in range(ok)])
+
+    where = tmp_path / "step_000001.jsonl"
+    assert rollouts_failed(1, trajs(3, 1), where) is None  # the default: only when every rollout failed
+    assert "all 4 rollouts failed (4 error); the first, f0, with: boom" in str(rollouts_failed(1, trajs(4, 0), where))
+    err = rollouts_failed(1, trajs(2, 2), where, max_failed=0.5)
+    assert err is not None and "2 of 4 (rollout.max_failed=0.5) rollouts failed" in str(err)
+    assert rollouts_failed(1, trajs(1, 3), where, max_failed=0.5) is None
+    assert rollouts_failed(1, trajs(0, 4), where, max_failed=0.1) is None
