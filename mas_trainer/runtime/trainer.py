@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import yaml
 from rich.console import Console
 
-from mas_trainer.config import ConfigError, FitConfig, check_torch_only
+from mas_trainer.config import ConfigError, FitConfig, check_policy_names, check_torch_only
 from mas_trainer.errors import UserError
 from mas_trainer.gateway import PolicyBackend
 from mas_trainer.rewards import RewardSpec, assign_rewards, check_allocator, is_dropped
@@ -335,6 +335,7 @@ class _Fit:
             app = session.load_app(self.app_ref, start_engines=False, recursion_limit=c.rollout.recursion_limit)
             check_allocator(c.reward.allocator, c.reward.options)  # one the app registers exists only now
             spec = app.spec
+            check_policy_names(c, spec.policies)  # policies.NAME.* overrides name the app's policies (known only now)
             run.write_app(spec)
             self.reward_spec = RewardSpec(spec.spec.reward, spec.spec.role_rewards, spec.spec.turn_rewards)
             rt = c.runtime

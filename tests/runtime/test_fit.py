@@ -430,3 +430,10 @@ def test_lora_policy_checkpoints_an_adapter_that_resumes_evals_and_exports(tmp_p
     assert main(["export", str(out), str(tmp_path / "adapter"), "--adapter"]) == 0
     adapter_dir = tmp_path / "adapter" / "solo"
     assert is_adapter(adapter_dir) and json.loads((tmp_path / "adapter" / "mas-trainer.json").read_text())["policies"]["solo"]["adapter"]
+
+
+def test_an_override_for_a_policy_the_app_does_not_have_stops_fit_before_any_rollout(tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"^policies.sol: the app has no policy 'sol'; did you mean 'solo'\? its policies: frozen, solo$"):
+        fit(f"{APP}:single", TASKS[:2], _cfg("steps=1", "policies.sol.learner.lr=1e-5"), out)
+    assert not (out / "trajectories").exists() or not any((out / "trajectories").iterdir())
