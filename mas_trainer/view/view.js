@@ -81,12 +81,13 @@
     const p = new URLSearchParams(location.hash.slice(1));
     const names = INDEX.steps.map((s) => s.name);
     if (names.includes(p.get('step'))) state.step = p.get('step');
-    const g = parseInt(p.get('group'), 10); if (g >= 0 && g < 100000) state.group = g;
+    // group=N is the number the page shows in its groups table ("#" column, "Task N"): 1-based
+    const g = parseInt(p.get('group'), 10); if (g >= 1 && g <= 100000) state.group = g - 1;
     const r = parseInt(p.get('rollout'), 10); if (r >= -1 && r < 100000) state.rollout = r;
     if (['logprob', 'advantage', 'reward'].includes(p.get('colour'))) state.colour = p.get('colour');
   }
   function writeHash() {
-    const p = new URLSearchParams({ step: state.step || '', group: String(state.group), rollout: String(state.rollout), colour: state.colour });
+    const p = new URLSearchParams({ step: state.step || '', group: String(state.group + 1), rollout: String(state.rollout), colour: state.colour });
     history.replaceState(null, '', '#' + p.toString());
   }
 
@@ -265,12 +266,12 @@
     const toks = step.tokenizers || {};
     if (Object.keys(toks).length) body.appendChild(el('div', { class: 'muted', text: 'tokens decoded with: ' + Object.keys(toks).map((p) => p + ' → ' + toks[p]).join('; ') }));
     renderScale(scale);
-    if (state.group >= step.groups.length) state.group = 0;
+    if (state.group >= step.groups.length) { state.group = 0; state.rollout = -1; writeHash(); }
     // groups: one row per task
     body.appendChild(el('h3', { text: 'Groups (the rollouts of one task)' }));
     const rows = step.groups.map((g, gi) => {
       const statuses = g.rollouts.map((i) => step.rollouts[i].status);
-      const tr = el('tr', { class: gi === state.group ? 'sel' : '', 'data-group': gi, onclick: () => { state.group = gi; state.rollout = -1; showStep(); } }, [
+      const tr = el('tr', { class: gi === state.group ? 'sel' : '', 'data-group': gi + 1, onclick: () => { state.group = gi; state.rollout = -1; showStep(); } }, [
         el('td', { class: 'num', text: String(gi + 1) }), el('td', { text: short(g.task, 140) }), el('td', { class: 'num', text: String(g.rollouts.length) }),
         numCell(g.mean_reward), el('td', {}, statuses.map((s) => badge(s, s)).concat(
           g.left_out ? [badge('not trained: ' + g.left_out, 'left-out', 'rollout.filter_groups left this group out of the update')] : [])),
@@ -286,8 +287,8 @@
     body.appendChild(el('h3', { text: 'Task ' + (state.group + 1) + ': ' + g.rollouts.length + ' rollout(s) side by side' }));
     body.appendChild(el('details', {}, [el('summary', { text: 'task' }), el('pre', { text: asText(g.task) })]));
     const shown = state.rollout >= 0 && state.rollout < g.rollouts.length ? [g.rollouts[state.rollout]] : g.rollouts;
+    // the cards wrap onto more rows when they do not all fit across (view.css: .compare), so none is cut off
     const grid = el('div', { class: 'compare', id: 'compare' });
-    grid.style.gridTemplateColumns = 'repeat(' + shown.length + ', minmax(' + (shown.length > 1 ? 420 : 600) + 'px, 1fr))';
     for (const ri of shown) grid.appendChild(renderRollout(step, ri, g, scale));
     body.appendChild(grid);
     document.body.setAttribute('data-step', step.name);

@@ -428,7 +428,7 @@ def test_browser_renders_a_real_run(words_run, tmp_path):
     try:
         dom = _dump_dom(srv.url, tmp_path)
         # step 1 is inline; the held-out file chosen in the address is fetched from the API
-        val = _dump_dom(srv.url + "#step=step_000001_val&group=0&rollout=-1&colour=advantage", tmp_path)
+        val = _dump_dom(srv.url + "#step=step_000001_val&group=1&rollout=-1&colour=advantage", tmp_path)
     finally:
         srv.stop()
     assert 'data-step="step_000001"' in dom
@@ -450,7 +450,7 @@ def test_browser_send_branches_retries_errors_and_no_script_runs(runs, tmp_path)
     assert "Send 1/" in dom and "Send 2/" in dom and 'data-node="reducer"' in dom
 
     page = write_html(ViewSource(runs["edge"]), tmp_path / "edge.html")
-    dom = _dump_dom(page.as_uri() + "#step=step_000001&group=1", tmp_path)  # the task whose rollouts fail
+    dom = _dump_dom(page.as_uri() + "#step=step_000001&group=2", tmp_path)  # the task whose rollouts fail: row 2
     assert "retry: attempt 2" in dom and "node exploded &lt;b&gt;bold&lt;/b&gt;" in dom
     assert "&lt;script&gt;" in dom and "<title>mas-trainer view" in dom and "pwned" not in dom.split("</title>")[0]
     assert "data-pwned" not in dom and "<img" not in dom
