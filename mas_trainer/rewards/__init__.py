@@ -1,6 +1,8 @@
 """Rewards at trajectory, role and turn level, and allocators that make one scalar per LLM call.
 
 Pure Python (no torch): the controller evaluates rewards and sends only scalars onward.
+Ready-made rewards are in ``library`` (exact match, F1, valid JSON, code tests) and
+``judge`` (an LLM judge that scores each group of rollouts relative to each other).
 """
 
 from mas_trainer.rewards.allocators import (
@@ -16,6 +18,15 @@ from mas_trainer.rewards.allocators import (
     register_allocator,
     turn_delta,
 )
+from mas_trainer.rewards.judge import (
+    JudgeError,
+    JudgeUsage,
+    LLMJudge,
+    Verdict,
+    annotate_groups,
+    render_trajectory,
+    score_groups,
+)
 from mas_trainer.rewards.levels import (
     LevelValues,
     RewardError,
@@ -25,10 +36,14 @@ from mas_trainer.rewards.levels import (
     TurnReward,
     evaluate_levels,
 )
+from mas_trainer.rewards.library import code_tests, exact_match, f1, json_valid, normalize_answer
 
 __all__ = [
     "Allocation",
     "Allocator",
+    "JudgeError",
+    "JudgeUsage",
+    "LLMJudge",
     "LevelValues",
     "LevelWeights",
     "RewardError",
@@ -36,13 +51,22 @@ __all__ = [
     "RoleReward",
     "TrajectoryReward",
     "TurnReward",
+    "Verdict",
     "allocator_names",
+    "annotate_groups",
     "assign_rewards",
     "broadcast",
     "check_allocator",
+    "code_tests",
     "evaluate_levels",
+    "exact_match",
+    "f1",
     "get_allocator",
     "is_dropped",
+    "json_valid",
+    "normalize_answer",
     "register_allocator",
+    "render_trajectory",
+    "score_groups",
     "turn_delta",
 ]

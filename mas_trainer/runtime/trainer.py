@@ -24,9 +24,10 @@ import yaml
 from rich.console import Console
 
 from mas_trainer.config import ConfigError, FitConfig, check_policy_names, check_torch_only
+from mas_trainer.engines.models import check_model_spec
 from mas_trainer.errors import UserError
 from mas_trainer.gateway import PolicyBackend
-from mas_trainer.rewards import RewardSpec, assign_rewards, check_allocator, is_dropped
+from mas_trainer.rewards import RewardSpec, annotate_groups, assign_rewards, check_allocator, is_dropped, score_groups
 from mas_trainer.runtime.rundir import RunDir
 from mas_trainer.runtime.backends import policy_backends
 from mas_trainer.runtime.session import Session
@@ -136,6 +137,7 @@ class _Fit:
         self.rows: list[dict[str, Any]] = []
         self.trackers: Trackers | None = None
         self.progress: FitProgress | None = None
+        self.reward_cost: dict[str, float] = {}  # judge/* metrics of the rollouts since the last row
 
     # --- one step ------------------------------------------------------------------------
     async def rollouts(self, session: Session, tasks: list[dict], n: int, ids: list[str], seed: int,
@@ -143,9 +145,18 @@ class _Fit:
         session.reseed(seed, temperature=temperature)
         trajs = await session.rollouts(tasks, n=n, ids=ids)
         r = self.cfg.reward
+        # rewards that rank a group (an LLM judge) see the whole batch first; their cost goes in the row
+        cost = await asyncio.to_thread(score_groups, self.reward_spec, trajs)
+        for key, value in cost.items():
+            self.reward_cost[key] = self.reward_cost.get(key, 0) + value
         for t in trajs:
             assign_rewards(t, self.reward_spec, allocator=r.allocator, weights=r.weights, on_failure=r.on_failure, options=r.options)
+        annotate_groups(self.reward_spec, trajs)
         return trajs
+
+    def take_reward_cost(self) -> dict[str, float]:
+        cost, self.reward_cost = self.reward_cost, {}
+        return cost
 
     async def train_step(self, session: Session, step: int, position: int) -> tuple[dict[str, Any], int]:
         from mas_trainer.algo.advantages import tasks_with_spread, turn_records
@@ -197,7 +208,7 @@ class _Fit:
         # every worker group is called (an empty list clears its buffer), all at once
         results = await asyncio.gather(*(self.handles[p].call("train", by_policy.get(p, [])) for p in trainable))
         t2 = time.perf_counter()
-        row: dict[str, Any] = {"kind": "train", "step": step, **summarize(trajs)}
+        row: dict[str, Any] = {"kind": "train", "step": step, **summarize(trajs), **self.take_reward_cost()}
         if temperature is not None:
             row["rollout/temperature"] = temperature
         if filtering:
@@ -223,7 +234,8 @@ class _Fit:
                                     temperature=self.cfg.rollout.val_temperature)
         await asyncio.gather(*(h.call("discard") for h in self.handles.values()))
         self.rundir.write_trajectories(step, (t.to_json() for t in trajs), name=f"step_{step:06d}_val")
-        return {"kind": "val", "step": step, **summarize(trajs, timeouts_apart=True), "time/eval_s": time.perf_counter() - t0}
+        return {"kind": "val", "step": step, **summarize(trajs, timeouts_apart=True), **self.take_reward_cost(),
+                "time/eval_s": time.perf_counter() - t0}
 
     async def checkpoint(self, step: int, position: int) -> None:
         staging = self.rundir.staging()
@@ -336,6 +348,8 @@ class _Fit:
             check_allocator(c.reward.allocator, c.reward.options)  # one the app registers exists only now
             spec = app.spec
             check_policy_names(c, spec.policies)  # policies.NAME.* overrides name the app's policies (known only now)
+            for base in sorted({pol.base_model for pol in spec.policies.values()}):
+                check_model_spec(base)  # here, in one line, not as a traceback from a worker; hub ids download once
             run.write_app(spec)
             self.reward_spec = RewardSpec(spec.spec.reward, spec.spec.role_rewards, spec.spec.turn_rewards)
             rt = c.runtime

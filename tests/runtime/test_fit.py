@@ -437,3 +437,14 @@ def test_an_override_for_a_policy_the_app_does_not_have_stops_fit_before_any_rol
     with pytest.raises(ConfigError, match=r"^policies.sol: the app has no policy 'sol'; did you mean 'solo'\? its policies: frozen, solo$"):
         fit(f"{APP}:single", TASKS[:2], _cfg("steps=1", "policies.sol.learner.lr=1e-5"), out)
     assert not (out / "trajectories").exists() or not any((out / "trajectories").iterdir())
+
+
+def test_a_hub_id_that_cannot_be_had_is_one_line_before_any_worker_starts(tmp_path, monkeypatch):
+    """On the Ray backend this was a 62-line traceback from the worker; now the driver checks
+    every policy's model before anything starts (no network here: the hub is unreachable)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    cfg = load_config(overrides=["runtime.backend=ray", "model=nobody-here/no-such-model", "steps=1"])
+    with pytest.raises(UserError) as err:
+        fit(f"{APP}:single", TASKS[:2], cfg, tmp_path / "run")
+    assert "\n" not in str(err.value) and "nobody-here/no-such-model" in str(err.value)
