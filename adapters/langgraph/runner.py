@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import uuid
 from typing import Any
@@ -12,6 +13,7 @@ from langgraph.errors import GraphRecursionError
 from langgraph.pregel import Pregel
 
 from mas_trainer.apps import RunResult
+from mas_trainer.errors import UserError
 
 from .tracer import GraphTracer
 from .trainable import resolve
@@ -31,6 +33,20 @@ class LangGraphApp:
         self.graph, self.spec = resolve(obj, base_model)
         self.recursion_limit = recursion_limit
         self._input_keys = _input_keys(self.graph)
+
+    def check_tasks(self, tasks: list[dict[str, Any]]) -> None:
+        """Refuse, in one line and before any rollout, a task the graph cannot start from: a
+        graph whose state requires `messages` (MessagesState, create_react_agent) given a task
+        without them would fail every rollout deep inside a node (an IndexError)."""
+        builder = getattr(self.graph, "builder", None)
+        required = getattr(getattr(builder, "input_schema", None), "__required_keys__", frozenset())
+        if "messages" not in required:
+            return
+        for task in tasks:
+            if "input" not in task and not task.get("messages"):
+                raise UserError(f"task {json.dumps(task, default=str)[:80]} has no 'messages', which the graph's input "
+                                f"({builder.input_schema.__name__}) requires: give each task its conversation, e.g. "
+                                '{"messages": [{"role": "user", "content": "..."}]}, or the whole graph input as "input"')
 
     def graph_input(self, task: dict[str, Any]) -> Any:
         """A task's `input` field if it has one, else its fields that the graph's input schema names."""

@@ -190,6 +190,9 @@ class Session:
         """Run every task n times on the session's loop (see `run` for the blocking form)."""
         if self.app is None:
             raise RuntimeError("load_app() first")
+        check = getattr(self.app, "check_tasks", None)  # an adapter that knows what its framework needs as input
+        if check is not None:
+            check(tasks)
         controller = Controller(self.app, self.ledger, max_in_flight=self.max_in_flight, timeout_s=self.timeout_s)
 
         def done(traj: Trajectory) -> None:

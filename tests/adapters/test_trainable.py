@@ -118,3 +118,28 @@ def test_roles_may_name_the_node_that_holds_a_subgraph():
     _, spec = as_graph(graph)
     resolved = spec.resolve(node_names(graph))
     assert (resolved.route("sub:inner_step").role, resolved.route("sub:inner_step").policy) == ("sub", "p")
+
+
+def test_a_task_without_the_messages_a_messages_graph_requires_is_one_line_before_any_rollout(fake_session):
+    from langgraph.graph import END, START, MessagesState, StateGraph
+
+    from mas_trainer import trainable
+    from mas_trainer.errors import UserError
+
+    ran = []
+
+    def chat(s):
+        ran.append(s)
+        return {"messages": [{"role": "assistant", "content": "echo " + s["messages"][-1].content}]}
+
+    g = StateGraph(MessagesState)
+    g.add_node("chat", chat)
+    g.add_edge(START, "chat")
+    g.add_edge("chat", END)
+    fake_session.load_app(trainable(g.compile(), roles={"chat": "p"}, policies={"p": "tiny"}))
+    [ok] = fake_session.run([{"messages": [{"role": "user", "content": "hi"}]}])
+    assert ok.status == "ok" and len(ran) == 1
+    with pytest.raises(UserError, match=r"""^task \{"question": "hi"\} has no 'messages', which the graph's input \(MessagesState\) """
+                                        r"requires: give each task its conversation"):
+        fake_session.run([{"question": "hi"}])
+    assert len(ran) == 1  # refused before any rollout ran
