@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 import torch
 
 from mas_trainer.engines.base import Delta, Generation, SamplingParams, cut_at_stop
+from mas_trainer.engines.grammar import COMPILE_TIMEOUT_S, SchemaGrammars
 from mas_trainer.engines.streaming import TextStream
 
 __all__ = ["TorchEngine"]
@@ -76,8 +76,6 @@ def _row_seed(seed: int, index: int) -> int:
 class TorchEngine:
     """`Engine` over a Hugging Face causal LM, batching concurrent requests on one thread."""
 
-    max_grammars = 64  # compiled JSON-schema grammars kept
-
     def __init__(
         self,
         model: Any,
@@ -89,7 +87,11 @@ class TorchEngine:
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
         bf16_autocast: bool | str = False,
+        max_grammars: int = 64,
+        grammar_timeout_s: float = COMPILE_TIMEOUT_S,
     ) -> None:
+        """`max_grammars`: compiled JSON-schema grammars kept; `grammar_timeout_s`: how long
+        one schema may compile before its request fails (see `mas_trainer.engines.grammar`)."""
         self.model_name = model_name
         # bf16 autocast while decoding (CPU: ~1.5x faster). Log-probs then carry bf16 rounding,
         # like a learner's bf16 forward; off by default so they match an fp32 forward exactly.
@@ -113,11 +115,9 @@ class TorchEngine:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids, default=0)
         self.stats: dict[str, Any] = {"decode_steps": 0, "prefills": 0, "tokens": 0, "batch_sizes": collections.Counter()}
         self._rng = torch.Generator(device=self.device).manual_seed(0)
-        # Compiled grammars by schema, least recently used first: bounded, since every
-        # request may bring a schema of its own.
-        self._grammars: collections.OrderedDict[str, Any] = collections.OrderedDict()
-        self._grammar_lock = threading.Lock()
-        self._xgr_compiler: Any = None
+        # Compiled grammars by schema, bounded in number, compiled off the event loop's default
+        # executor under a deadline (probed in a child process that can be killed).
+        self._grammars = SchemaGrammars(self._tokenizer_info, max_grammars=max_grammars, timeout_s=grammar_timeout_s)
         # State shared with callers, guarded by _cond.
         self._cond = threading.Condition()
         self._pending: collections.deque[_Row] = collections.deque()
@@ -151,18 +151,17 @@ class TorchEngine:
     async def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, turn_id: str | None = None
     ) -> list[Generation]:
-        """`params.n` choices for one prompt; cancelling the await frees the rows."""
-        if params.json_schema is not None:  # compiled (or found) off the event loop: compiling holds a lock
-            await asyncio.to_thread(self._grammar_for, params.json_schema)
-        return await asyncio.wrap_future(self._submit(prompt_ids, params))
+        """`params.n` choices for one prompt; cancelling the await frees the rows (or stops
+        compiling its schema, when nobody else waits for it)."""
+        grammar = await self._grammars.compile(params.json_schema) if params.json_schema is not None else None
+        return await asyncio.wrap_future(self._submit(prompt_ids, params, grammar))
 
     async def stream(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, turn_id: str | None = None
     ) -> AsyncIterator[Delta]:
         """The `params.n` choices as deltas, token by token; closing the iterator (or
         cancelling its task) frees the rows."""
-        if params.json_schema is not None:  # compiled (or found) off the event loop: compiling holds a lock
-            await asyncio.to_thread(self._grammar_for, params.json_schema)
+        grammar = await self._grammars.compile(params.json_schema) if params.json_schema is not None else None
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[int, int, Generation | None] | None] = asyncio.Queue()
 
@@ -172,7 +171,7 @@ class TorchEngine:
             except RuntimeError:  # the caller's loop is gone: nobody reads these tokens
                 pass
 
-        future = self._submit(prompt_ids, params, listener=lambda i, token, gen: post((i, token, gen)))
+        future = self._submit(prompt_ids, params, grammar, listener=lambda i, token, gen: post((i, token, gen)))
         future.add_done_callback(lambda _: post(None))  # failure or cancellation ends the stream
         texts = [TextStream(self._detokenize, params.stop, self.eos_ids) for _ in range(params.n)]
         left = params.n
@@ -225,7 +224,9 @@ class TorchEngine:
         self.run_exclusive(load).result()
 
     def close(self) -> None:
-        """Stop the worker; requests still waiting or running fail with RuntimeError."""
+        """Stop the worker; requests still waiting or running fail with RuntimeError (those
+        waiting for their schema's grammar too: its compile is killed)."""
+        self._grammars.close()
         with self._cond:
             self._closed = True
             self._cond.notify_all()
@@ -240,34 +241,18 @@ class TorchEngine:
 
     # ---------------------------------------------------------------- submission
 
-    @staticmethod
-    def _schema_key(schema: dict[str, Any]) -> str:
-        return json.dumps(schema, sort_keys=True)
+    def _tokenizer_info(self) -> Any:
+        """xgrammar's view of the tokenizer (built once, by the grammar compiler, on first need)."""
+        import xgrammar as xgr
+
+        vocab = self._model.get_output_embeddings().weight.shape[0]
+        return xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=vocab, stop_token_ids=sorted(self.eos_ids))
 
     def _grammar_for(self, schema: dict[str, Any]) -> Any:
-        """Compile a JSON schema once (xgrammar), without free-form whitespace."""
-        key = self._schema_key(schema)
-        with self._grammar_lock:
-            if key in self._grammars:
-                self._grammars.move_to_end(key)
-            else:
-                import xgrammar as xgr
+        """The compiled grammar of a JSON schema (xgrammar, no free-form whitespace), blocking."""
+        return self._grammars.compile_sync(schema)
 
-                if self._xgr_compiler is None:
-                    vocab = self._model.get_output_embeddings().weight.shape[0]
-                    info = xgr.TokenizerInfo.from_huggingface(
-                        self.tokenizer, vocab_size=vocab, stop_token_ids=sorted(self.eos_ids)
-                    )
-                    self._xgr_compiler = xgr.GrammarCompiler(info, max_threads=2)
-                try:
-                    self._grammars[key] = self._xgr_compiler.compile_json_schema(key, any_whitespace=False)
-                except Exception as err:  # xgrammar raises RuntimeError for bad schemas
-                    raise ValueError(f"invalid json_schema: {err}") from None
-                while len(self._grammars) > self.max_grammars:
-                    self._grammars.popitem(last=False)  # rows already holding it keep their matcher
-            return self._grammars[key]
-
-    def _submit(self, prompt_ids: Sequence[int], params: SamplingParams,
+    def _submit(self, prompt_ids: Sequence[int], params: SamplingParams, grammar: Any = None,
                 listener: Callable[[int, int, Generation | None], None] | None = None) -> concurrent.futures.Future:
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
@@ -277,9 +262,8 @@ class TorchEngine:
         room = self.max_positions - len(prompt)
         if room < 1:
             raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in a {self.max_positions}-token context")
-        grammar = None
-        if params.json_schema is not None:  # async callers compiled it already: found without the lock
-            grammar = self._grammars.get(self._schema_key(params.json_schema)) or self._grammar_for(params.json_schema)
+        if params.json_schema is not None and grammar is None:  # generate_sync: async callers compiled it already
+            grammar = self._grammar_for(params.json_schema)
         req = _Request(prompt, params, concurrent.futures.Future(), grammar, [None] * params.n, params.n, listener)
         rows = [
             _Row(req, i, min(params.max_tokens, room),

@@ -13,7 +13,10 @@ from typing import Annotated, Any, Iterable, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-__all__ = ["ChatMessage", "ChatRequest", "error_body", "json_schema_of", "bound_schema", "nested_too_deep", "MAX_DEPTH"]
+from mas_trainer.engines.grammar import MAX_SCHEMA_BYTES, MAX_SCHEMA_VALUES, check_schema
+
+__all__ = ["ChatMessage", "ChatRequest", "error_body", "json_schema_of", "bound_schema", "nested_too_deep", "MAX_DEPTH",
+           "MAX_SCHEMA_BYTES", "MAX_SCHEMA_VALUES"]
 
 # JSON nested deeper than this is refused before validation: real requests (tool schemas
 # included) stay far below, and deeper values would only exercise recursion limits.
@@ -213,12 +216,23 @@ def bound_schema(schema: Any, *, max_string_length: int, max_items: int) -> Any:
 
     Constrained decoding guarantees valid JSON only if generation ends; an untrained model
     can keep a string open until max_tokens. Bounds the schema already sets are kept.
+
+    Raises ValueError (one line naming the limit; the gateway answers 400) for a schema
+    over `MAX_SCHEMA_BYTES` of compact JSON once bounded, or with more than
+    `MAX_SCHEMA_VALUES` enum/const values: its grammar would take too long to compile.
     """
+    check_schema(schema)  # before copying it: a hostile schema costs no more than the limit
+    out = _bounded(schema, max_string_length, max_items)
+    check_schema(out)  # the bounds add a few bytes per string and array
+    return out
+
+
+def _bounded(schema: Any, max_string_length: int, max_items: int) -> Any:
     if isinstance(schema, list):
-        return [bound_schema(s, max_string_length=max_string_length, max_items=max_items) for s in schema]
+        return [_bounded(s, max_string_length, max_items) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: bound_schema(v, max_string_length=max_string_length, max_items=max_items) for k, v in schema.items()}
+    out = {k: _bounded(v, max_string_length, max_items) for k, v in schema.items()}
     kind = schema.get("type")
     kinds = kind if isinstance(kind, list) else [kind]
     if "string" in kinds and "maxLength" not in schema and "enum" not in schema and "const" not in schema:

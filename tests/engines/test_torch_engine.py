@@ -237,8 +237,7 @@ async def test_closing_a_stream_frees_its_rows(engine, prompts):
 def test_compiled_grammars_are_bounded(tiny):
     pytest.importorskip("xgrammar")
     model, tok = tiny
-    eng = TorchEngine(copy.deepcopy(model), tok, model_name="tiny")
-    eng.max_grammars = 3
+    eng = TorchEngine(copy.deepcopy(model), tok, model_name="tiny", max_grammars=3)
     try:
         for i in range(5):
             eng._grammar_for({"type": "object", "properties": {f"k{i}": {"type": "integer"}}})
