@@ -102,7 +102,10 @@ def test_a_dead_replica_stops_the_run_in_one_line_and_resume_finishes_it(tmp_pat
     while not state.exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.1)
     victims = _replica_pids(proc.pid)
-    assert victims, "no replica process found"
+    if not victims:  # say why: the run ended before its first checkpoint, or no replica was seen
+        proc.kill()
+        _, err = proc.communicate(timeout=60)
+        pytest.fail(f"no replica process found; fit exit {proc.returncode}, state.json {state.exists()}: {err[-3000:]}")
     for pid in victims:  # every replica of the run, as a lost node would take them
         os.kill(pid, signal.SIGKILL)
     _, err = proc.communicate(timeout=600)
