@@ -6,8 +6,10 @@ torch engine are imported when first used.
 
 from typing import Any
 
-__all__ = ["trainable", "__version__"]
+__all__ = ["trainable", "fit", "evaluate", "export", "fit_config", "FitResult", "__version__"]
 __version__ = "0.1.0"
+
+_API = ("fit", "evaluate", "export", "fit_config", "FitResult")  # mas_trainer.api: what the CLI verbs call
 
 
 def __getattr__(name: str) -> Any:
@@ -15,4 +17,8 @@ def __getattr__(name: str) -> Any:
         from mas_trainer.adapters.langgraph import trainable
 
         return trainable
+    if name in _API:
+        from mas_trainer import api
+
+        return getattr(api, name)
     raise AttributeError(f"module 'mas_trainer' has no attribute {name!r}")

@@ -29,73 +29,26 @@ def _load_tasks(args: argparse.Namespace) -> list[dict[str, Any]]:
         if not isinstance(task, dict):
             raise UsageError("--input must be a JSON object, e.g. '{\"question\": \"...\"}'")
         return [task]
-    if str(args.data).startswith(HF_PREFIX):
-        return _load_hf_tasks(args.data)
-    path = Path(args.data)
-    if not path.is_file():
-        raise UsageError(f"data file not found: {path}")
-    text = path.read_text()
-    if path.suffix == ".json":
-        try:
-            tasks = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"{path}: not valid JSON: {exc}") from exc
-        tasks = tasks if isinstance(tasks, list) else [tasks]
-    else:
-        tasks = []
-        for lineno, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                tasks.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise UsageError(f"{path}:{lineno}: not valid JSON: {exc.msg}") from exc
-    bad = [i for i, t in enumerate(tasks, 1) if not isinstance(t, dict)]
-    if bad:
-        raise UsageError(f"{path}: task {bad[0]} is not a JSON object")
-    if not tasks:
-        raise UsageError(f"{path}: no tasks")
-    return tasks
+    from mas_trainer.data import load_tasks
 
-
-HF_PREFIX = "hf:"
-
-
-def _load_hf_tasks(spec: str) -> list[dict[str, Any]]:
-    """`hf:NAME[:CONFIG]:SPLIT` (or `hf:NAME`, split train): one task per row of a Hugging
-    Face dataset, from the local cache or a folder when offline (`datasets.load_dataset`)."""
-    parts = spec[len(HF_PREFIX):].split(":")
-    if not parts[0] or len(parts) > 3 or not all(parts):
-        raise UsageError(f"--data {spec!r}: write hf:NAME, hf:NAME:SPLIT or hf:NAME:CONFIG:SPLIT (e.g. hf:hotpot_qa:distractor:validation)")
-    name, config, split = parts[0], (parts[1] if len(parts) == 3 else None), (parts[-1] if len(parts) > 1 else "train")
-    try:
-        import datasets
-    except ImportError as exc:
-        raise UsageError(f"--data {spec!r} needs the `datasets` package: pip install datasets") from exc
-    datasets.disable_progress_bars()
-    try:
-        rows = datasets.load_dataset(name, config, split=split)
-    except Exception as exc:  # noqa: BLE001 - datasets raises many types; the message says what
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UsageError(f"--data {spec!r}: cannot load Hugging Face dataset {name!r} (config {config}, split {split!r}): {first}") from exc
-    tasks = [dict(row) for row in rows]
-    if not tasks:
-        raise UsageError(f"--data {spec!r}: no rows")
-    return tasks
+    return load_tasks(args.data)
 
 
 def _check_model(model: str | None) -> None:
     if model is None or model in ("tiny", "default"):
         return
     if not Path(model).exists() and ("/" not in model or model.startswith((".", "/"))):
-        raise UsageError(f"--model {model!r}: no such folder; use tiny, default, a local model folder or a cached HF id")
+        raise UsageError(f"--model {model!r}: no such folder; use tiny, default, a local model folder or a Hugging Face hub id")
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from mas_trainer.config import load_config
+    from mas_trainer.rewards import RewardSpec
+    from mas_trainer.runtime.evaluate import every_rollout_failed, score_rollouts
     from mas_trainer.runtime.session import Session
-    from mas_trainer.trace.report import print_trajectories
+    from mas_trainer.trace.report import print_trajectories, reward_table
 
     if args.concurrency is not None and args.concurrency < 1:
         raise UsageError(f"--concurrency {args.concurrency}: run at least 1 rollout at once")
@@ -111,13 +64,41 @@ def cmd_trace(args: argparse.Namespace) -> int:
         start = time.time()
         trajs = session.run(tasks, n=args.n)
         elapsed = time.time() - start
+        # the app's rewards, scored as fit scores them (with fit's default reward settings), while the session is up
+        spec = RewardSpec(app.spec.spec.reward, app.spec.spec.role_rewards, app.spec.spec.turn_rewards)
+        has_rewards = any(x is not None for x in (spec.trajectory, spec.roles, spec.turns))
+        failure: UserError | None = None
+        if args.rewards and has_rewards:
+            try:
+                _, errors = score_rollouts(spec, trajs, load_config().reward, keep_going=True)
+            except UserError as exc:  # a group reward (an LLM judge) refused the whole batch
+                failure = exc
+            else:
+                if errors:  # the first names the reward, its file and line, the level and the rollout
+                    failure = type(errors[0])(f"{str(errors[0]).splitlines()[0]}; {len(errors)} of {len(trajs)} "
+                                              f"rollouts not scored (the trajectories: {out})")
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w") as f:
         for t in trajs:
             f.write(t.to_json() + "\n")
     print_trajectories(trajs, console)
+    if not args.rewards:
+        console.print("rewards: not run (--no-rewards)")
+    elif not has_rewards:
+        console.print("rewards: the app defines none (trainable(..., reward=, role_rewards=, turn_rewards=)): "
+                      "fit would give every call 0", markup=False, soft_wrap=True)
+    else:
+        console.print(reward_table(trajs))
     console.print(f"{len(trajs)} rollouts in {elapsed:.1f} s → {out}")
+    failed = every_rollout_failed(trajs, f"the trajectories: {out}")
+    if failed is not None:
+        raise failed
+    if failure is not None:
+        raise failure
     return 0
+
+
+_LAUNCHED: float | None = None
 
 
 def _quiet_setup() -> None:
@@ -135,23 +116,18 @@ def _quiet_setup() -> None:
 def cmd_fit(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from mas_trainer.config import load_config
+    from mas_trainer import api
 
-    _quiet_setup()
-    from mas_trainer.runtime.trainer import fit
-
-    base = {"model": args.model} if args.model else {}
-    cfg = load_config(args.config, args.overrides, base=base)
+    cfg = api.fit_config(args.config, args.overrides, model=args.model)
     _check_model(cfg.model)
-    tasks = _load_tasks(argparse.Namespace(input=None, data=args.data))
-    val = _load_tasks(argparse.Namespace(input=None, data=args.val_data)) if args.val_data else None
     console = Console()
     # the Session says where its gateway listens and whom it answers, at INFO
     session_log = logging.getLogger("mas_trainer.runtime.session")
     if session_log.getEffectiveLevel() > logging.INFO:
         session_log.setLevel(logging.INFO)
     try:
-        rows = fit(args.app, tasks, cfg, args.output, val_tasks=val, resume=args.resume, console=console)
+        rows = api.fit(args.app, args.data, output=args.output, config=cfg, val_data=args.val_data, resume=args.resume,
+                       console=console, started_at=_LAUNCHED).rows
     except KeyboardInterrupt as exc:  # __context__: a second Ctrl-C came while the first waited for an update
         return _interrupted_fit(args.output, forced=isinstance(exc.__context__, KeyboardInterrupt))
     vals = [r for r in rows if r.get("kind") == "val"]
@@ -269,8 +245,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mas-trainer", description="Train LangGraph multi-agent apps with multi-agent RL.")
     sub = parser.add_subparsers(dest="verb", required=True)
 
-    p = sub.add_parser("trace", help="dry run: run the app on tasks, write trajectories, print node/LLM call trees",
-                       description="Run APP on tasks with every LLM call routed to its role's policy; no training.")
+    p = sub.add_parser("trace", help="dry run: run the app on tasks, score them, write trajectories, print node/LLM call trees",
+                       description="Run APP on tasks with every LLM call routed to its role's policy, and score the rollouts "
+                                   "with the app's rewards as fit would; no training.")
     p.add_argument("app", metavar="APP", help="path/to/file.py:attr or package.module:attr (graph, builder or function)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--input", help="one task as a JSON object")
@@ -284,6 +261,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a rollout is stopped (status timeout)")
     p.add_argument("--max-tokens", type=int, default=256, help="max_tokens for requests that set none")
     p.add_argument("--otel", choices=["none", "console", "otlp"], default=None, help="also export spans (otlp: OTEL_EXPORTER_OTLP_* env)")
+    p.add_argument("--rewards", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the app's reward functions (trajectory, role, turn) on the rollouts as fit would, print them "
+                        "and write them into each trajectory's `rewards` (default); --no-rewards skips them")
     p.set_defaults(func=cmd_trace)
 
     from mas_trainer.config import describe_keys
@@ -387,6 +367,8 @@ def _configure_logging(spec: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    global _LAUNCHED
+    _LAUNCHED = time.perf_counter()  # fit's clock starts here, start-up included
     parser = _parser()
     # key=value overrides may come before or after options; argparse alone cannot mix them
     args, extra = parser.parse_known_args(argv)
@@ -397,6 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         _configure_logging(os.environ.get(LOG_ENV, ""))
+        _quiet_setup()  # every verb: no third-party progress bars (model loads in eval, serve, trace)
         return args.func(args)
     except UserError as exc:
         print(f"mas-trainer {args.verb}: error: {str(exc).splitlines()[0]}", file=sys.stderr)

@@ -169,3 +169,169 @@ def test_tasks_from_a_hugging_face_dataset(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="cannot load Hugging Face dataset 'nobody/no-such-dataset'") as err:
         load("hf:nobody/no-such-dataset:test")
     assert "\n" not in str(err.value)
+
+
+# --- trace runs the app's rewards (trajectory, role, turn) as fit would, before any training ---
+
+REWARD_APP = '''
+from typing import TypedDict
+
+from langchain_openai import ChatOpenAI
+from langgraph.graph import END, START, StateGraph
+
+from mas_trainer import trainable
+
+
+class S(TypedDict, total=False):
+    question: str
+    plan: str
+    answer: str
+
+
+llm = ChatOpenAI(model="m", max_retries=0)
+
+
+def planner(s):
+    return {"plan": llm.invoke("Plan: " + s["question"]).content}
+
+
+def writer(s):
+    return {"answer": llm.invoke("Answer: " + s["question"]).content}
+
+
+g = StateGraph(S)
+g.add_node("planner", planner)
+g.add_node("writer", writer)
+g.add_edge(START, "planner")
+g.add_edge("planner", "writer")
+g.add_edge("writer", END)
+
+
+def answered(task, state, trajectory):
+    return 1.0 if "answer" in state else 0.0
+
+
+def plan_reward(task, calls, trajectory):
+    return 0.5
+
+
+def writer_reward(task, calls, trajectory):
+    return None  # not applicable
+
+
+def turn_reward(task, call, trajectory):
+    return 0.25
+
+
+def lookup(state):
+    return state["missing"]  # RAISES HERE
+
+
+def broken(task, state, trajectory):
+    return lookup(state)
+
+
+ROLES, POLICIES = {"planner": "p", "writer": "p"}, {"p": "tiny"}
+graph = trainable(g.compile(), roles=ROLES, policies=POLICIES, reward=answered,
+                  role_rewards={"planner": plan_reward, "writer": writer_reward}, turn_rewards=turn_reward)
+bad = trainable(g.compile(), roles=ROLES, policies=POLICIES, reward=broken)
+'''
+
+
+@pytest.fixture
+def reward_app(tmp_path):
+    app = tmp_path / "reward_app.py"
+    app.write_text(REWARD_APP)
+    data = tmp_path / "tasks.jsonl"
+    data.write_text('{"question": "a"}\n{"question": "b"}\n')
+    return app, data
+
+
+def test_trace_scores_rollouts_at_every_level_and_writes_the_rewards(tmp_path, reward_app):
+    app, data = reward_app
+    out = tmp_path / "t.jsonl"
+    r = run_cli("trace", f"{app}:graph", "--data", str(data), "--model", "tiny", "--output", str(out), "--max-tokens", "4")
+    assert r.returncode == 0, r.stderr[-2000:]
+    trajs = _read(out)
+    assert len(trajs) == 2
+    for t in trajs:
+        assert t["status"] == "ok", t["error"]
+        rewards = t["rewards"]
+        assert set(rewards) == {"trajectory", "roles", "turns", "detail"}  # the documented contract
+        assert rewards["trajectory"] == 1.0 and rewards["roles"] == {"planner": 0.5}
+        assert rewards["detail"]["not_applicable"]["roles"] == ["writer"]
+        # fit's default allocator (broadcast, weights 1): trajectory + the call's role + its turn
+        expected = {"planner": 1.0 + 0.5 + 0.25, "writer": 1.0 + 0.25}
+        assert rewards["turns"] == {c["id"]: expected[c["role"]] for c in t["llm_calls"]}
+    table = r.stdout[r.stdout.index("rewards by level"):]
+    assert "planner 0.5" in table and "writer n/a" in table and "2 × 0.25" in table
+    assert "1.25..1.75" in table  # the call rewards, summarised
+    for t in trajs:
+        assert t["rollout_id"][:12] in table
+
+
+def test_trace_no_rewards_leaves_them_out(tmp_path, reward_app):
+    app, data = reward_app
+    out = tmp_path / "t.jsonl"
+    r = run_cli("trace", f"{app}:bad", "--data", str(data), "--model", "tiny", "--output", str(out), "--max-tokens", "2",
+                "--no-rewards")
+    assert r.returncode == 0, r.stderr[-2000:]  # the raising reward is not run
+    assert "rewards: not run (--no-rewards)" in r.stdout and "rewards by level" not in r.stdout
+    for t in _read(out):
+        assert t["rewards"] == {"trajectory": None, "roles": {}, "turns": {}, "detail": {}}
+
+
+def test_trace_reward_that_raises_names_function_file_line_level_and_rollout(tmp_path, reward_app):
+    app, data = reward_app
+    out = tmp_path / "t.jsonl"
+    r = run_cli("trace", f"{app}:bad", "--data", str(data), "--model", "tiny", "--output", str(out), "--max-tokens", "2")
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [line for line in r.stderr.strip().splitlines() if line.startswith("mas-trainer trace: error:")]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    [line] = lines
+    trajs = _read(out)  # written all the same, for a look at what the reward was given
+    assert len(trajs) == 2 and all(t["status"] == "ok" for t in trajs)
+    raising = next(i for i, text in enumerate(app.read_text().splitlines(), 1) if "RAISES HERE" in text)
+    assert line.startswith(f"mas-trainer trace: error: reward broken raised KeyError: 'missing' at {app}:{raising} "
+                           f"(trajectory level, rollout {trajs[0]['rollout_id']})"), line
+    assert "2 of 2 rollouts not scored" in line and "_mas_app_" not in r.stderr
+
+
+FAILING_APP = '''
+from typing import TypedDict
+
+from langgraph.graph import END, START, StateGraph
+
+from mas_trainer import trainable
+
+
+class S(TypedDict, total=False):
+    x: int
+
+
+def work(s):
+    raise ValueError(f"bad task {s['x']}")
+
+
+g = StateGraph(S)
+g.add_node("work", work)
+g.add_edge(START, "work")
+g.add_edge("work", END)
+graph = trainable(g.compile(), roles={"work": "p"}, policies={"p": "tiny"}, reward=lambda task, state, traj: 1.0)
+'''
+
+
+def test_trace_exits_non_zero_when_every_rollout_failed(tmp_path):
+    app = tmp_path / "failing_app.py"
+    app.write_text(FAILING_APP)
+    data = tmp_path / "tasks.jsonl"
+    data.write_text('{"x": 1}\n{"x": 2}\n')
+    out = tmp_path / "t.jsonl"
+    r = run_cli("trace", f"{app}:graph", "--data", str(data), "--model", "tiny", "--output", str(out))
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [line for line in r.stderr.strip().splitlines() if line.startswith("mas-trainer trace: error:")]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    trajs = _read(out)
+    assert [t["status"] for t in trajs] == ["error", "error"]
+    assert lines[0] == (f"mas-trainer trace: error: every rollout failed (2 of 2: 2 error); the first, {trajs[0]['rollout_id']}, "
+                        f"with: ValueError: bad task 1; the trajectories: {out}")

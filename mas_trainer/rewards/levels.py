@@ -16,14 +16,20 @@ nothing (it is not the same as 0.0, and the audit record says which it was). Rol
 rewards are given either as one callable for every role, or as a mapping role -> callable
 so that only the roles named are judged.
 
-A reward that raises is a bug in user code, so it is re-raised as :class:`RewardError`
-naming the function, the level, the rollout and (for a turn) the call, instead of a bare
-traceback from deep inside the trainer.
+A reward that raises is a bug in user code, so it is re-raised as :class:`RewardError`, one
+line naming the function, the file and line where it raised (the last frame of the traceback
+inside the reward's own file), the level, the rollout and (for a turn) the call, instead of a
+bare traceback from deep inside the trainer. A reward defined in an app file loaded by path is
+named by that file, not by the module name the loader gave it (``_mas_app_<hash>``).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
+import os
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,10 +56,87 @@ class RewardError(UserError):
     """A user reward function raised or returned something that is not a finite number."""
 
 
+APP_MODULE_PREFIX = "_mas_app_"  # what `mas_trainer.apps.load_object` names a module loaded from a file path
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # mas_trainer/: its rewards are named by module
+
+
+def _target(fn: Callable[..., Any]) -> Any:
+    """The function whose code a reward runs: through ``functools.partial`` and decorators
+    that keep ``__wrapped__``; a callable object's ``__call__``."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    try:
+        fn = inspect.unwrap(fn)
+    except ValueError:  # a cycle of __wrapped__
+        pass
+    if getattr(fn, "__code__", None) is None and callable(fn):
+        call = type(fn).__call__
+        if getattr(call, "__code__", None) is not None:
+            return call
+    return fn
+
+
+def _source_file(fn: Callable[..., Any]) -> str | None:
+    code = getattr(_target(fn), "__code__", None)
+    return code.co_filename if code is not None else None
+
+
+def _shown(path: str) -> str:
+    """A file as a user would type it: relative to the working directory when under it."""
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:  # another drive
+        return path
+    return path if rel.startswith(os.pardir) else rel
+
+
 def _name(fn: Callable[..., Any]) -> str:
-    module = getattr(fn, "__module__", None)
-    qualname = getattr(fn, "__qualname__", None) or type(fn).__qualname__
-    return f"{module}.{qualname}" if module else qualname
+    """``module.qualname``; just the qualname for an app loaded from a file (its module name
+    is the loader's, ``_mas_app_<hash>``: the file says where it is)."""
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    qualname = getattr(target, "__qualname__", None) or type(target).__qualname__
+    module = getattr(target, "__module__", None)
+    if not module or module.startswith(APP_MODULE_PREFIX) or module == "__main__":
+        return qualname
+    return f"{module}.{qualname}"
+
+
+def _ours(path: str | None) -> bool:
+    """A file of mas-trainer itself (a ready-made reward): its module name says enough."""
+    return path is not None and os.path.abspath(path).startswith(_PACKAGE + os.sep)
+
+
+def _definition(fn: Callable[..., Any]) -> str | None:
+    """``FILE:LINE`` where a user's reward with Python source is defined."""
+    code = getattr(_target(fn), "__code__", None)
+    if code is None or _ours(code.co_filename):
+        return None
+    return f"{_shown(code.co_filename)}:{code.co_firstlineno}"
+
+
+def _defined_at(fn: Callable[..., Any]) -> str:
+    where = _definition(fn)
+    return f" (defined at {where})" if where else ""
+
+
+def _raised_at(fn: Callable[..., Any], exc: BaseException) -> str:
+    """`` at FILE:LINE``: the last frame of the traceback inside the reward's own file (the
+    user's code, not the library it called), else its last frame, else where it is defined."""
+    own = _source_file(fn)
+    if _ours(own):
+        return ""
+    frames = traceback.extract_tb(exc.__traceback__)[1:]  # the first frame is _call's own
+    mine = [f for f in frames if f.filename == own]
+    if mine or frames:
+        frame = (mine or frames)[-1]
+        return f" at {_shown(frame.filename)}:{frame.lineno}"
+    where = _definition(fn)
+    return f" (defined at {where})" if where else ""
+
+
+def _one_line(text: str, width: int = 300) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _call(fn: Callable[..., Any], where: str, *args: Any) -> float | None:
@@ -61,17 +144,19 @@ def _call(fn: Callable[..., Any], where: str, *args: Any) -> float | None:
     try:
         value = fn(*args)
     except Exception as exc:  # user code: any exception is reported, with its cause chained
-        raise RewardError(f"reward {_name(fn)} raised {type(exc).__name__}: {exc} ({where})") from exc
+        message = _one_line(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+        raise RewardError(f"reward {_name(fn)} raised {message}{_raised_at(fn, exc)} ({where})") from exc
     if value is None:
         return None
     try:
         number = float(value)
     except (TypeError, ValueError):
         raise RewardError(
-            f"reward {_name(fn)} returned {value!r} ({type(value).__name__}); expected a number or None ({where})"
+            f"reward {_name(fn)}{_defined_at(fn)} returned {_one_line(repr(value), 80)} ({type(value).__name__}); "
+            f"expected a number or None ({where})"
         ) from None
     if not math.isfinite(number):
-        raise RewardError(f"reward {_name(fn)} returned {number}; rewards must be finite ({where})")
+        raise RewardError(f"reward {_name(fn)}{_defined_at(fn)} returned {number}; rewards must be finite ({where})")
     return number
 
 

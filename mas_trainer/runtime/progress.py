@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TextColumn
 from rich.text import Text
 
 __all__ = ["FitProgress", "duration", "eta_seconds", "number", "step_line", "val_line"]
@@ -102,16 +102,26 @@ class _Eta(ProgressColumn):
         return Text("ETA " + (duration(max(0.0, deadline - time.perf_counter())) if deadline is not None else "?"))
 
 
+class _SinceLaunch(ProgressColumn):
+    """Time since `fit` was launched (start-up included), not since the bar appeared."""
+
+    def render(self, task: Task) -> Text:
+        return Text(duration(time.perf_counter() - task.fields["launched"]))
+
+
 class FitProgress:
     """The step lines (when `lines`) and, on a terminal, a live bar; `show(row)` for each
-    metrics row `fit` records."""
+    metrics row `fit` records. `launched`: the `time.perf_counter()` of the launch, where the
+    bar's clock starts."""
 
-    def __init__(self, console: Console, steps: int, start_step: int = 0, lines: bool = True) -> None:
+    def __init__(self, console: Console, steps: int, start_step: int = 0, lines: bool = True,
+                 launched: float | None = None) -> None:
         self.console, self.steps, self.start_step, self.lines = console, steps, start_step, lines
         self._t0 = time.perf_counter()
         self._bar = Progress(TextColumn("[bold]fit"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                             TimeElapsedColumn(), _Eta(), console=console, transient=True, disable=not console.is_terminal)
-        self._task = self._bar.add_task("fit", total=steps, completed=start_step, info="", deadline=None)
+                             _SinceLaunch(), _Eta(), console=console, transient=True, disable=not console.is_terminal)
+        self._task = self._bar.add_task("fit", total=steps, completed=start_step, info="", deadline=None,
+                                        launched=self._t0 if launched is None else launched)
 
     def __enter__(self) -> "FitProgress":
         self._t0 = time.perf_counter()

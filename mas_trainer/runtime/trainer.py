@@ -132,8 +132,10 @@ def rollouts_failed(step: int, trajs: list[Trajectory], where: Path, max_failed:
 
 
 class _Fit:
-    def __init__(self, app_ref: Any, tasks: list[dict], cfg: FitConfig, rundir: RunDir, val_tasks: list[dict], console: Console) -> None:
+    def __init__(self, app_ref: Any, tasks: list[dict], cfg: FitConfig, rundir: RunDir, val_tasks: list[dict], console: Console,
+                 started_at: float | None = None) -> None:
         self.app_ref, self.tasks, self.cfg, self.rundir, self.val_tasks, self.console = app_ref, tasks, cfg, rundir, val_tasks, console
+        self._started = time.perf_counter() if started_at is None else started_at
         self.rows: list[dict[str, Any]] = []
         self.trackers: Trackers | None = None
         self.progress: FitProgress | None = None
@@ -285,6 +287,11 @@ class _Fit:
             if step % c.save_every == 0 or step == c.steps:
                 await self.checkpoint(step, position)
 
+    def say(self, what: str) -> None:
+        """What fit is doing before its first step line, with the time since launch."""
+        self.console.print(f"fit [{time.perf_counter() - self._started:.1f}s]: {what}", markup=False, highlight=False,
+                           soft_wrap=True)
+
     @contextlib.contextmanager
     def watch(self, state: dict | None) -> Iterator[FitProgress]:
         """The trackers (`logger`) and the progress display around the loop; the trackers
@@ -294,7 +301,8 @@ class _Fit:
                                  kept=list(self.rows), config=c.model_dump(mode="json"))
         failed = True
         try:
-            with FitProgress(self.console, c.steps, start_step=max(after, 0), lines="console" in c.logger) as progress:
+            with FitProgress(self.console, c.steps, start_step=max(after, 0), lines="console" in c.logger,
+                             launched=self._started) as progress:
                 self.progress = progress
                 yield progress
             failed = False
@@ -307,7 +315,6 @@ class _Fit:
         from mas_trainer.engines.chat import HFChatFormat
         from mas_trainer.engines.models import load_tokenizer
 
-        self._started = time.perf_counter()
         c, run = self.cfg, self.rundir
         state = run.load_state()  # also without --resume: it tells a run with a checkpoint from one killed before it
         # (a damaged or foreign state.json is refused there, before anything is deleted)
@@ -344,11 +351,14 @@ class _Fit:
                                      if isinstance(r.get("time/elapsed_s"), (int, float))), 0.0)
         with Session(model=c.model, max_in_flight=c.rollout.max_in_flight or c.runtime.max_batch_size, timeout_s=c.rollout.timeout_s,
                      default_max_tokens=c.rollout.max_tokens) as session:
+            self.say(f"loading the app {self.app_ref if isinstance(self.app_ref, str) else type(self.app_ref).__name__}")
             app = session.load_app(self.app_ref, start_engines=False, recursion_limit=c.rollout.recursion_limit)
             check_allocator(c.reward.allocator, c.reward.options)  # one the app registers exists only now
             spec = app.spec
             check_policy_names(c, spec.policies)  # policies.NAME.* overrides name the app's policies (known only now)
-            for base in sorted({pol.base_model for pol in spec.policies.values()}):
+            bases = sorted({pol.base_model for pol in spec.policies.values()})
+            self.say(f"checking the model{'s' if len(bases) > 1 else ''} {', '.join(bases)}")
+            for base in bases:
                 check_model_spec(base)  # here, in one line, not as a traceback from a worker; hub ids download once
             run.write_app(spec)
             self.reward_spec = RewardSpec(spec.spec.reward, spec.spec.role_rewards, spec.spec.turn_rewards)
@@ -378,6 +388,9 @@ class _Fit:
             if c.rollout.filter_groups and not plans:
                 log.warning("rollout.filter_groups is ignored: no policy is trainable, so no group is trained on; "
                             "each step makes one draw")
+            where = "in this process" if rt.backend == "local" else "on Ray"
+            self.say(f"starting the {learner} learner on {device} {where} for {', '.join(plans) or 'no trainable policy'} "
+                     "(loading weights, building engines)")
             self.handles = start_workers(plans, rt.model_copy(update={"learner": learner}))
             try:
                 # worker groups serve the trainable policies; frozen ones get engines configured like theirs (runtime.*)
@@ -385,6 +398,9 @@ class _Fit:
                           for p, h in self.handles.items()}
                 for p, backend in policy_backends(spec.policies, rt, seed=c.seed, served=served).items():
                     session.attach(p, backend)
+                first = (state["step"] if state else 0) + 1
+                self.say(("held-out evaluation at step 0, then " if state is None and self.val_tasks else "")
+                         + f"step {first}/{c.steps}: rollouts, then the update")
                 with self.watch(state) as progress:
                     session.loop.run_until_complete(self.loop(session, state, progress))
             except KeyboardInterrupt:
@@ -400,7 +416,7 @@ class _Fit:
 
 
 def fit(app_ref: Any, tasks: list[dict], cfg: FitConfig, output: str | Path, *, val_tasks: list[dict] | None = None,
-        resume: bool = False, console: Console | None = None) -> list[dict[str, Any]]:
+        resume: bool = False, console: Console | None = None, started_at: float | None = None) -> list[dict[str, Any]]:
     """Train the app's policies on `tasks`; returns every metrics row of the run (resumed ones included)."""
     if not tasks:
         raise ConfigError("no training tasks")
@@ -415,4 +431,4 @@ def fit(app_ref: Any, tasks: list[dict], cfg: FitConfig, output: str | Path, *, 
         tasks = [tasks[i] for i in sorted(order[k:])]
     run = RunDir(output)
     with run.locked():  # one fit per run directory: a second one must not clear the live run's files
-        return _Fit(app_ref, tasks, cfg, run, val_tasks or [], console or Console())(resume)
+        return _Fit(app_ref, tasks, cfg, run, val_tasks or [], console or Console(), started_at)(resume)

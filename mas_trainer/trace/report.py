@@ -1,10 +1,11 @@
-"""Human view of trajectories: a tree of node calls with their LLM and tool calls, and a
-table of LLM calls per role and policy."""
+"""Human view of trajectories: a tree of node calls with their LLM and tool calls, a table
+of LLM calls per role and policy, and a table of each rollout's rewards at every level."""
 
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
-from typing import Iterable
+from typing import Any, Iterable
 
 from rich.console import Console
 from rich.table import Table
@@ -12,7 +13,7 @@ from rich.tree import Tree
 
 from mas_trainer.trace.schema import Trajectory
 
-__all__ = ["print_trajectories"]
+__all__ = ["print_trajectories", "reward_table"]
 
 _STATUS = {"ok": "green", "error": "red", "timeout": "yellow", "cancelled": "yellow", "interrupted": "cyan"}
 
@@ -81,3 +82,62 @@ def print_trajectories(trajs: list[Trajectory], console: Console | None = None, 
     for t in trajs:
         by_status[t.status] += 1
     console.print("rollouts: " + ", ".join(f"{k} {v}" for k, v in sorted(by_status.items())))
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+def _spread(values: list[float]) -> str:
+    """``n × v`` when all equal, else ``min..max (mean m)``."""
+    if not values:
+        return "-"
+    lo, hi = min(values), max(values)
+    if lo == hi:
+        return f"{len(values)} × {_num(lo)}"
+    return f"{_num(lo)}..{_num(hi)} (mean {_num(statistics.fmean(values))})"
+
+
+def _turn_level(detail: dict[str, Any]) -> list[float]:
+    """What the turn reward itself returned for each call (an allocator may credit a call with
+    something else, e.g. turn_delta's improvement: its ``score`` is the raw value)."""
+    out = []
+    for call in (detail.get("calls") or {}).values():
+        part = (call.get("parts") or {}).get("turn")
+        if part is not None:
+            out.append(float(part.get("score", part["value"])))
+    return out
+
+
+def reward_table(trajs: list[Trajectory], *, max_rows: int = 20) -> Table:
+    """One row per rollout: the trajectory reward, each role's reward, what the turn reward
+    returned for its calls, and the call rewards (what each call is trained with: the levels
+    mixed by the allocator), those two summarised; ``n/a`` where a reward said "not applicable" (None). A failed rollout is not
+    judged (its calls get reward.on_failure); one whose reward raised is not scored."""
+    table = Table(title="rewards by level (as fit scores them)")
+    for col in ("rollout", "status", "trajectory", "roles", "turn level", "call rewards"):
+        table.add_column(col, justify="right" if col == "trajectory" else "left")
+    for t in trajs[:max_rows]:
+        r, rid = t.rewards, t.rollout_id[:12]
+        failed = r.detail.get("failed")
+        if t.status != "ok" or failed:
+            fill = "dropped" if r.detail.get("dropped") else _spread(list(r.turns.values()))
+            table.add_row(rid, t.status, "-", "not judged", "-", fill)
+            continue
+        if "allocator" not in r.detail:
+            table.add_row(rid, t.status, "-", "[red]not scored: a reward raised[/]", "-", "-")
+            continue
+        na = r.detail.get("not_applicable", {})
+        roles = [f"{role} {_num(v)}" for role, v in sorted(r.roles.items())] + [f"{role} n/a" for role in na.get("roles", [])]
+        turn_values = _turn_level(r.detail)
+        turn = [_spread(turn_values)] if turn_values else []
+        turn += [f"{len(na['turns'])} n/a"] if na.get("turns") else []
+        traj = "n/a" if na.get("trajectory") else _num(r.trajectory)
+        table.add_row(rid, t.status, traj, ", ".join(roles) or "-", ", ".join(turn) or "-", _spread(list(r.turns.values())))
+    if len(trajs) > max_rows:
+        table.add_row(f"… {len(trajs) - max_rows} more", "", "", "", "", "")
+    scored = [t.rewards.trajectory for t in trajs if t.rewards.trajectory is not None]
+    if len(trajs) > 1 and scored:
+        table.add_section()
+        table.add_row(f"mean of {len(scored)}", "", _num(statistics.fmean(scored)), "", "", "")
+    return table

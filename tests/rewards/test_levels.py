@@ -105,3 +105,90 @@ def test_spec_rejects_non_callables():
     with pytest.raises(UserError, match="turn rewards must be"):
         RewardSpec(turns=3)
 
+
+
+# --- a reward in an app file loaded by path: its file and line, not the loader's module name ---
+
+APP_REWARDS = '''
+def lookup(state):
+    return state["missing"]  # RAISES HERE
+
+
+def trajectory_reward(task, state, trajectory):
+    return lookup(state)
+
+
+def role_reward(task, calls, trajectory):
+    raise ValueError("bad role\\nsecond line")  # ROLE RAISES
+
+
+def turn_reward(task, call, trajectory):
+    return 1 / 0  # TURN RAISES
+
+
+def words(task, state, trajectory):
+    return "three"
+
+
+class Scorer:
+    def __call__(self, task, state, trajectory):
+        return state["missing"]  # OBJECT RAISES
+
+
+scorer = Scorer()
+'''
+
+
+def _line(path, marker):
+    return next(i for i, text in enumerate(path.read_text().splitlines(), 1) if marker in text)
+
+
+@pytest.fixture
+def app_rewards(tmp_path):
+    from mas_trainer.apps import load_object
+
+    path = tmp_path / "my_app.py"
+    path.write_text(APP_REWARDS)
+    return path, lambda name: load_object(f"{path}:{name}")
+
+
+@pytest.mark.parametrize("level, fn, spec_of, marker, where", [
+    ("trajectory", "trajectory_reward", lambda f: RewardSpec(trajectory=f), "RAISES HERE", "trajectory level, rollout r1"),
+    ("role", "role_reward", lambda f: RewardSpec(roles={"coder": f}), "ROLE RAISES", "role level, role 'coder', rollout r1"),
+    ("turn", "turn_reward", lambda f: RewardSpec(turns=f), "TURN RAISES", "turn level, llm call b of role 'coder', rollout r1"),
+    ("object", "scorer", lambda f: RewardSpec(trajectory=f), "OBJECT RAISES", "trajectory level, rollout r1"),
+])
+def test_a_raising_reward_from_an_app_file_names_its_file_and_line(app_rewards, level, fn, spec_of, marker, where):
+    path, load = app_rewards
+    reward = load(fn)
+    assert reward.__module__.startswith("_mas_app_")  # what the loader calls the module
+    with pytest.raises(RewardError) as err:
+        evaluate_levels(spec_of(reward), traj([call("b", "coder")]))
+    msg = str(err.value)
+    assert "\n" not in msg and "_mas_app_" not in msg, msg
+    assert f" at {path}:{_line(path, marker)} ({where})" in msg, msg  # the last frame in the user's file
+    assert msg.startswith(f"reward {'Scorer' if level == 'object' else fn} raised "), msg
+
+
+def test_a_multi_line_exception_stays_one_line_with_where_it_happened(app_rewards):
+    path, load = app_rewards
+    with pytest.raises(RewardError) as err:
+        evaluate_levels(RewardSpec(roles=load("role_reward")), traj([call("a", "planner")]))
+    assert str(err.value).startswith("reward role_reward raised ValueError: bad role second line at ")
+    assert "role level, role 'planner', rollout r1" in str(err.value)
+
+
+def test_a_non_number_from_an_app_file_names_where_the_reward_is_defined(app_rewards):
+    path, load = app_rewards
+    with pytest.raises(RewardError) as err:
+        evaluate_levels(RewardSpec(trajectory=load("words")), traj([call("a", "planner")]))
+    msg = str(err.value)
+    assert msg.startswith(f"reward words (defined at {path}:{_line(path, 'def words')}) returned 'three' (str)"), msg
+    assert "_mas_app_" not in msg
+
+
+def test_a_reward_file_under_the_working_directory_is_named_relative_to_it(app_rewards, monkeypatch):
+    path, load = app_rewards
+    monkeypatch.chdir(path.parent)
+    with pytest.raises(RewardError, match=rf" at my_app.py:{_line(path, 'RAISES HERE')} \(trajectory level"):
+        evaluate_levels(RewardSpec(trajectory=load("trajectory_reward")), traj([call("a", "planner")]))

@@ -183,3 +183,104 @@ def test_eval_cli_reports_timeouts_beside_the_mean_and_checks_its_numbers(tmp_pa
                           "--max-in-flight", "0"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "mas-trainer eval: error: --max-in-flight 0: run at least 1 rollout at once"]
+
+
+# --- every rollout failed: nothing to score, one line and a non-zero exit ---------------------
+
+def _failing_app():
+    class S(TypedDict, total=False):
+        x: int
+
+    def work(s: S) -> S:
+        raise ValueError(f"bad task {s['x']}\nwith a second line")
+
+    g = StateGraph(S)
+    g.add_node("work", work)
+    g.add_edge(START, "work")
+    g.add_edge("work", END)
+    return trainable(g.compile(), roles={"work": "p"}, policies={"p": "tiny"}, reward=lambda task, state, traj: 1.0)
+
+
+def test_eval_raises_one_line_when_every_rollout_failed():
+    import pytest
+
+    with pytest.raises(evaluate_module.EveryRolloutFailed) as err:
+        evaluate(_failing_app(), [{"x": 1}, {"x": 2}], max_tokens=2)
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert msg.startswith("every rollout failed (2 of 2: 2 error); the first, ") and "with: ValueError: bad task 1" in msg
+    assert msg.endswith("; no reward to report")
+
+
+def test_every_rollout_failed_only_when_none_finished():
+    from mas_trainer.trace.schema import Trajectory
+
+    ok, bad = (Trajectory(rollout_id=i, task={}, status=s, error=e) for i, s, e in (("a", "ok", None), ("b", "timeout", None)))
+    assert evaluate_module.every_rollout_failed([]) is None
+    assert evaluate_module.every_rollout_failed([bad, ok]) is None
+    failed = evaluate_module.every_rollout_failed([bad, bad], "what next")
+    assert str(failed) == "every rollout failed (2 of 2: 2 timeout); the first, b, with: timeout; what next"
+
+
+def test_eval_cli_exits_non_zero_with_one_line_when_every_rollout_failed(tmp_path):
+    app = tmp_path / "failing_app.py"
+    app.write_text(textwrap.dedent('''
+        from typing import TypedDict
+        from langgraph.graph import END, START, StateGraph
+        from mas_trainer import trainable
+
+        class S(TypedDict, total=False):
+            x: int
+
+        def work(s):
+            raise ValueError(f"bad task {s['x']}")
+
+        g = StateGraph(S)
+        g.add_node("work", work)
+        g.add_edge(START, "work")
+        g.add_edge("work", END)
+        graph = trainable(g.compile(), roles={"work": "p"}, policies={"p": "tiny"}, reward=lambda task, state, traj: 1.0)
+    '''))
+    data = tmp_path / "tasks.jsonl"
+    data.write_text('{"x": 1}\n{"x": 2}\n')
+    r = subprocess.run([sys.executable, "-m", "mas_trainer.cli", "eval", f"{app}:graph", "--data", str(data)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr[-2000:])
+    lines = [line for line in r.stderr.strip().splitlines() if line.startswith("mas-trainer eval: error:")]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert lines[0].startswith("mas-trainer eval: error: every rollout failed (2 of 2: 2 error); the first, ")
+    assert "with: ValueError: bad task 1; no reward to report" in lines[0]
+
+
+def test_eval_reward_that_raises_names_the_apps_file_and_line(tmp_path):
+    app = tmp_path / "reward_app.py"
+    app.write_text(textwrap.dedent('''
+        from typing import TypedDict
+        from langgraph.graph import END, START, StateGraph
+        from mas_trainer import trainable
+
+        class S(TypedDict, total=False):
+            x: int
+
+        def work(s):
+            return {}
+
+        def reward(task, state, trajectory):
+            return state["missing"]  # RAISES HERE
+
+        g = StateGraph(S)
+        g.add_node("work", work)
+        g.add_edge(START, "work")
+        g.add_edge("work", END)
+        graph = trainable(g.compile(), roles={"work": "p"}, policies={"p": "tiny"}, reward=reward)
+    '''))
+    data = tmp_path / "tasks.jsonl"
+    data.write_text('{"x": 1}\n')
+    r = subprocess.run([sys.executable, "-m", "mas_trainer.cli", "eval", f"{app}:graph", "--data", str(data)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    raising = next(i for i, text in enumerate(app.read_text().splitlines(), 1) if "RAISES HERE" in text)
+    [line] = [line for line in r.stderr.strip().splitlines() if line.startswith("mas-trainer eval: error:")]
+    assert line.startswith(f"mas-trainer eval: error: reward reward raised KeyError: 'missing' at {app}:{raising} "
+                           "(trajectory level, rollout "), line
+    assert "_mas_app_" not in r.stderr

@@ -1,0 +1,67 @@
+"""The Python API is what the CLI verbs call: fit, evaluate and export from a script."""
+
+import json
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+import mas_trainer
+from mas_trainer import api
+from mas_trainer.cli import main
+from mas_trainer.config import ConfigError
+from mas_trainer.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+APP = f"{ROOT / 'tests' / 'fixtures' / 'words_app.py'}:single"
+TASKS = [json.loads(line) for line in (ROOT / "tests" / "fixtures" / "words.jsonl").read_text().splitlines()]
+QUICK = {"steps": 1, "rollout.tasks_per_step": 2, "rollout.n": 2, "runtime.backend": "local", "logger": ["console"],
+         "rollout.max_tokens": 8, "val_fraction": 0.25}
+
+
+def test_fit_evaluate_and_export_from_a_script(tmp_path):
+    out = tmp_path / "run"
+    console = Console(record=True, width=200)
+    run = mas_trainer.fit(APP, TASKS, output=out, overrides=QUICK, console=console)
+    assert isinstance(run, mas_trainer.FitResult) and run.output == out
+    assert [r["step"] for r in run.train] == [1] and [r["step"] for r in run.held_out] == [0, 1]
+    assert list(run.policies) == ["solo"] and (run.policies["solo"] / "config.json").is_file()
+    text = console.export_text()
+    # it says what it is doing from its first second, before the first step line
+    phases = [line for line in text.splitlines() if line.startswith("fit [")]
+    assert [p.split("]: ", 1)[1].split(" ")[0:2] for p in phases] == [["loading", "the"], ["checking", "the"],
+                                                                      ["starting", "the"], ["held-out", "evaluation"]]
+    assert text.index(phases[-1]) < text.index("step 1/1")
+    scores = mas_trainer.evaluate(APP, TASKS[:2], run=out)
+    assert scores["rollouts"] == 2 and scores["policies"]["solo"] == str(run.policies["solo"])
+    exported = mas_trainer.export(out, tmp_path / "exported")
+    assert (exported / "solo" / "config.json").is_file()
+
+
+def test_fit_config_takes_a_file_a_mapping_or_key_value_strings(tmp_path):
+    (tmp_path / "fit.yaml").write_text("steps: 7\nlearner:\n  lr: 0.001\n")
+    assert api.fit_config(tmp_path / "fit.yaml", {"learner.lr": 0.5}).learner.lr == 0.5
+    assert api.fit_config(tmp_path / "fit.yaml", ["steps=9"]).steps == 9
+    cfg = api.fit_config({"steps": 3, "learner": {"lr": 0.25}}, {"rollout.n": 2}, model="tiny")
+    assert (cfg.steps, cfg.learner.lr, cfg.rollout.n, cfg.model) == (3, 0.25, 2, "tiny")
+    assert api.fit_config(cfg) is cfg and api.fit_config(cfg, {"steps": 4}).steps == 4
+    with pytest.raises(ConfigError, match=r"unknown config key 'learner.lrr'; did you mean 'lr'"):
+        api.fit_config(None, {"learner.lrr": 1})
+    with pytest.raises(UserError, match="^data: task 2 is a str, not a dict$"):
+        api.fit(APP, [{"question": "q"}, "not a task"], output=tmp_path / "never")
+    assert not (tmp_path / "never").exists()
+
+
+def test_the_cli_verb_is_the_api_call(tmp_path, monkeypatch):
+    seen = {}
+
+    def fake_fit(app, data, **kw):
+        seen.update(app=app, data=data, **kw)
+        return api.FitResult(Path(kw["output"]), [])
+
+    monkeypatch.setattr(api, "fit", fake_fit)
+    rc = main(["fit", APP, "--data", "tasks.jsonl", "--output", str(tmp_path / "r"), "--model", "tiny", "steps=2", "learner.lr=0.5"])
+    assert rc == 0
+    assert seen["app"] == APP and seen["data"] == "tasks.jsonl" and seen["output"] == str(tmp_path / "r")
+    assert (seen["config"].steps, seen["config"].learner.lr, seen["config"].model) == (2, 0.5, "tiny")
+    assert isinstance(seen["started_at"], float)
