@@ -10,7 +10,10 @@ mas_trainer.evaluate(graph, "held_out.jsonl", run=run.output)
 mas_trainer.export(run.output, "exported/")
 ```
 
-The CLI's verbs call these functions with what they parsed, so the two cannot drift apart:
+`trace` (rollouts without training, scored with the app's rewards), `serve` and `view` are
+here too (as `mas_trainer.api.trace` and so on: `mas_trainer.trace`, `.serve` and `.view` name
+the packages that implement them). The CLI's verbs call these functions with what they parsed,
+so the two cannot drift apart:
 data is a path (JSONL or JSON), `hf:NAME[:CONFIG]:SPLIT` or a list of dicts; configuration
 is a YAML file, a mapping, or `key=value` strings, checked as `fit --help` documents them.
 """
@@ -22,13 +25,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from mas_trainer.data import load_tasks
+from mas_trainer.errors import UserError
 
 if TYPE_CHECKING:
+    import threading
+
     from rich.console import Console
 
     from mas_trainer.config import FitConfig
+    from mas_trainer.trace.schema import Trajectory
 
-__all__ = ["FitResult", "evaluate", "export", "fit", "fit_config"]
+__all__ = ["FitResult", "TraceResult", "evaluate", "export", "fit", "fit_config", "serve", "trace", "view"]
 
 
 @dataclass
@@ -107,3 +114,98 @@ def export(run: str | Path, out_dir: str | Path, *, adapter: bool = False) -> Pa
     from mas_trainer.runtime.export import export as run_export
 
     return run_export(run, out_dir, adapter=adapter)
+
+
+@dataclass
+class TraceResult:
+    """What `trace` ran: the trajectories (rewards in them when scored) and what went wrong.
+
+    `reward_errors`: one per rollout whose reward raised (it names the reward's FILE:LINE, the
+    level and the rollout; that rollout is left unscored); `judge_error`: a group reward (an
+    LLM judge) that refused the whole batch."""
+
+    trajectories: list[Trajectory]
+    elapsed_s: float
+    has_rewards: bool
+    scored: bool
+    reward_errors: list[UserError] = field(default_factory=list)
+    judge_error: UserError | None = None
+    output: Path | None = None
+
+    @property
+    def failed(self) -> UserError | None:
+        """The one-line error when every rollout failed (what `mas-trainer trace` exits 2 with)."""
+        from mas_trainer.runtime.evaluate import every_rollout_failed
+
+        return every_rollout_failed(self.trajectories, f"the trajectories: {self.output}" if self.output else "")
+
+
+def trace(app: Any, data: str | Path | Iterable[dict[str, Any]], *, n: int = 1, model: str | None = None,
+          output: str | Path | None = None, rewards: bool = True, max_in_flight: int | None = None,
+          timeout_s: float | None = 300.0, max_tokens: int = 256, otel_exporter: str | None = None,
+          console: Console | None = None) -> TraceResult:
+    """Run `app` on `data` (`n` rollouts a task) without training and score the rollouts with
+    its rewards as `fit` would (with fit's default reward settings; `rewards=False` skips them).
+    Writes one trajectory a line to `output` when given; prints the app and the gateway to
+    `console` when given."""
+    import time
+
+    from mas_trainer.config import load_config
+    from mas_trainer.rewards import RewardSpec
+    from mas_trainer.runtime.evaluate import score_rollouts
+    from mas_trainer.runtime.session import Session
+
+    tasks = load_tasks(data)
+    with Session(model=model, max_in_flight=max_in_flight, timeout_s=timeout_s, otel_exporter=otel_exporter,
+                 default_max_tokens=max_tokens) as session:
+        loaded = session.load_app(app)
+        if console is not None:
+            pols = ", ".join(f"{name}={p.base_model}" for name, p in loaded.spec.policies.items())
+            console.print(f"[bold]{app if isinstance(app, str) else 'app'}[/]: {len(loaded.spec.nodes)} nodes; policies {pols}")
+            console.print(f"gateway {session.describe_gateway()}", markup=False, soft_wrap=True)
+        start = time.perf_counter()
+        trajs = session.run(tasks, n=n)
+        elapsed = time.perf_counter() - start
+        # scored while the session is up: a reward may call the app's own services
+        spec = RewardSpec(loaded.spec.spec.reward, loaded.spec.spec.role_rewards, loaded.spec.spec.turn_rewards)
+        result = TraceResult(trajs, elapsed, has_rewards=any(x is not None for x in (spec.trajectory, spec.roles, spec.turns)),
+                             scored=False, output=Path(output) if output is not None else None)
+        if rewards and result.has_rewards:
+            try:
+                _, errors = score_rollouts(spec, trajs, load_config().reward, keep_going=True)
+            except UserError as exc:  # a group reward (an LLM judge) refused the whole batch
+                result.judge_error = exc
+            else:
+                result.scored, result.reward_errors = True, list(errors)
+    if result.output is not None:
+        result.output.parent.mkdir(parents=True, exist_ok=True)
+        with result.output.open("w") as f:
+            for t in trajs:
+                f.write(t.to_json() + "\n")
+    return result
+
+
+def serve(run: str | Path, *, host: str = "127.0.0.1", port: int = 8000, routes: Mapping[str, str] | None = None,
+          api_key: str | None = None, engine: str = "embedded", ready: threading.Event | None = None,
+          stop: threading.Event | None = None) -> None:
+    """Serve the trained policies of `run` behind one OpenAI-compatible endpoint until SIGINT or
+    SIGTERM (or until `stop` is set; `ready` is set once it accepts requests). `routes` maps
+    a client's model name to a policy; `api_key` is required of every request when given."""
+    from mas_trainer.serve import serve as run_serve
+
+    run_serve(run, host=host, port=port, routes=routes, api_key=api_key, engine=engine, ready=ready, stop=stop)
+
+
+def view(path: str | Path, *, port: int = 8765, html: str | Path | None = None, steps: str | None = None,
+         tokenizer: str | None = None, advantages: bool = True) -> Path | None:
+    """Browse a run directory (or one trajectories file): serve the viewer on 127.0.0.1:`port`
+    until Ctrl-C, or with `html` write one self-contained page (the `steps` chosen) and return it."""
+    from mas_trainer.view import ViewSource, serve_view, write_html
+
+    source = ViewSource(path, tokenizer=tokenizer, advantages=advantages)
+    if html is not None:
+        return write_html(source, html, steps=steps)
+    if steps:
+        raise UserError("steps chooses what html embeds; the server shows every step")
+    serve_view(source, port=port)
+    return None

@@ -44,10 +44,7 @@ def _check_model(model: str | None) -> None:
 def cmd_trace(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from mas_trainer.config import load_config
-    from mas_trainer.rewards import RewardSpec
-    from mas_trainer.runtime.evaluate import every_rollout_failed, score_rollouts
-    from mas_trainer.runtime.session import Session
+    from mas_trainer.api import trace
     from mas_trainer.trace.report import print_trajectories, reward_table
 
     if args.concurrency is not None and args.concurrency < 1:
@@ -55,46 +52,27 @@ def cmd_trace(args: argparse.Namespace) -> int:
     tasks = _load_tasks(args)
     _check_model(args.model)
     console = Console(stderr=False)
-    out = Path(args.output)
-    with Session(model=args.model, max_in_flight=args.concurrency, timeout_s=args.timeout, otel_exporter=args.otel, default_max_tokens=args.max_tokens) as session:
-        app = session.load_app(args.app)
-        pols = ", ".join(f"{n}={p.base_model}" for n, p in app.spec.policies.items())
-        console.print(f"[bold]{args.app}[/]: {len(app.spec.nodes)} nodes; policies {pols}")
-        console.print(f"gateway {session.describe_gateway()}", markup=False, soft_wrap=True)
-        start = time.time()
-        trajs = session.run(tasks, n=args.n)
-        elapsed = time.time() - start
-        # the app's rewards, scored as fit scores them (with fit's default reward settings), while the session is up
-        spec = RewardSpec(app.spec.spec.reward, app.spec.spec.role_rewards, app.spec.spec.turn_rewards)
-        has_rewards = any(x is not None for x in (spec.trajectory, spec.roles, spec.turns))
-        failure: UserError | None = None
-        if args.rewards and has_rewards:
-            try:
-                _, errors = score_rollouts(spec, trajs, load_config().reward, keep_going=True)
-            except UserError as exc:  # a group reward (an LLM judge) refused the whole batch
-                failure = exc
-            else:
-                if errors:  # the first names the reward, its file and line, the level and the rollout
-                    failure = type(errors[0])(f"{str(errors[0]).splitlines()[0]}; {len(errors)} of {len(trajs)} "
-                                              f"rollouts not scored (the trajectories: {out})")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w") as f:
-        for t in trajs:
-            f.write(t.to_json() + "\n")
+    result = trace(args.app, tasks, n=args.n, model=args.model, output=args.output, rewards=args.rewards,
+                   max_in_flight=args.concurrency, timeout_s=args.timeout, max_tokens=args.max_tokens,
+                   otel_exporter=args.otel, console=console)
+    trajs = result.trajectories
     print_trajectories(trajs, console)
     if not args.rewards:
         console.print("rewards: not run (--no-rewards)")
-    elif not has_rewards:
+    elif not result.has_rewards:
         console.print("rewards: the app defines none (trainable(..., reward=, role_rewards=, turn_rewards=)): "
                       "fit would give every call 0", markup=False, soft_wrap=True)
     else:
         console.print(reward_table(trajs))
-    console.print(f"{len(trajs)} rollouts in {elapsed:.1f} s → {out}")
-    failed = every_rollout_failed(trajs, f"the trajectories: {out}")
-    if failed is not None:
-        raise failed
-    if failure is not None:
-        raise failure
+    console.print(f"{len(trajs)} rollouts in {result.elapsed_s:.1f} s → {result.output}")
+    if result.failed is not None:
+        raise result.failed
+    if result.judge_error is not None:
+        raise result.judge_error
+    if result.reward_errors:  # the first names the reward, its file and line, the level and the rollout
+        first = result.reward_errors[0]
+        raise type(first)(f"{str(first).splitlines()[0]}; {len(result.reward_errors)} of {len(trajs)} "
+                          f"rollouts not scored (the trajectories: {result.output})")
     return 0
 
 
@@ -171,7 +149,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from mas_trainer.runtime.evaluate import evaluate, timeout_warning
+    from mas_trainer.api import evaluate
+    from mas_trainer.runtime.evaluate import timeout_warning
 
     _check_model(args.model)
     if args.max_in_flight is not None and args.max_in_flight < 1:
@@ -179,7 +158,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.timeout is not None and not args.timeout > 0:
         raise UsageError(f"--timeout {args.timeout:g}: give the seconds a rollout may run, more than 0")
     tasks = _load_tasks(argparse.Namespace(input=None, data=args.data))
-    result = evaluate(args.app, tasks, run_dir=args.run, model=args.model, n=args.n, seed=args.seed, max_tokens=args.max_tokens,
+    result = evaluate(args.app, tasks, run=args.run, model=args.model, n=args.n, seed=args.seed, max_tokens=args.max_tokens,
                       temperature=args.temperature, max_in_flight=args.max_in_flight, timeout_s=args.timeout)
     table = Table(title=f"reward on {len(tasks)} tasks x {args.n} ({'trained: ' + args.run if args.run else 'base models'})")
     table.add_column("")
@@ -205,7 +184,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from mas_trainer.runtime.export import export
+    from mas_trainer.api import export
 
     out = export(args.run_dir, args.out_dir, adapter=args.adapter)
     kind = "LoRA adapters kept as adapters" if args.adapter else "one Hugging Face folder per policy"
@@ -214,7 +193,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from mas_trainer.serve import resolve_api_key, serve
+    from mas_trainer.api import serve
+    from mas_trainer.serve import resolve_api_key
 
     routes = {}
     for item in args.route:
@@ -228,16 +208,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_view(args: argparse.Namespace) -> int:
-    from mas_trainer.view import ViewSource, serve_view, write_html
+    from mas_trainer.api import view
 
-    source = ViewSource(args.path, tokenizer=args.tokenizer, advantages=not args.no_advantages)
-    if args.html:
-        out = write_html(source, args.html, steps=args.steps)
-        print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB): one self-contained page, open it in any browser")
-        return 0
-    if args.steps:
+    if args.steps and not args.html:
         raise UsageError("--steps chooses what --html embeds; the server shows every step")
-    serve_view(source, port=args.port)
+    out = view(args.path, port=args.port, html=args.html or None, steps=args.steps, tokenizer=args.tokenizer,
+               advantages=not args.no_advantages)
+    if out is not None:
+        print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB): one self-contained page, open it in any browser")
     return 0
 
 

@@ -65,3 +65,46 @@ def test_the_cli_verb_is_the_api_call(tmp_path, monkeypatch):
     assert seen["app"] == APP and seen["data"] == "tasks.jsonl" and seen["output"] == str(tmp_path / "r")
     assert (seen["config"].steps, seen["config"].learner.lr, seen["config"].model) == (2, 0.5, "tiny")
     assert isinstance(seen["started_at"], float)
+
+
+def test_trace_runs_and_scores_rollouts_without_training(tmp_path):
+    out = tmp_path / "traj.jsonl"
+    result = api.trace(APP, TASKS[:2], n=2, output=out, max_tokens=8)
+    assert len(result.trajectories) == 4 and result.has_rewards and result.scored and result.failed is None
+    assert all(t.status == "ok" and t.rewards.trajectory is not None for t in result.trajectories)
+    assert [json.loads(line)["rollout_id"] for line in out.read_text().splitlines()] == [t.rollout_id for t in result.trajectories]
+    unscored = api.trace(APP, TASKS[:1], rewards=False, max_tokens=8)
+    assert not unscored.scored and unscored.output is None and unscored.trajectories[0].rewards.trajectory is None
+
+
+def test_a_reward_that_raises_is_reported_per_rollout_not_raised(tmp_path):
+    app = tmp_path / "broken.py"
+    app.write_text("import sys\nsys.path.insert(0, %r)\nfrom words_app import _single\n\n"
+                   "def bad(task, state, traj):\n    raise ValueError('no answer key')\n\ngraph = _single(bad)\n"
+                   % str(ROOT / "tests" / "fixtures"))
+    result = api.trace(f"{app}:graph", TASKS[:1], n=2, max_tokens=8)
+    assert result.has_rewards and len(result.reward_errors) == 2 and result.failed is None
+    assert f"{app}:6" in str(result.reward_errors[0]) and "no answer key" in str(result.reward_errors[0])
+
+
+def test_every_cli_verb_calls_the_api(tmp_path, monkeypatch):
+    seen: dict[str, dict] = {}
+
+    def record(name, value=None):
+        def fake(*args, **kw):
+            seen[name] = {"args": args, **kw}
+            return value
+        return fake
+
+    monkeypatch.setattr(api, "evaluate", record("evaluate", {"reward/mean": 0.5, "rollouts": 1}))
+    monkeypatch.setattr(api, "export", record("export", tmp_path / "x"))
+    monkeypatch.setattr(api, "serve", record("serve"))
+    monkeypatch.setattr(api, "view", record("view"))
+    data = tmp_path / "tasks.jsonl"
+    data.write_text(json.dumps(TASKS[0]) + "\n")
+    assert main(["eval", APP, "--data", str(data), "--run", "r", "--n", "3"]) == 0
+    assert seen["evaluate"]["args"][0] == APP and seen["evaluate"]["run"] == "r" and seen["evaluate"]["n"] == 3
+    assert main(["export", "r", str(tmp_path / "x")]) == 0 and seen["export"]["args"] == ("r", str(tmp_path / "x"))
+    assert main(["serve", "r", "--port", "9", "--route", "gpt=solo"]) == 0
+    assert seen["serve"]["args"] == ("r",) and seen["serve"]["port"] == 9 and seen["serve"]["routes"] == {"gpt": "solo"}
+    assert main(["view", "r", "--port", "7"]) == 0 and seen["view"]["port"] == 7 and seen["view"]["html"] is None
