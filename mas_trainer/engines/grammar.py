@@ -123,11 +123,11 @@ class _Probe:
     it, which that reader then sees as the end of the pipe."""
 
     def __init__(self) -> None:
-        # this very module, whatever the child's working directory or sys.path would find first
+        # run as `python -m` from the folder that holds this package: the child loads this very
+        # module, whatever another mas_trainer on its path or in the server's directory would be
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        code = (f"import sys; sys.path.insert(0, {root!r}); "
-                f"from mas_trainer.engines.grammar import _probe_main; _probe_main({os.getpid()})")
-        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(os.getpid())], cwd=root,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      start_new_session=True)  # no terminal signals: its parent decides when it ends
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self._in, self._out = self.proc.stdin.fileno(), self.proc.stdout.fileno()
@@ -503,3 +503,6 @@ def _probe_main(parent: int) -> None:
         else:
             reply(b"O")
 
+
+if __name__ == "__main__":  # the probe process (_Probe): its parent's pid is the argument
+    _probe_main(int(sys.argv[1]))
