@@ -153,7 +153,7 @@ class RuntimeConfig(_Strict):
     share_gpus: bool = Field(False, description="verl learner on GPUs: every policy's worker group on one pool of GPUs (rollout and update take turns) instead of disjoint pools")
     backend: Literal["ray", "local"] = Field("ray", description="torch learner: ray = one Ray actor per policy; local = worker groups in this process")
     ray_address: str | None = Field(None, description="join this Ray cluster instead of starting a local one")
-    num_cpus: int | None = Field(None, description="CPUs of the local Ray instance (default: all)")
+    num_cpus: int | None = Field(None, description="CPUs of the local Ray instance (default: all); not with ray_address")
     worker_cpus: float = Field(0.0, ge=0, description="CPUs each worker group actor reserves (0 fits any number on one machine); "
                                "torch learner on Ray only (verl's ranks take their pool's bundles)")
     torch_threads: int | None = Field(None, ge=1, description="torch threads per worker process (default: on CPU cores / "
@@ -291,7 +291,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), b
     _check_reward(cfg)
     rt = cfg.runtime
     device = None if rt.device == "auto" else rt.device  # else decided by the run plan, against the machine
-    check_runtime(cfg, resolve_learner(rt, device, bool(_replicated(cfg))), device)
+    check_runtime(cfg, resolve_learner(cfg, device), device)
     _check_filter_groups(cfg)
     try:
         check_trackers(cfg.logger)  # a missing tracker package: one line, before anything starts
@@ -336,14 +336,15 @@ def _replicated(cfg: FitConfig) -> set[str]:
     return {cfg.engine_for(name) for name in ["", *cfg.policies]} - {"embedded"}
 
 
-def resolve_learner(rt: RuntimeConfig, device: str | None, replicated: bool) -> str | None:
+def resolve_learner(cfg: FitConfig, device: str | None) -> str | None:
     """`runtime.learner`, `auto` decided: verl on Ray where there are GPUs (device cuda) or rollout
     replicas, else torch; None while that waits on a device not yet decided (`auto`)."""
+    rt = cfg.runtime
     if rt.learner != "auto":
         return rt.learner
     if rt.backend == "local":
         return "torch"
-    if replicated or device == "cuda":
+    if _replicated(cfg) or device == "cuda":
         return "verl"
     return "torch" if device == "cpu" else None
 
@@ -433,6 +434,9 @@ def _check_ignored(cfg: FitConfig, learner: str | None, device: str | None) -> N
                 where = f"policies.{name}.resources" if name else "runtime.resources"
                 raise ConfigError(f"{where}: world size {res.world_size}, but the torch learner runs one process per policy; "
                                   "set nodes=1 and procs_per_node=1, or use runtime.learner=verl")
+    if rt.num_cpus is not None and rt.ray_address is not None:
+        raise ConfigError("runtime.num_cpus sizes the local Ray instance; a cluster joined at runtime.ray_address offers "
+                          "the CPUs its nodes started with: drop one of the two keys")
     if rt.share_gpus and (learner == "torch" or device == "cpu"):
         raise ConfigError("runtime.share_gpus pools the verl learner's GPUs" + (
             "; the torch learner's policies share GPUs with runtime.resources.gpus_per_proc below 1" if learner == "torch"

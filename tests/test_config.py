@@ -70,6 +70,7 @@ def test_config_models_are_importable_from_their_old_places():
     (["runtime.learner=verl", "runtime.worker_cpus=1"], r"runtime.worker_cpus sizes the torch learner's Ray actors"),
     (["runtime.learner=torch", "runtime.share_gpus=true"], r"runtime.share_gpus pools the verl learner's GPUs; the torch"),
     (["runtime.learner=verl", "runtime.device=cpu", "runtime.share_gpus=true"], r"share_gpus .* this run is on CPU"),
+    (["runtime.num_cpus=4", "runtime.ray_address=auto"], r"runtime.num_cpus sizes the local Ray instance"),
     (["runtime.learner=torch", "policies.p.resources.procs_per_node=2"],
      r"policies.p.resources: world size 2, but the torch learner runs one process per policy"),
 ])

@@ -99,8 +99,7 @@ def resolve_plan(cfg: FitConfig, models: Mapping[str, tuple[str, str]], *, machi
     machine = machine or probe_machine()
     rt = cfg.runtime
     device = rt.device if rt.device != "auto" else ("cuda" if machine.gpus else "cpu")
-    replicated = any(cfg.engine_for(p) != "embedded" for p in models)
-    learner = resolve_learner(rt, device, replicated)
+    learner = resolve_learner(cfg, device)
     assert learner is not None  # the device is known
     check_runtime(cfg, learner, device)
     workers = {p: WorkerPlan(policy=p, model=model, reference=base, learner=cfg.learner_for(p), advantage=cfg.advantage_for(p),
