@@ -376,26 +376,23 @@ def _check_learner(cfg: FitConfig, learner: str | None) -> None:
         if old in ("recompute", "rollout_correction") and learner == "torch":
             where = f"policies.{name}.learner.old_logprobs" if name else "learner.old_logprobs"
             raise ConfigError(f"{where}={old} needs runtime.learner=verl; the torch learner always uses the engine's (bypass)")
-    if learner == "verl":
-        for name in ["", *cfg.policies]:
-            share = cfg.resources_for(name).gpus_per_proc if name else rt.resources.gpus_per_proc
-            if share < 1:
-                where = f"policies.{name}.resources.gpus_per_proc" if name else "runtime.resources.gpus_per_proc"
-                raise ConfigError(f"{where}={share}: the verl learner places one rank per GPU (NCCL refuses two ranks of "
-                                  "one group on one GPU), so a share below 1 would only leave GPUs idle; to let policies "
-                                  "share GPUs set runtime.share_gpus=true (or use runtime.learner=torch)")
     if learner == "verl" and rt.backend == "local":
         raise ConfigError("runtime.learner=verl runs worker groups on Ray; drop runtime.backend=local (or use runtime.learner=torch)")
     if learner == "verl":
         for name in ["", *cfg.policies]:
-            world = cfg.resources_for(name).world_size if name else rt.resources.world_size
+            res = cfg.resources_for(name) if name else rt.resources
+            if res.gpus_per_proc < 1:
+                where = f"policies.{name}.resources.gpus_per_proc" if name else "runtime.resources.gpus_per_proc"
+                raise ConfigError(f"{where}={res.gpus_per_proc}: the verl learner places one rank per GPU (NCCL refuses two "
+                                  "ranks of one group on one GPU), so a share below 1 would only leave GPUs idle; to let "
+                                  "policies share GPUs set runtime.share_gpus=true (or use runtime.learner=torch)")
             sizes = [("learner", cfg.learner_for(name).mini_batch_size if name else cfg.learner.mini_batch_size)]
             if (cfg.advantage_for(name) if name else cfg.advantage).estimator == "gae":  # the critic's worker too
                 sizes.append(("critic", cfg.critic_for(name).mini_batch_size if name else cfg.critic.mini_batch_size))
             for part, mini in sizes:
-                if mini % world:
+                if mini % res.world_size:
                     where = f"policies.{name}.{part}.mini_batch_size" if name else f"{part}.mini_batch_size"
-                    raise ConfigError(f"{where}={mini} must be a multiple of the worker group's world size {world} "
+                    raise ConfigError(f"{where}={mini} must be a multiple of the worker group's world size {res.world_size} "
                                       "(resources.nodes x resources.procs_per_node): each rank takes an equal share")
 
 
