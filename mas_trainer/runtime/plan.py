@@ -89,7 +89,7 @@ class RunPlan(BaseModel):
         pools = " (one shared GPU pool)" if self.share_gpus else ""
         each = "; ".join(f"{p}: {w.engine} engine, {w.resources.world_size} rank(s), {w.advantage.estimator}"
                          for p, w in self.workers.items()) or "no trainable policy"
-        return f"plan: {self.learner} learner on {self.device} {where}{pools}; {each}"
+        return f"{self.learner} learner on {self.device} {where}{pools}; {each}"
 
 
 def resolve_plan(cfg: FitConfig, models: Mapping[str, tuple[str, str]], *, machine: Machine | None = None) -> RunPlan:

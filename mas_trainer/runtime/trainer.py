@@ -360,7 +360,6 @@ class _Fit:
                          for p, pol in spec.policies.items() if pol.trainable}
             self.plan = plan = resolve_plan(c, trainable)  # every rule checked here, before any worker or Ray starts
             plans, rt = plan.workers, plan.runtime
-            self.say(plan.summary())
             bases = sorted({pol.base_model for pol in spec.policies.values()})
             self.say(f"checking the model{'s' if len(bases) > 1 else ''} {', '.join(bases)}")
             for base in bases:
@@ -377,7 +376,7 @@ class _Fit:
             if c.rollout.filter_groups and not plans:
                 log.warning("rollout.filter_groups is ignored: no policy is trainable, so no group is trained on; "
                             "each step makes one draw")
-            self.say(f"starting the worker groups of {', '.join(plans) or 'no trainable policy'} (loading weights, building engines)")
+            self.say(f"starting the {plan.summary()} (loading weights, building engines)")  # the plan, in one line
             self.handles = start_workers(plans, rt)
             try:
                 # worker groups serve the trainable policies; frozen ones get engines configured like theirs (runtime.*)

@@ -95,7 +95,7 @@ def test_fit_writes_the_plan_and_resumes_a_run_without_one(tmp_path, capsys):
     fit(f"{APP}:graph", TASKS[:4], load_config(overrides=[*base, "steps=1"]), out, console=console)
     plan = RunPlan.model_validate_json((out / "plan.json").read_text())
     assert (plan.learner, plan.device, plan.backend, sorted(plan.workers)) == ("torch", "cpu", "local", ["crew", "lead"])
-    assert "plan: torch learner on cpu in this process" in capsys.readouterr().out
+    assert "starting the torch learner on cpu in this process; lead: embedded engine" in capsys.readouterr().out
     (out / "plan.json").unlink()  # a run written before plan.json existed
     rows = fit(f"{APP}:graph", TASKS[:4], load_config(overrides=[*base, "steps=2"]), out, resume=True, console=console)
     assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2]
