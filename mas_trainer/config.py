@@ -26,7 +26,7 @@ from mas_trainer.rollout.config import ENGINES, ReplicaConfig
 
 __all__ = [
     "FitConfig", "PolicyConfig", "RuntimeConfig", "Resources", "load_config", "describe_keys", "check_torch_only", "check_policy_names",
-    "check_trackers", "TRACKERS", "ConfigError",
+    "check_trackers", "check_runtime", "resolve_learner", "TRACKERS", "ConfigError",
 ]
 
 TRACKERS = ("console", "tensorboard", "mlflow", "wandb")
@@ -60,8 +60,9 @@ class Resources(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    nodes: int = Field(1, ge=1, description="nodes of the policy's resource pool")
-    procs_per_node: int = Field(1, ge=1, description="training processes (ranks) per node; world size = nodes x procs_per_node")
+    nodes: int = Field(1, ge=1, description="nodes of the policy's resource pool (verl learner)")
+    procs_per_node: int = Field(1, ge=1, description="training processes (ranks) per node; world size = nodes x procs_per_node "
+                                "(verl learner; the torch learner runs one process per policy)")
     gpus_per_proc: float = Field(1.0, gt=0, le=1, description="GPU share of each rank where there are GPUs (1: a GPU each; "
                                  "below 1 only on the torch learner, whose policies then share GPUs)")
 
@@ -152,11 +153,11 @@ class RuntimeConfig(_Strict):
     share_gpus: bool = Field(False, description="verl learner on GPUs: every policy's worker group on one pool of GPUs (rollout and update take turns) instead of disjoint pools")
     backend: Literal["ray", "local"] = Field("ray", description="torch learner: ray = one Ray actor per policy; local = worker groups in this process")
     ray_address: str | None = Field(None, description="join this Ray cluster instead of starting a local one")
-    num_cpus: int | None = Field(None, description="CPUs of the local Ray instance (default: all)")
+    num_cpus: int | None = Field(None, description="CPUs of the local Ray instance (default: all); not with ray_address")
     worker_cpus: float = Field(0.0, ge=0, description="CPUs each worker group actor reserves (0 fits any number on one machine); "
-                               "Ray backend only")
-    torch_threads: int | None = Field(None, ge=1, description="torch threads per worker group (default: cores / policies); "
-                                      "Ray backend only")
+                               "torch learner on Ray only (verl's ranks take their pool's bundles)")
+    torch_threads: int | None = Field(None, ge=1, description="torch threads per worker process (default: on CPU cores / "
+                                      "processes: policies, or verl ranks); Ray backend only")
     max_batch_size: int = Field(8, ge=1, description="engine rows decoded together")
     batch_wait_ms: float = Field(50.0, ge=0, description="how long an idle engine waits for more requests to fill a batch")
     engine_bf16: bool | Literal["auto"] = Field(
@@ -288,8 +289,9 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), b
             except ValidationError as exc:
                 raise ConfigError(f"policies.{name}.{part}: {_describe_error(exc, model)}") from exc
     _check_reward(cfg)
-    _check_learner(cfg)
-    _check_ignored(cfg)
+    rt = cfg.runtime
+    device = None if rt.device == "auto" else rt.device  # else decided by the run plan, against the machine
+    check_runtime(cfg, resolve_learner(cfg, device), device)
     _check_filter_groups(cfg)
     try:
         check_trackers(cfg.logger)  # a missing tracker package: one line, before anything starts
@@ -329,45 +331,68 @@ def _check_filter_groups(cfg: FitConfig) -> None:
                               f"advantages; use a group estimator in {where} (grpo, rloo, ...) or filter_groups=false")
 
 
-def _check_learner(cfg: FitConfig) -> None:
-    """What the learner choice requires, checked before anything starts."""
+def _replicated(cfg: FitConfig) -> set[str]:
+    """The rollout-replica engines the config gives any policy (an unnamed one gets runtime.engine)."""
+    return {cfg.engine_for(name) for name in ["", *cfg.policies]} - {"embedded"}
+
+
+def resolve_learner(cfg: FitConfig, device: str | None) -> str | None:
+    """`runtime.learner`, `auto` decided: verl on Ray where there are GPUs (device cuda) or rollout
+    replicas, else torch; None while that waits on a device not yet decided (`auto`)."""
     rt = cfg.runtime
-    engines = {cfg.engine_for(name) for name in ["", *cfg.policies]} - {"embedded"}
+    if rt.learner != "auto":
+        return rt.learner
+    if rt.backend == "local":
+        return "torch"
+    if _replicated(cfg) or device == "cuda":
+        return "verl"
+    return "torch" if device == "cpu" else None
+
+
+def check_runtime(cfg: FitConfig, learner: str | None, device: str | None) -> None:
+    """What the learner and device choice require, and the keys the chosen path would not read:
+    the one place of these rules, run when the config loads (with what is known then: None for a
+    choice still `auto`) and again by the run plan with everything decided, before anything starts."""
+    _check_learner(cfg, learner)
+    _check_ignored(cfg, learner, device)
+
+
+def _check_learner(cfg: FitConfig, learner: str | None) -> None:
+    """What the learner choice requires."""
+    rt = cfg.runtime
+    engines = _replicated(cfg)
     if engines:
         which = ", ".join(sorted(engines))
-        if rt.learner == "torch" or rt.backend == "local":
+        if learner == "torch":
             raise ConfigError(f"engine {which} syncs weights from verl worker groups on Ray: use runtime.learner=verl "
                               "(or auto on GPUs) and runtime.backend=ray, or runtime.engine=embedded")
         if "torch-replica" in engines and rt.replica.tensor_parallel_size != 1:
             raise ConfigError("engine torch-replica is one process a replica: set runtime.replica.tensor_parallel_size=1")
         _check_placement(cfg, engines)
-    if rt.learner == "verl" or engines:
+    if learner == "verl" or engines:
         check_torch_only(cfg, "runtime.learner=torch and runtime.engine=embedded")
     for name in ["", *cfg.policies]:
         old = cfg.learner_for(name).old_logprobs if name else cfg.learner.old_logprobs
-        if old in ("recompute", "rollout_correction") and rt.learner == "torch":
+        if old in ("recompute", "rollout_correction") and learner == "torch":
             where = f"policies.{name}.learner.old_logprobs" if name else "learner.old_logprobs"
             raise ConfigError(f"{where}={old} needs runtime.learner=verl; the torch learner always uses the engine's (bypass)")
-    if rt.learner == "verl" or (rt.learner == "auto" and rt.device == "cuda"):
+    if learner == "verl" and rt.backend == "local":
+        raise ConfigError("runtime.learner=verl runs worker groups on Ray; drop runtime.backend=local (or use runtime.learner=torch)")
+    if learner == "verl":
         for name in ["", *cfg.policies]:
-            share = cfg.resources_for(name).gpus_per_proc if name else rt.resources.gpus_per_proc
-            if share < 1:
+            res = cfg.resources_for(name) if name else rt.resources
+            if res.gpus_per_proc < 1:
                 where = f"policies.{name}.resources.gpus_per_proc" if name else "runtime.resources.gpus_per_proc"
-                raise ConfigError(f"{where}={share}: the verl learner places one rank per GPU (NCCL refuses two ranks of "
-                                  "one group on one GPU), so a share below 1 would only leave GPUs idle; to let policies "
-                                  "share GPUs set runtime.share_gpus=true (or use runtime.learner=torch)")
-    if rt.learner == "verl":
-        if rt.backend == "local":
-            raise ConfigError("runtime.learner=verl runs worker groups on Ray; drop runtime.backend=local (or use runtime.learner=torch)")
-        for name in ["", *cfg.policies]:
-            world = cfg.resources_for(name).world_size if name else rt.resources.world_size
+                raise ConfigError(f"{where}={res.gpus_per_proc}: the verl learner places one rank per GPU (NCCL refuses two "
+                                  "ranks of one group on one GPU), so a share below 1 would only leave GPUs idle; to let "
+                                  "policies share GPUs set runtime.share_gpus=true (or use runtime.learner=torch)")
             sizes = [("learner", cfg.learner_for(name).mini_batch_size if name else cfg.learner.mini_batch_size)]
             if (cfg.advantage_for(name) if name else cfg.advantage).estimator == "gae":  # the critic's worker too
                 sizes.append(("critic", cfg.critic_for(name).mini_batch_size if name else cfg.critic.mini_batch_size))
             for part, mini in sizes:
-                if mini % world:
+                if mini % res.world_size:
                     where = f"policies.{name}.{part}.mini_batch_size" if name else f"{part}.mini_batch_size"
-                    raise ConfigError(f"{where}={mini} must be a multiple of the worker group's world size {world} "
+                    raise ConfigError(f"{where}={mini} must be a multiple of the worker group's world size {res.world_size} "
                                       "(resources.nodes x resources.procs_per_node): each rank takes an equal share")
 
 
@@ -381,18 +406,38 @@ def check_policy_names(cfg: FitConfig, app_policies: Iterable[str]) -> None:
             raise ConfigError(f"policies.{name}: the app has no policy {name!r}; {hint}its policies: {', '.join(known) or 'none'}")
 
 
-def _check_ignored(cfg: FitConfig) -> None:
-    """A key the chosen path would not read is refused, not silently dropped."""
+def _check_ignored(cfg: FitConfig, learner: str | None, device: str | None) -> None:
+    """A key the chosen path would not read is refused, not silently dropped: checked on values
+    other than the default (a run's config.yaml spells out every key, so "given" is not enough)."""
     rt = cfg.runtime
-    verl = rt.learner == "verl" or (rt.learner == "auto" and rt.device == "cuda")
-    # a value other than the default (a run's config.yaml spells out every key, so "given" is not enough)
-    if verl:
-        given = [("learner.fused_adamw", cfg.learner.fused_adamw)]
-        given += [(f"policies.{n}.learner.fused_adamw", p.learner.get("fused_adamw", "auto")) for n, p in cfg.policies.items()]
-        for where, value in given:
-            if value != "auto":
-                raise ConfigError(f"{where} applies to the torch learner only (verl's FSDP optimizer picks its own AdamW "
-                                  "kernel): drop the key, or use runtime.learner=torch")
+    if learner == "verl":
+        for section, key, why in (("learner", "fused_adamw", "verl's FSDP optimizer picks its own AdamW kernel"),
+                                  ("critic", "micro_batch_tokens", "verl's value model cuts micro-batches by "
+                                   "critic.micro_batch_size alone")):
+            default = type(getattr(cfg, section)).model_fields[key].default
+            given = [(f"{section}.{key}", getattr(getattr(cfg, section), key))]
+            given += [(f"policies.{n}.{section}.{key}", getattr(p, section).get(key, default)) for n, p in cfg.policies.items()]
+            for where, value in given:
+                if value != default:
+                    raise ConfigError(f"{where} applies to the torch learner only ({why}): drop the key, or use "
+                                      "runtime.learner=torch")
+        if rt.worker_cpus != RuntimeConfig.model_fields["worker_cpus"].default:
+            raise ConfigError("runtime.worker_cpus sizes the torch learner's Ray actors; verl places one rank per CPU or "
+                              "GPU bundle of its pool: drop the key, or use runtime.learner=torch")
+    if learner == "torch":
+        for name in ["", *cfg.policies]:
+            res = cfg.resources_for(name) if name else rt.resources
+            if res.world_size > 1:
+                where = f"policies.{name}.resources" if name else "runtime.resources"
+                raise ConfigError(f"{where}: world size {res.world_size}, but the torch learner runs one process per policy; "
+                                  "set nodes=1 and procs_per_node=1, or use runtime.learner=verl")
+    if rt.num_cpus is not None and rt.ray_address is not None:
+        raise ConfigError("runtime.num_cpus sizes the local Ray instance; a cluster joined at runtime.ray_address offers "
+                          "the CPUs its nodes started with: drop one of the two keys")
+    if rt.share_gpus and (learner == "torch" or device == "cpu"):
+        raise ConfigError("runtime.share_gpus pools the verl learner's GPUs" + (
+            "; the torch learner's policies share GPUs with runtime.resources.gpus_per_proc below 1" if learner == "torch"
+            else ", and this run is on CPU") + ": drop the key")
     if rt.backend == "local":
         for key in ("worker_cpus", "torch_threads"):
             if getattr(rt, key) != RuntimeConfig.model_fields[key].default:

@@ -64,6 +64,15 @@ def test_config_models_are_importable_from_their_old_places():
      r"policies.p.learner.fused_adamw applies to the torch learner only"),
     (["runtime.backend=local", "runtime.worker_cpus=1"], r"runtime.worker_cpus sizes the Ray worker groups"),
     (["runtime.backend=local", "runtime.torch_threads=2"], r"runtime.torch_threads sizes the Ray worker groups"),
+    (["runtime.learner=verl", "critic.micro_batch_tokens=512"], r"critic.micro_batch_tokens applies to the torch learner only"),
+    (["runtime.learner=verl", "policies.p.critic.micro_batch_tokens=512"],
+     r"policies.p.critic.micro_batch_tokens applies to the torch learner only"),
+    (["runtime.learner=verl", "runtime.worker_cpus=1"], r"runtime.worker_cpus sizes the torch learner's Ray actors"),
+    (["runtime.learner=torch", "runtime.share_gpus=true"], r"runtime.share_gpus pools the verl learner's GPUs; the torch"),
+    (["runtime.learner=verl", "runtime.device=cpu", "runtime.share_gpus=true"], r"share_gpus .* this run is on CPU"),
+    (["runtime.num_cpus=4", "runtime.ray_address=auto"], r"runtime.num_cpus sizes the local Ray instance"),
+    (["runtime.learner=torch", "policies.p.resources.procs_per_node=2"],
+     r"policies.p.resources: world size 2, but the torch learner runs one process per policy"),
 ])
 def test_a_key_the_chosen_path_would_not_read_is_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):

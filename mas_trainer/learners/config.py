@@ -136,7 +136,7 @@ class CriticConfig(BaseModel):
         4, ge=1, description="Most turns per forward/backward (gradient accumulation bounds memory)."
     )
     micro_batch_tokens: int | None = Field(
-        None, ge=1, description="Also cap a micro-batch at this many padded tokens (rows x longest row); null: no cap."
+        None, ge=1, description="Also cap a micro-batch at this many padded tokens (rows x longest row); null: no cap. Torch learner only."
     )
     bf16: bool | Literal["auto"] = Field(
         "auto", description="bf16 autocast for the body's forward/backward (auto: where bf16 is fast, as learner.bf16); the head stays fp32."

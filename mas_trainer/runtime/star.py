@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from typing import Any, Iterator, Protocol, Sequence
 
 from mas_trainer.engines.base import Generation, SamplingParams, choice_id
@@ -224,42 +223,25 @@ def resolve_device(device: str) -> str:
         return "cpu"
 
 
-def _torch_threads(n_policies: int, configured: int | None) -> int:
-    return configured or max(1, (os.cpu_count() or 1) // max(1, n_policies))
-
-
 def start_workers(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, WorkerGroupHandle]:
-    """One worker group per trainable policy, as `runtime.learner` and `runtime.backend` say."""
+    """One worker group per trainable policy, as the run plan (`runtime/plan.py`, where every rule
+    was checked) says: `runtime` is its runtime section, learner and device decided."""
     if runtime.learner == "verl":
         return _start_verl(plans, runtime)
-    replicated = sorted(p for p, plan in plans.items() if plan.engine != "embedded")
-    if replicated:
-        from mas_trainer.config import ConfigError
-
-        raise ConfigError(f"policies {', '.join(replicated)}: rollout replicas take their weights from verl worker groups; "
-                          "set runtime.learner=verl")
-    recompute = sorted(p for p, plan in plans.items() if plan.learner.get("old_logprobs") in ("recompute", "rollout_correction"))
-    if recompute:
-        from mas_trainer.config import ConfigError
-
-        raise ConfigError(f"policies {', '.join(recompute)}: learner.old_logprobs recompute/rollout_correction needs "
-                          "runtime.learner=verl (the torch learner uses the engine's log-probs: bypass)")
     from mas_trainer.runtime.worker_group import WorkerGroup
 
     handles: dict[str, Any] = {}
     if runtime.backend == "local":
         for name, plan in plans.items():
-            handles[name] = WorkerHandle(name, WorkerGroup(plan.model_copy(update={"torch_threads": None})), remote=False)
+            handles[name] = WorkerHandle(name, WorkerGroup(plan), remote=False)
         return handles
     import ray
 
     init_ray(runtime, 0, {})
-    threads = _torch_threads(len(plans), runtime.torch_threads)
     actor_cls = ray.remote(WorkerGroup)
     for name, plan in plans.items():
         gpus = plan.resources.gpus_per_proc if plan.device == "cuda" else 0
-        actor = actor_cls.options(num_cpus=runtime.worker_cpus, num_gpus=gpus, max_concurrency=1000).remote(
-            plan.model_copy(update={"torch_threads": threads}))
+        actor = actor_cls.options(num_cpus=runtime.worker_cpus, num_gpus=gpus, max_concurrency=1000).remote(plan)
         handles[name] = WorkerHandle(name, actor, remote=True)
     # fail here, not at the first request, if an actor cannot start (e.g. a bad model path)
     ray.get([h._target.discard.remote() for h in handles.values()])
@@ -277,7 +259,7 @@ def _start_verl(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, Any]:
     devices = {p.device for p in plans.values()}
     cpu = devices == {"cpu"}
     # one logical CPU per rank and per CPU rollout replica
-    replicas = sum(p.replica.get("replicas", 1) for p in plans.values() if p.engine != "embedded") if cpu else 0
+    replicas = sum(p.replica.replicas for p in plans.values() if p.engine != "embedded") if cpu else 0
     env = init_ray_for("cpu" if cpu else "cuda", runtime, sum(p.resources.world_size for p in plans.values()) + replicas)
     from verl.single_controller.ray.base import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
@@ -287,16 +269,10 @@ def _start_verl(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, Any]:
         return RayResourcePool(process_on_nodes=[r.procs_per_node] * r.nodes, use_gpu=not cpu,
                                max_colocate_count=colocate, name_prefix=None)
 
-    shared = None
-    if runtime.share_gpus and not cpu:
-        sizes = {(p.resources.nodes, p.resources.procs_per_node) for p in plans.values()}
-        if len(sizes) > 1:
-            from mas_trainer.config import ConfigError
-
-            raise ConfigError("runtime.share_gpus needs the same resources for every policy; set runtime.resources only")
+    shared = None  # the plan checked that the policies' resources agree
+    if any(p.offload_between_phases for p in plans.values()):
         shared = pool(next(iter(plans.values())).resources, len(plans))
     handles: dict[str, VerlGroupHandle] = {}
-    threads = None if not cpu else max(1, (os.cpu_count() or 1) // max(1, sum(p.resources.world_size for p in plans.values())))
     first_rank = 0  # replica ranks are unique across policies: verl names servers and sockets by rank alone
     for name, plan in plans.items():
         # one rank per GPU bundle: NCCL refuses two ranks of one group on one GPU (a share below 1
@@ -304,33 +280,30 @@ def _start_verl(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, Any]:
         own = None if shared else pool(plan.resources, 1)
         replica_ranks = 0
         if plan.engine != "embedded":
-            from mas_trainer.rollout.config import ReplicaConfig
             from mas_trainer.rollout.fleet import replica_count
 
-            replica_ranks = replica_count(ReplicaConfig.model_validate(plan.replica), plan.device, plan.resources.world_size)
-        plan = plan.model_copy(update={"torch_threads": threads, "offload_between_phases": shared is not None,
-                                       "replica_first_rank": first_rank})
+            replica_ranks = replica_count(plan.replica, plan.device, plan.resources.world_size)
+        plan = plan.model_copy(update={"replica_first_rank": first_rank})
         first_rank += replica_ranks
         cls = RayClassWithInitArgs(cls=ray.remote(PolicyWorker), plan=plan)
         group = RayWorkerGroup(resource_pool=shared or own, ray_cls_with_init=cls, device_name=plan.device, worker_env=env)
         handles[name] = VerlGroupHandle(name, group, own)
         log.info("policy %s: verl worker group of %d rank(s) on %s", name, plan.resources.world_size, plan.device)
         if plan.engine != "embedded":
-            handles[name] = _with_replicas(plan, handles[name], threads)
+            handles[name] = _with_replicas(plan, handles[name])
     return handles
 
 
-def _with_replicas(plan: WorkerPlan, learner: VerlGroupHandle, threads: int | None) -> ReplicaGroupHandle:
+def _with_replicas(plan: WorkerPlan, learner: VerlGroupHandle) -> ReplicaGroupHandle:
     """Start the policy's rollout replicas on its base (or resumed) weights."""
     from mas_trainer.engines.models import load_tokenizer, materialize
-    from mas_trainer.rollout.config import ReplicaConfig
     from mas_trainer.rollout.fleet import RolloutFleet
 
     model_dir = str(materialize(plan.model, seed=plan.seed))
     opts = {"max_batch_size": plan.max_batch_size, "batch_wait_ms": plan.batch_wait_ms, "bf16": plan.engine_bf16,
-            "torch_threads": threads}
+            "torch_threads": plan.torch_threads}
     try:
-        fleet = RolloutFleet(plan.policy, model_dir, plan.engine, ReplicaConfig.model_validate(plan.replica),
+        fleet = RolloutFleet(plan.policy, model_dir, plan.engine, plan.replica,
                              device=plan.device, torch_opts=opts, first_rank=plan.replica_first_rank).start(learner.group)
     except BaseException:
         learner.close()

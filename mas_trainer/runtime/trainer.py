@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import yaml
 from rich.console import Console
 
-from mas_trainer.config import ConfigError, FitConfig, check_policy_names, check_torch_only
+from mas_trainer.config import ConfigError, FitConfig, check_policy_names, check_trackers
 from mas_trainer.engines.models import check_model_spec
 from mas_trainer.errors import UserError
 from mas_trainer.gateway import PolicyBackend
@@ -31,11 +31,10 @@ from mas_trainer.rewards import RewardSpec, annotate_groups, assign_rewards, che
 from mas_trainer.runtime.rundir import RunDir
 from mas_trainer.runtime.backends import policy_backends
 from mas_trainer.runtime.session import Session
-from mas_trainer.runtime.plan import WorkerPlan
+from mas_trainer.runtime.plan import RunPlan, resolve_plan
 from mas_trainer.runtime.progress import FitProgress
-from mas_trainer.config import check_trackers
 from mas_trainer.runtime.tracking import Trackers
-from mas_trainer.runtime.star import WorkerEngine, resolve_device, start_workers
+from mas_trainer.runtime.star import WorkerEngine, start_workers
 from mas_trainer.trace.schema import Trajectory
 
 __all__ = ["RolloutsFailed", "fit", "summarize"]
@@ -140,6 +139,7 @@ class _Fit:
         self.trackers: Trackers | None = None
         self.progress: FitProgress | None = None
         self.reward_cost: dict[str, float] = {}  # judge/* metrics of the rollouts since the last row
+        self.plan: RunPlan | None = None
 
     # --- one step ------------------------------------------------------------------------
     async def rollouts(self, session: Session, tasks: list[dict], n: int, ids: list[str], seed: int,
@@ -356,29 +356,17 @@ class _Fit:
             check_allocator(c.reward.allocator, c.reward.options)  # one the app registers exists only now
             spec = app.spec
             check_policy_names(c, spec.policies)  # policies.NAME.* overrides name the app's policies (known only now)
+            trainable = {p: (str(run.policy_dir(p)) if state else pol.base_model, pol.base_model)
+                         for p, pol in spec.policies.items() if pol.trainable}
+            self.plan = plan = resolve_plan(c, trainable)  # every rule checked here, before any worker or Ray starts
+            plans, rt = plan.workers, plan.runtime
             bases = sorted({pol.base_model for pol in spec.policies.values()})
             self.say(f"checking the model{'s' if len(bases) > 1 else ''} {', '.join(bases)}")
             for base in bases:
                 check_model_spec(base)  # here, in one line, not as a traceback from a worker; hub ids download once
             run.write_app(spec)
             self.reward_spec = RewardSpec(spec.spec.reward, spec.spec.role_rewards, spec.spec.turn_rewards)
-            rt = c.runtime
-            device = resolve_device(rt.device)
-            replicated = any(c.engine_for(p) != "embedded" for p in spec.policies)
-            learner = rt.learner if rt.learner != "auto" else (
-                "verl" if (device == "cuda" or replicated) and rt.backend == "ray" else "torch")
-            if learner == "verl":
-                check_torch_only(c, "runtime.learner=torch")
-            plans = {
-                p: WorkerPlan(policy=p, model=str(run.policy_dir(p)) if state else pol.base_model, reference=pol.base_model,
-                              learner=c.learner_for(p).model_dump(), advantage=c.advantage_for(p).model_dump(),
-                              critic=c.critic_for(p).model_dump(), seed=c.seed, device=device,
-                              resources=c.resources_for(p), max_batch_size=rt.max_batch_size, batch_wait_ms=rt.batch_wait_ms,
-                              engine_bf16=rt.engine_bf16, torch_threads=rt.torch_threads, engine=c.engine_for(p),
-                              replica=rt.replica.model_dump())
-                for p, pol in spec.policies.items() if pol.trainable
-            }
-            log.info("learner %s on %s for %s", learner, device, ", ".join(plans) or "no trainable policy")
+            (run.root / "plan.json").write_text(plan.model_dump_json(indent=1))
             saved = list(state["policies"]) if state else []
             missing = sorted(set(plans) - set(saved)) if state else []
             if missing:
@@ -388,10 +376,8 @@ class _Fit:
             if c.rollout.filter_groups and not plans:
                 log.warning("rollout.filter_groups is ignored: no policy is trainable, so no group is trained on; "
                             "each step makes one draw")
-            where = "in this process" if rt.backend == "local" else "on Ray"
-            self.say(f"starting the {learner} learner on {device} {where} for {', '.join(plans) or 'no trainable policy'} "
-                     "(loading weights, building engines)")
-            self.handles = start_workers(plans, rt.model_copy(update={"learner": learner}))
+            self.say(f"starting the {plan.summary()} (loading weights, building engines)")  # the plan, in one line
+            self.handles = start_workers(plans, rt)
             try:
                 # worker groups serve the trainable policies; frozen ones get engines configured like theirs (runtime.*)
                 served = {p: PolicyBackend(WorkerEngine(h), HFChatFormat(load_tokenizer(spec.policies[p].base_model)))

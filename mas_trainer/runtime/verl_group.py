@@ -49,9 +49,7 @@ class PolicyWorker(Worker):
         from verl.workers.engine_workers import TrainingWorker
         from verl.workers.utils.losses import ppo_loss
 
-        from mas_trainer.algo.config import AdvantageConfig
         from mas_trainer.engines.models import materialize
-        from mas_trainer.learners.config import LearnerConfig
         from mas_trainer.learners.torch_learner import build_actor_config
         from mas_trainer.learners.verl_learner import training_worker_config
 
@@ -61,8 +59,8 @@ class PolicyWorker(Worker):
             # verl's own set-up would ask for "cpu:gloo,cpu:gloo", which torch refuses
             torch.distributed.init_process_group("gloo", rank=self.rank, world_size=self.world_size)
         self.plan = plan
-        self.learner = LearnerConfig.model_validate(plan.learner)
-        self.advantage = AdvantageConfig.model_validate(plan.advantage)
+        self.learner = plan.learner
+        self.advantage = plan.advantage
         model_dir = str(materialize(plan.model, seed=plan.seed))
         bf16 = self.learner.bf16 if isinstance(self.learner.bf16, bool) else bf16_is_fast(_device(plan.device))
         self.actor_config = build_actor_config(self.learner)
@@ -80,10 +78,8 @@ class PolicyWorker(Worker):
             self.ref.reset()
         self.critic = None
         if self.advantage.estimator == "gae":
-            from mas_trainer.learners.config import CriticConfig
-
             self.critic = _build_critic(model_dir, plan)
-            self.critic_config = CriticConfig.model_validate(plan.critic)
+            self.critic_config = plan.critic
         if plan.offload_between_phases:  # the rollouts come first
             for worker in self._trainable():
                 worker.to("cpu")
@@ -107,10 +103,9 @@ class PolicyWorker(Worker):
         self.checkpoint_engine = None
         self.rollout = None  # colocated vLLM (verl's hybrid engine): this rank's adapter to its replica's server
         if plan.engine != "embedded":  # the sending side of verl's weight sync, configured as the replicas' side
-            from mas_trainer.rollout.config import ReplicaConfig
             from mas_trainer.rollout.fleet import learner_checkpoint_engine, rollout_config
 
-            rcfg = rollout_config(plan.policy, plan.engine, ReplicaConfig.model_validate(plan.replica), device=plan.device)
+            rcfg = rollout_config(plan.policy, plan.engine, plan.replica, device=plan.device)
             ce = rcfg.checkpoint_engine
             if ce.backend == "naive":
                 self.rollout = _server_adapter(rcfg, model_dir, plan.replica_first_rank + self.rank // rcfg.tensor_model_parallel_size)
@@ -433,10 +428,9 @@ def _build_critic(model_dir: str, plan: WorkerPlan) -> Any:
     from verl.workers.utils.losses import value_loss
 
     from mas_trainer.learners.config import LearnerConfig
-    from mas_trainer.learners.config import CriticConfig
     from mas_trainer.learners.verl_learner import training_worker_config
 
-    c = CriticConfig.model_validate(plan.critic)
+    c = plan.critic
     opt = LearnerConfig(lr=c.lr, max_grad_norm=c.max_grad_norm, mini_batch_size=c.mini_batch_size,
                         micro_batch_size=c.micro_batch_size)
     bf16 = c.bf16 if isinstance(c.bf16, bool) else bf16_is_fast(_device(plan.device))

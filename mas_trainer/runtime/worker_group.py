@@ -48,10 +48,8 @@ class WorkerGroup:
     def __init__(self, plan: WorkerPlan) -> None:
         import torch
 
-        from mas_trainer.algo.config import AdvantageConfig
         from mas_trainer.engines.models import load_model
         from mas_trainer.engines.torch_engine import TorchEngine
-        from mas_trainer.learners.config import LearnerConfig
         from mas_trainer.learners.torch_learner import TorchLearner
 
         if plan.torch_threads:
@@ -59,7 +57,7 @@ class WorkerGroup:
         from mas_trainer.engines.models import is_adapter
 
         self.policy = plan.policy
-        learner = LearnerConfig.model_validate(plan.learner)
+        learner = plan.learner
         # resuming a LoRA policy: the base again, and its saved adapter trains on (not merged into a new base)
         adapter = plan.model if learner.lora_rank and is_adapter(plan.model) else None
         model, self.tokenizer = load_model(plan.reference if adapter else plan.model, seed=plan.seed)
@@ -70,14 +68,13 @@ class WorkerGroup:
         reference = None
         if learner.kl_coef > 0 and not learner.lora_rank and plan.reference is not None:  # resumed: the reference stays the base model
             reference = load_model(plan.reference, seed=plan.seed)[0].to(plan.device)
-        self.advantage_config = AdvantageConfig.model_validate(plan.advantage)
+        self.advantage_config = plan.advantage
         self.critic = None
         if self.advantage_config.estimator == "gae":  # GAE bootstraps from a learned value model
-            from mas_trainer.learners.config import CriticConfig
             from mas_trainer.learners.critic import TorchCritic
 
             # built before a LoRA adapter is injected: the value model copies the plain body
-            self.critic = TorchCritic(model, CriticConfig.model_validate(plan.critic))
+            self.critic = TorchCritic(model, plan.critic)
         self.learner = TorchLearner(model, learner, reference=reference, adapter=adapter, base_spec=plan.reference or plan.model)
 
     # --- serving ---------------------------------------------------------------------------
