@@ -121,3 +121,25 @@ def test_the_apps_own_checkpointer_is_left_as_it_was():
 def test_an_app_without_checkpointer_gets_one_only_for_the_forks():
     _, _, _, app, _, graph = forked(n=1)
     assert app.graph is graph and graph.checkpointer is None and app.kept_threads is None
+
+
+def test_fit_with_counterfactual_credit_on_the_tiny_model(tmp_path):
+    import json
+
+    from mas_trainer.config import load_config
+    from mas_trainer.runtime.trainer import fit
+
+    cfg = load_config(overrides=["runtime.backend=local", "rollout.tasks_per_step=2", "rollout.n=2", "rollout.max_tokens=6",
+                                 "seed=3", "steps=1", "reward.allocator=counterfactual", "reward.counterfactual.k=2",
+                                 "advantage.estimator=reinforce_plus_plus"])
+    rows = fit(f"{APP}:graph", [{"question": "q"}, {"question": "r"}], cfg, tmp_path / "run", val_tasks=[{"question": "v"}])
+    train = next(r for r in rows if r["kind"] == "train")
+    # 4 rollouts x 3 checkpoints (before the picker, between, after the solver) x K=2
+    assert train["forks/points"] == 12 and train["forks/runs"] == 24
+    assert 0 < train["time/fork_s"] <= train["time/rollout_s"] and train["perf/fork_rollouts_per_s"] > 0
+    assert all(any(k.startswith(f"policy/{p}/") for k in train) for p in ("lead", "crew"))  # both roles' policies trained
+    step = [json.loads(line) for line in (tmp_path / "run" / "trajectories" / "step_000001.jsonl").read_text().splitlines()]
+    assert len(step) == 4 and all(t["forks"]["k"] == 2 for t in step)
+    assert all(t["rewards"]["detail"]["allocator"] == "counterfactual" for t in step)
+    val = (tmp_path / "run" / "trajectories" / "step_000001_val.jsonl").read_text().splitlines()
+    assert all(json.loads(line)["forks"] is None for line in val)  # held-out rollouts are scored, not forked
