@@ -30,7 +30,7 @@ a task that names its own ``thread_id`` (its thread is the user's); no trajector
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from langgraph.checkpoint.base import BaseCheckpointSaver
@@ -47,8 +47,10 @@ from .trainable import no_fork_of
 __all__ = ["check_forkable", "keeping_threads", "checkpoints", "Continuations", "trained_roles"]
 
 
-def check_forkable(app: LangGraphApp, spec: RewardSpec, tasks: list[dict[str, Any]] = ()) -> None:  # type: ignore[assignment]
-    """Refuse, in one line, an app (or task) whose rollouts cannot be forked honestly."""
+def check_forkable(app: LangGraphApp, spec: RewardSpec, roles: Sequence[str] | None = None,
+                   tasks: Sequence[dict[str, Any]] = ()) -> None:
+    """Refuse, in one line, an app (or task) whose rollouts cannot be forked honestly, or
+    ``roles`` (``reward.counterfactual.roles``) that are not trained roles of the app."""
     unforkable = sorted(no_fork_of(app.graph))
     if unforkable:
         raise UserError(f"reward.allocator={COUNTERFACTUAL} runs parts of each rollout again from its checkpoints, but the "
@@ -60,6 +62,11 @@ def check_forkable(app: LangGraphApp, spec: RewardSpec, tasks: list[dict[str, An
     if spec.trajectory is None:
         raise UserError(f"reward.allocator={COUNTERFACTUAL} scores continuations with the trajectory reward, and the app "
                         "has none; give @trainable a reward=")
+    known = sorted(trained_roles(app))
+    unknown = sorted(set(roles or ()) - set(known))
+    if unknown:
+        raise UserError(f"reward.counterfactual.roles names {', '.join(map(repr, unknown))}, not a trained role of the "
+                        f"app; its trained roles are {', '.join(known) or 'none'}")
     for task in tasks:
         if app.configurable(task, "probe")[1] is False:
             raise UserError(f"reward.allocator={COUNTERFACTUAL}: task {str(task)[:80]} names its own thread_id; forks "

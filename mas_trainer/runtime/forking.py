@@ -25,7 +25,7 @@ import asyncio
 import time
 from typing import Any
 
-from mas_trainer.adapters.langgraph.forks import Continuations, check_forkable, checkpoints, keeping_threads, trained_roles
+from mas_trainer.adapters.langgraph.forks import Continuations, check_forkable, checkpoints, keeping_threads
 from mas_trainer.adapters.langgraph.runner import LangGraphApp
 from mas_trainer.config import RewardConfig
 from mas_trainer.errors import UserError
@@ -65,14 +65,8 @@ async def fork_rollouts(session: Session, tasks: list[dict[str, Any]], n: int, i
     if not isinstance(app, LangGraphApp):
         raise UserError(f"reward.allocator={COUNTERFACTUAL} needs a LangGraph app")
     cfg: CounterfactualConfig = reward.counterfactual
-    check_forkable(app, spec, tasks)
     roles = cfg.roles
-    if roles is not None:
-        known = sorted(trained_roles(app))
-        unknown = sorted(set(roles) - set(known))
-        if unknown:
-            raise UserError(f"reward.counterfactual.roles names {', '.join(map(repr, unknown))}, not a trained role of the "
-                            f"app; its trained roles are {', '.join(known) or 'none'}")
+    check_forkable(app, spec, roles, tasks)  # fit checked the app and its tasks before any rollout: a rare second look
     async with keeping_threads(app) as threads:
         trajs = await session.rollouts(tasks, n=n, ids=ids)
         t0 = time.perf_counter()

@@ -372,6 +372,10 @@ class _Fit:
                 check_model_spec(base)  # here, in one line, not as a traceback from a worker; hub ids download once
             run.write_app(spec)
             self.reward_spec = RewardSpec(spec.spec.reward, spec.spec.role_rewards, spec.spec.turn_rewards)
+            if c.reward.allocator == "counterfactual":  # an app or task that cannot be forked: one line, before any rollout
+                from mas_trainer.adapters.langgraph.forks import check_forkable
+
+                check_forkable(app, self.reward_spec, c.reward.counterfactual.roles, self.tasks)
             rt = c.runtime
             device = resolve_device(rt.device)
             replicated = any(c.engine_for(p) != "embedded" for p in spec.policies)

@@ -143,3 +143,14 @@ def test_fit_with_counterfactual_credit_on_the_tiny_model(tmp_path):
     assert all(t["rewards"]["detail"]["allocator"] == "counterfactual" for t in step)
     val = (tmp_path / "run" / "trajectories" / "step_000001_val.jsonl").read_text().splitlines()
     assert all(json.loads(line)["forks"] is None for line in val)  # held-out rollouts are scored, not forked
+
+
+def test_fit_refuses_an_unforkable_app_before_any_rollout(tmp_path):
+    from mas_trainer.config import load_config
+    from mas_trainer.runtime.trainer import fit
+
+    build = load_object(f"{APP}:build")
+    cfg = load_config(overrides=["runtime.backend=local", "steps=1", "reward.allocator=counterfactual"])
+    with pytest.raises(UserError, match=r"node\(s\) 'solver' not forkable \(no_fork"):
+        fit(lambda: build(no_fork={"solver"}), [{"question": "q"}], cfg, tmp_path / "run", val_tasks=[{"question": "v"}])
+    assert not list((tmp_path / "run").rglob("step_*"))  # no rollout ran, not even the held-out evaluation of step 0
