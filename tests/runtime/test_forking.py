@@ -21,7 +21,7 @@ APP = Path(__file__).resolve().parents[1] / "fixtures" / "credit_app.py"
 N = 8
 
 
-def forked(keywords=None, reward=None, n=N, seed=7, checkpointer=None):
+def forked(keywords=None, reward=None, n=N, seed=7, checkpointer=None, builder="build"):
     """The rollouts of one task (forks recorded), their cost, the engine's request count, the app runner
     and what the ledger kept. The fixture app is built inside the session (its client reads the gateway's URL)."""
     served = []
@@ -32,7 +32,8 @@ def forked(keywords=None, reward=None, n=N, seed=7, checkpointer=None):
 
     with Session(backend_factory=lambda _m: PolicyBackend(FakeEngine(latency_s=0.0, reply=reply), FakeChatFormat()),
                  timeout_s=30) as session:
-        graph = load_object(f"{APP}:build")(checkpointer=checkpointer, **(keywords or {}))
+        extra = {"checkpointer": checkpointer} if checkpointer is not None else {}
+        graph = load_object(f"{APP}:{builder}")(**extra, **(keywords or {}))
         app = session.load_app(graph)
         spec = RewardSpec(app.spec.spec.reward)
         session.reseed(seed)
@@ -154,3 +155,14 @@ def test_fit_refuses_an_unforkable_app_before_any_rollout(tmp_path):
     with pytest.raises(UserError, match=r"node\(s\) 'solver' not forkable \(no_fork"):
         fit(lambda: build(no_fork={"solver"}), [{"question": "q"}], cfg, tmp_path / "run", val_tasks=[{"question": "v"}])
     assert not list((tmp_path / "run").rglob("step_*"))  # no rollout ran, not even the held-out evaluation of step 0
+
+
+def test_a_turn_inside_a_subgraph_is_forked_from_its_parents_checkpoints():
+    trajs, cost, *_ = forked(builder="build_nested")
+    t = trajs[0]
+    picker = _picker(t)
+    assert picker.node == "team:picker"
+    assert [(s["role"], s["before"], s["after"]) for s in t.forks["segments"]] == [("picker", 0, 1), ("solver", 1, 2)]
+    good = [t for t in trajs if _picker(t).output_text == "good"]
+    assert good and all(t.forks["values"]["1"]["value"] == 1.0 for t in good)  # forks after the subgraph keep its pick
+    assert cost["forks/runs"] == 3 * N * 8
