@@ -166,3 +166,11 @@ def test_a_turn_inside_a_subgraph_is_forked_from_its_parents_checkpoints():
     good = [t for t in trajs if _picker(t).output_text == "good"]
     assert good and all(t.forks["values"]["1"]["value"] == 1.0 for t in good)  # forks after the subgraph keep its pick
     assert cost["forks/runs"] == 3 * N * 8
+
+
+def test_the_step_line_shows_the_forks_cost():
+    from mas_trainer.runtime.progress import step_line
+
+    row = {"step": 1, "reward/mean": 0.5, "forks/runs": 24.0, "time/fork_s": 3.2, "time/rollout_s": 4.0}
+    assert "forks 24 in 3.2s" in step_line(row, 3, None)
+    assert "forks" not in step_line({"step": 1, "reward/mean": 0.5}, 3, None)
