@@ -174,3 +174,14 @@ def test_the_step_line_shows_the_forks_cost():
     row = {"step": 1, "reward/mean": 0.5, "forks/runs": 24.0, "time/fork_s": 3.2, "time/rollout_s": 4.0}
     assert "forks 24 in 3.2s" in step_line(row, 3, None)
     assert "forks" not in step_line({"step": 1, "reward/mean": 0.5}, 3, None)
+
+
+def test_a_failed_continuation_counts_as_on_failure_or_not_at_all():
+    from mas_trainer.runtime.forking import _return
+    from mas_trainer.trace.schema import Trajectory
+
+    spec = RewardSpec(lambda task, state, traj: 1.0)
+    failed = Trajectory(rollout_id="r-cf1-k0", task={}, status="timeout", error="slow")
+    assert _return(spec, failed, 0.0) == 0.0 and _return(spec, failed, -1) == -1.0
+    assert _return(spec, failed, "drop") is None  # left out of V's mean (rewards/counterfactual.py mean_return)
+    assert _return(spec, Trajectory(rollout_id="r-cf1-k1", task={}, status="ok"), "drop") == 1.0
