@@ -22,6 +22,7 @@ from mas_trainer.algo.config import AdvantageConfig
 from mas_trainer.errors import UserError
 from mas_trainer.learners.config import CriticConfig, LearnerConfig
 from mas_trainer.rewards.allocators import LevelWeights, allocator_names, check_allocator
+from mas_trainer.rewards.config import CounterfactualConfig
 from mas_trainer.rollout.config import ENGINES, ReplicaConfig
 
 __all__ = [
@@ -123,10 +124,13 @@ class RolloutConfig(_Strict):
 
 
 class RewardConfig(_Strict):
-    allocator: str = Field("broadcast", description="broadcast | turn_delta | a name registered with register_allocator")
+    allocator: str = Field("broadcast", description="broadcast | turn_delta | counterfactual (forked continuations, fit only) | a name registered with register_allocator")
     weights: LevelWeights = Field(default_factory=LevelWeights)
     options: dict[str, Any] = Field(default_factory=dict, description="keyword options of the allocator (turn_delta: initial, per_role)")
     on_failure: float | Literal["drop"] = Field(0.0, description="reward of every call of a failed rollout, or drop it from its group")
+    counterfactual: CounterfactualConfig = Field(
+        default_factory=CounterfactualConfig, description="allocator=counterfactual: which roles' turns are credited by "
+        "forked continuations, K, the budget per step, boundaries_only (docs/rewards.md)")
 
 
 class PolicyConfig(_Strict):

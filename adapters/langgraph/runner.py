@@ -33,6 +33,8 @@ class LangGraphApp:
         self.graph, self.spec = resolve(obj, base_model)
         self.recursion_limit = recursion_limit
         self._input_keys = _input_keys(self.graph)
+        # rollout id -> thread id of the rollouts whose threads are kept for forking (forks.py), else None
+        self.kept_threads: dict[str, str] | None = None
 
     def check_tasks(self, tasks: list[dict[str, Any]]) -> None:
         """Refuse, in one line and before any rollout, a task the graph cannot start from: a
@@ -91,7 +93,9 @@ class LangGraphApp:
             status, error = "error", f"{type(exc).__name__}: {exc}".splitlines()[0]
         if final is None and status != "ok":
             final = _last_state(self.graph, config)
-        if own_thread:
+        if own_thread and self.kept_threads is not None and status == "ok":
+            self.kept_threads[rollout_id] = configurable["thread_id"]  # forks.py drops it after the forks ran
+        elif own_thread:
             await _drop_thread(self.graph, configurable["thread_id"])
         nodes, tools = tracer.finish(status, error)
         return RunResult(status, error, final, nodes, tools, tracer.trace_id)

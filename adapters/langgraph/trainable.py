@@ -8,16 +8,17 @@ before. A function returning a graph is wrapped so that what it returns is marke
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from langgraph.graph import StateGraph
 from langgraph.pregel import Pregel
 
 from mas_trainer.spec import ResolvedSpec, SpecError, TrainSpec, qualified_nodes
 
-__all__ = ["trainable", "spec_of", "as_graph", "node_names"]
+__all__ = ["trainable", "spec_of", "as_graph", "node_names", "no_fork_of"]
 
 SPEC_ATTR = "__mas_trainer_spec__"
+NO_FORK_ATTR = "__mas_trainer_no_fork__"
 
 
 def node_names(graph: Pregel) -> list[str]:
@@ -42,6 +43,7 @@ def trainable(
     frozen: list[str] | tuple[str, ...] = (),
     role_names: Mapping[str, str] | None = None,
     default_policy: str | None = None,
+    no_fork: Iterable[str] = (),
     **unknown: Any,
 ) -> Any:
     """Mark a LangGraph app as trainable.
@@ -55,7 +57,9 @@ def trainable(
     "not applicable". An allocator (config ``reward.allocator``) mixes the three levels.
     frozen: nodes served by the base model and never trained. role_names: node -> role,
     to group several nodes into one logical agent. default_policy: the policy of LLM
-    calls made by nodes not listed (default: frozen). Works as ``@trainable(...)`` or
+    calls made by nodes not listed (default: frozen). no_fork: nodes with outside side effects
+    (an email sent, a database written) that must not run again in a forked continuation:
+    counterfactual credit then refuses the app. Works as ``@trainable(...)`` or
     ``trainable(graph, ...)`` on a `StateGraph`, a compiled graph, or a function returning either.
     """
     from .tracer import enable_serving_propagation
@@ -67,15 +71,26 @@ def trainable(
         roles, policies, role_names=role_names, frozen=frozen, default_policy=default_policy, reward=reward,
         role_rewards=role_rewards, turn_rewards=turn_rewards,
     )
+    unforkable = frozenset(no_fork)
+
+    def declare(obj: Any, names: list[str]) -> None:
+        unknown_nodes = sorted(unforkable - set(names))
+        if unknown_nodes:
+            raise SpecError(f"no_fork names unknown node(s) {', '.join(map(repr, unknown_nodes))}; "
+                            f"the graph's nodes are {', '.join(names)}")
+        setattr(obj, SPEC_ATTR, spec)
+        setattr(obj, NO_FORK_ATTR, unforkable)
 
     def mark(obj: Any) -> Any:
         if isinstance(obj, StateGraph):
-            spec.resolve(node_names(obj.compile()))
-            setattr(obj, SPEC_ATTR, spec)
+            names = node_names(obj.compile())
+            spec.resolve(names)
+            declare(obj, names)
             return obj
         if isinstance(obj, Pregel):
-            spec.resolve(node_names(obj))
-            setattr(obj, SPEC_ATTR, spec)
+            names = node_names(obj)
+            spec.resolve(names)
+            declare(obj, names)
             return obj
         if callable(obj):
 
@@ -98,6 +113,14 @@ def spec_of(obj: Any) -> TrainSpec | None:
     if spec is None and isinstance(obj, Pregel):
         spec = getattr(getattr(obj, "builder", None), SPEC_ATTR, None)
     return spec
+
+
+def no_fork_of(graph: Pregel) -> frozenset[str]:
+    """The nodes declared with ``trainable(..., no_fork=...)``, looking through a compiled graph to its builder."""
+    names = getattr(graph, NO_FORK_ATTR, None)
+    if names is None:
+        names = getattr(getattr(graph, "builder", None), NO_FORK_ATTR, None)
+    return frozenset(names or ())
 
 
 def as_graph(obj: Any) -> tuple[Pregel, TrainSpec | None]:
@@ -125,7 +148,8 @@ def resolve(obj: Any, base_model: str | None = None) -> tuple[Pregel, ResolvedSp
     return graph, spec.resolve(node_names(graph))
 
 
-_KEYWORDS = ("roles", "policies", "reward", "role_rewards", "turn_rewards", "frozen", "role_names", "default_policy")
+_KEYWORDS = ("roles", "policies", "reward", "role_rewards", "turn_rewards", "frozen", "role_names", "default_policy",
+             "no_fork")
 
 
 def _unknown_keywords(names: list[str]) -> str:

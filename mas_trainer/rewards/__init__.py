@@ -18,6 +18,7 @@ from mas_trainer.rewards.allocators import (
     register_allocator,
     turn_delta,
 )
+from mas_trainer.rewards.counterfactual import COUNTERFACTUAL, CounterfactualConfig
 from mas_trainer.rewards.judge import (
     JudgeError,
     JudgeUsage,
@@ -41,6 +42,8 @@ from mas_trainer.rewards.library import code_tests, exact_match, f1, json_valid,
 __all__ = [
     "Allocation",
     "Allocator",
+    "COUNTERFACTUAL",
+    "CounterfactualConfig",
     "JudgeError",
     "JudgeUsage",
     "LLMJudge",

@@ -74,7 +74,9 @@ def step_line(row: dict[str, Any], steps: int, eta_s: float | None) -> str:
     """One training step, every figure rounded."""
     groups = (f"  groups {row['rollout/groups_kept']}/{row['rollout/groups']} kept"  # rollout.filter_groups
               if row.get("rollout/groups") is not None else "")
-    return (f"step {row['step']}/{steps}  {_rewards(row)}{groups}  "
+    forks = (f"  forks {int(row['forks/runs'])} in {duration(row.get('time/fork_s'))}"  # reward.allocator=counterfactual
+             if row.get("forks/runs") else "")
+    return (f"step {row['step']}/{steps}  {_rewards(row)}{groups}{forks}  "
             f"{number(row.get('perf/rollouts_per_s'))} rollouts/s{_failed(row)}  {number(row.get('perf/tokens_per_s'))} tok/s  "
             f"rollout {duration(row.get('time/rollout_s'))}  update {duration(row.get('time/update_s'))}  "
             f"ETA {duration(eta_s) if row['step'] < steps else '0s'}")

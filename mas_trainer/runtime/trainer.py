@@ -143,10 +143,17 @@ class _Fit:
 
     # --- one step ------------------------------------------------------------------------
     async def rollouts(self, session: Session, tasks: list[dict], n: int, ids: list[str], seed: int,
-                       temperature: float | None = None) -> list[Trajectory]:
+                       temperature: float | None = None, fork: bool = False) -> list[Trajectory]:
         session.reseed(seed, temperature=temperature)
-        trajs = await session.rollouts(tasks, n=n, ids=ids)
         r = self.cfg.reward
+        if fork and r.allocator == "counterfactual":  # training rollouts: forked continuations measure each turn's credit
+            from mas_trainer.runtime.forking import fork_rollouts
+
+            trajs, fork_cost = await fork_rollouts(session, tasks, n, ids, self.reward_spec, r)
+            for key, value in fork_cost.items():  # forks/*, time/fork_s: summed over the step's draws, as judge/*
+                self.reward_cost[key] = self.reward_cost.get(key, 0) + value
+        else:
+            trajs = await session.rollouts(tasks, n=n, ids=ids)
         # rewards that rank a group (an LLM judge) see the whole batch first; their cost goes in the row
         cost = await asyncio.to_thread(score_groups, self.reward_spec, trajs)
         for key, value in cost.items():
@@ -177,7 +184,8 @@ class _Fit:
             tag = f"s{step:06d}" + (f"d{draw}" if draw else "")  # draw 0 keeps the ids and seed of a step without filtering
             ids = _rollout_ids(tag, idx, n)
             batch = await self.rollouts(session, [self.tasks[i] for i in idx], n, ids,
-                                        _seed(c.seed, "step", step, *(("draw", draw) if draw else ())), temperature=temperature)
+                                        _seed(c.seed, "step", step, *(("draw", draw) if draw else ())), temperature=temperature,
+                                        fork=True)
             # a group is one task's n rollouts in one draw, keyed by the task's position in the sequence of tasks
             keys = [position + j for j in range(len(idx)) for _ in range(n)]
             recs = turn_records(batch, task_indices=keys)
@@ -222,6 +230,8 @@ class _Fit:
         row["time/update_s"] = t2 - t1
         row["perf/rollouts_per_s"] = len(trajs) / max(t1 - t0, 1e-9)
         row["perf/tokens_per_s"] = row["tokens/response"] / max(t1 - t0, 1e-9)
+        if row.get("time/fork_s"):  # counterfactual credit: the forks' share of time/rollout_s
+            row["perf/fork_rollouts_per_s"] = row["forks/runs"] / row["time/fork_s"]
         self.rundir.write_trajectories(step, (t.to_json() for t in trajs))
         return row, position
 
@@ -366,6 +376,10 @@ class _Fit:
                 check_model_spec(base)  # here, in one line, not as a traceback from a worker; hub ids download once
             run.write_app(spec)
             self.reward_spec = RewardSpec(spec.spec.reward, spec.spec.role_rewards, spec.spec.turn_rewards)
+            if c.reward.allocator == "counterfactual":  # an app or task that cannot be forked: one line, before any rollout
+                from mas_trainer.adapters.langgraph.forks import check_forkable
+
+                check_forkable(app, self.reward_spec, c.reward.counterfactual.roles, self.tasks)
             (run.root / "plan.json").write_text(plan.model_dump_json(indent=1))
             saved = list(state["policies"]) if state else []
             missing = sorted(set(plans) - set(saved)) if state else []

@@ -96,6 +96,8 @@ class Trajectory(_Record):
     rewards: Rewards = Field(default_factory=Rewards)
     final_state: Any = None
     duration_s: float | None = None
+    # Counterfactual credit's forked continuations of this rollout (mas_trainer/rewards/counterfactual.py)
+    forks: dict[str, Any] | None = None
 
     def to_json(self) -> str:
         return self.model_dump_json()

@@ -419,10 +419,12 @@
     const rows = r.llm_calls.map((c) => {
       const d = c.reward_detail || {};
       const parts = d.parts || {};
-      const expl = Object.keys(parts).map((lvl) => {
+      // a counterfactual part that was not used ({skipped: why}) adds nothing: not a term of the sum
+      const expl = Object.keys(parts).filter((lvl) => !(parts[lvl] || {}).skipped).map((lvl) => {
         const p = parts[lvl] || {};
         let s = lvl + ' ' + fmt(p.value, 4) + ' × ' + fmt(p.weight) + ' = ' + fmt(p.contribution, 4);
         if (p.score !== undefined) s += ' (score ' + fmt(p.score, 4) + ' − previous ' + fmt(p.previous, 4) + ')';
+        if (p.before !== undefined) s += ' (V after ' + fmt(p.after, 4) + ' − V before ' + fmt(p.before, 4) + ')';
         return s;
       });
       const adv = c.advantages && c.advantages.length ? c.advantages.map(num).filter((x) => x !== null) : null;

@@ -143,3 +143,16 @@ def test_a_task_without_the_messages_a_messages_graph_requires_is_one_line_befor
                                         r"requires: give each task its conversation"):
         fake_session.run([{"question": "hi"}])
     assert len(ran) == 1  # refused before any rollout ran
+
+
+def test_no_fork_is_kept_on_every_form_and_checked_against_the_nodes():
+    from mas_trainer.adapters.langgraph.trainable import no_fork_of
+
+    builder = trainable(_builder(), roles={"plan": "p"}, no_fork=["act"])
+    assert no_fork_of(builder.compile()) == {"act"}  # read through the compiled graph to its builder
+    assert no_fork_of(trainable(_builder().compile(), roles={"plan": "p"}, no_fork={"act"})) == {"act"}
+    made = trainable(roles={"plan": "p"}, no_fork=("act",))(_builder)
+    assert no_fork_of(as_graph(made)[0]) == {"act"}
+    assert no_fork_of(trainable(_builder().compile(), roles={"plan": "p"})) == frozenset()
+    with pytest.raises(SpecError, match=r"no_fork names unknown node\(s\) 'send_email'; the graph's nodes are .*act"):
+        trainable(_builder(), roles={"plan": "p"}, no_fork={"send_email"})
