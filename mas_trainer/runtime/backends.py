@@ -37,18 +37,14 @@ class EngineSettings(Protocol):
     device: str  # auto | cpu | cuda
 
 
-def torch_backend(model: str, *, seed: int = 0, max_batch_size: int = 8, bf16: bool | str = False,
-                  batch_wait_ms: float = 5.0, device: str = "cpu") -> PolicyBackend:
-    """The embedded engine on `model` (tiny | default | folder): its own copy of the weights."""
+def torch_backend(model: str, *, seed: int = 0, **engine: Any) -> PolicyBackend:
+    """The embedded engine on `model` (tiny | default | folder), its own copy of the weights;
+    `engine`: `load_engine`'s settings (max_batch_size, batch_wait_ms, bf16, device)."""
     from mas_trainer.engines.chat import HFChatFormat
-    from mas_trainer.engines.models import load_model
-    from mas_trainer.engines.torch_engine import TorchEngine
+    from mas_trainer.engines.torch_engine import load_engine
 
-    weights, tokenizer = load_model(model, seed=seed)
-    # the engine places the weights itself: a model moved beforehand would be moved back to its default, the CPU
-    engine = TorchEngine(weights, tokenizer, model_name=model, max_batch_size=max_batch_size, bf16_autocast=bf16,
-                         batch_wait_ms=batch_wait_ms, device=device)
-    return PolicyBackend(engine, HFChatFormat(tokenizer))
+    built = load_engine(model, name=model, seed=seed, **engine)
+    return PolicyBackend(built, HFChatFormat(built.tokenizer))
 
 
 class _Lazy:
@@ -65,6 +61,11 @@ class _Lazy:
             if self._backend is None:
                 self._backend = self._factory()
             return self._backend
+
+    @property
+    def loaded(self) -> PolicyBackend | None:
+        """The backend if it was built, without building it."""
+        return self._backend
 
 
 class _LazyEngine:
@@ -86,11 +87,13 @@ class _LazyEngine:
         # known once the model is loaded (the gateway asks again after rendering, which loads it)
         from mas_trainer.engines.base import max_context
 
-        return max_context(self._lazy._backend.engine) if self._lazy._backend is not None else None
+        loaded = self._lazy.loaded
+        return max_context(loaded.engine) if loaded is not None else None
 
     def close(self) -> None:
-        if self._lazy._backend is not None:
-            self._lazy._backend.engine.close()
+        loaded = self._lazy.loaded
+        if loaded is not None:
+            loaded.engine.close()
 
 
 class _LazyChat:

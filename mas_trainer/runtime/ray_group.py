@@ -1,0 +1,207 @@
+"""Worker groups on Ray: starting their actors, the typed proxies the trainer and the
+gateway call, and stopping them.
+
+- `ActorGroup`: one `WorkerGroup` actor (the torch learner), one process per policy.
+- `VerlGroup`: a verl `RayWorkerGroup` of `PolicyWorker`s on its own `RayResourcePool` (or
+  one shared by every policy): serving goes to rank 0 (engine and turn store), training and
+  checkpoints to every rank (verl's ONE_TO_ALL dispatch).
+
+Both present the worker-group contract (`star.WorkerGroupHandle`) with real methods; each
+forwards through one `_call`, where an abandoned await cancels its Ray task and a worker's
+`UserError` arrives as its own line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from typing import Any, Iterator, Sequence
+
+from mas_trainer.engines.base import Generation, SamplingParams
+from mas_trainer.errors import UserError
+from mas_trainer.runtime.plan import WorkerPlan
+from mas_trainer.runtime.ray_init import init_ray, init_ray_for
+from mas_trainer.runtime.turns import BufferedTurn
+
+__all__ = ["ActorGroup", "VerlGroup", "start_actor_groups", "start_verl_groups"]
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _user_errors() -> Iterator[None]:
+    """A UserError raised in a Ray worker reaches the CLI as its one line, not as Ray's
+    traceback-laden wrapper (which is also an instance of the cause's type)."""
+    try:
+        yield
+    except UserError as exc:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, UserError) and cause is not exc:
+            raise UserError(str(cause)) from None
+        raise
+
+
+async def _cancellable(ref: Any) -> Any:
+    """Await a Ray task; if the awaiting request is cancelled (its client hung up), cancel the
+    task too: an abandoned generation must not keep the engine busy."""
+    try:
+        return await ref
+    except asyncio.CancelledError:
+        import ray
+
+        ray.cancel(ref)
+        raise
+
+
+class ActorGroup:
+    """A torch-learner worker group running as one Ray actor."""
+
+    def __init__(self, policy: str, actor: Any) -> None:
+        self.policy = policy
+        self.actor = actor
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        with _user_errors():
+            return await _cancellable(getattr(self.actor, method).remote(*args))
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, turn_id: str | None = None) -> list[Generation]:
+        return await self._call("generate", list(prompt_ids), params, turn_id)
+
+    async def discard(self) -> int:
+        return await self._call("discard")
+
+    async def train(self, records: Sequence[Any]) -> dict[str, float]:
+        return await self._call("train", records)
+
+    async def save(self, folder: str, learner_dir: str) -> None:
+        await self._call("save", folder, learner_dir)
+
+    async def load(self, learner_dir: str) -> int | None:
+        return await self._call("load", learner_dir)
+
+    def close(self) -> None:
+        import ray
+
+        try:
+            ray.get(self.actor.close.remote(), timeout=30)
+        finally:
+            ray.kill(self.actor)
+
+
+class VerlGroup:
+    """A verl worker group of one policy; `plan` is the plan its ranks started with."""
+
+    def __init__(self, plan: WorkerPlan, group: Any, pool: Any = None) -> None:
+        self.policy = plan.policy
+        self.plan = plan
+        self.group = group
+        self.pool = pool  # its placement groups are released on close (none when shared)
+
+    async def _rank0(self, method: str, *args: Any) -> Any:
+        with _user_errors():
+            return await _cancellable(getattr(self.group.workers[0], method).remote(*args))
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        """Every rank runs `method`; rank 0's answer."""
+        refs = getattr(self.group, method)(*args)
+        with _user_errors():
+            results = await asyncio.gather(*refs)
+        return results[0]
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, turn_id: str | None = None) -> list[Generation]:
+        return await self._rank0("generate", list(prompt_ids), params, turn_id)
+
+    async def discard(self) -> int:
+        return await self._rank0("discard")
+
+    async def train(self, records: Sequence[Any], turns: dict[str, BufferedTurn] | None = None) -> dict[str, float]:
+        """`turns`: the records' turns, when rollout replicas generated them (`ReplicaGroupHandle`)."""
+        return await self._call("train", records, turns)
+
+    async def save(self, folder: str, learner_dir: str) -> None:
+        await self._call("save", folder, learner_dir)
+
+    async def load(self, learner_dir: str) -> int:
+        return await self._call("load", learner_dir)
+
+    def close(self) -> None:
+        import ray
+
+        try:
+            ray.get(self.group.close(), timeout=30)
+        finally:
+            for w in self.group.workers:
+                ray.kill(w)
+            for pg in (self.pool.pgs or []) if self.pool is not None else []:
+                ray.util.remove_placement_group(pg)
+
+
+def start_actor_groups(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, ActorGroup]:
+    """One `WorkerGroup` actor per policy; returns once every one has started."""
+    import ray
+
+    from mas_trainer.runtime.worker_group import WorkerGroup
+
+    init_ray(runtime, 0, {})
+    threads = runtime.torch_threads or max(1, (os.cpu_count() or 1) // max(1, len(plans)))
+    actor_cls = ray.remote(WorkerGroup)
+    groups = {}
+    for name, plan in plans.items():
+        gpus = plan.resources.gpus_per_proc if plan.device == "cuda" else 0
+        actor = actor_cls.options(num_cpus=runtime.worker_cpus, num_gpus=gpus, max_concurrency=1000).remote(
+            plan.model_copy(update={"torch_threads": threads}))
+        groups[name] = ActorGroup(name, actor)
+    # fail here, not at the first request, if an actor cannot start (e.g. a bad model path)
+    ray.get([g.actor.discard.remote() for g in groups.values()])
+    return groups
+
+
+def start_verl_groups(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, VerlGroup]:
+    """One verl worker group per policy, world size `nodes x procs_per_node`: FSDP2 over NCCL
+    on GPUs, over gloo on CPU; with `runtime.share_gpus`, all on one pool."""
+    import ray
+
+    devices = {p.device for p in plans.values()}
+    cpu = devices == {"cpu"}
+    # one logical CPU per rank and per CPU rollout replica
+    replicas = sum(p.replica.get("replicas", 1) for p in plans.values() if p.engine != "embedded") if cpu else 0
+    env = init_ray_for("cpu" if cpu else "cuda", runtime, sum(p.resources.world_size for p in plans.values()) + replicas)
+    from verl.single_controller.ray.base import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+
+    from mas_trainer.runtime.verl_group import PolicyWorker
+
+    def pool(r: Any, colocate: int) -> Any:
+        return RayResourcePool(process_on_nodes=[r.procs_per_node] * r.nodes, use_gpu=not cpu,
+                               max_colocate_count=colocate, name_prefix=None)
+
+    shared = None
+    if runtime.share_gpus and not cpu:
+        sizes = {(p.resources.nodes, p.resources.procs_per_node) for p in plans.values()}
+        if len(sizes) > 1:
+            from mas_trainer.config import ConfigError
+
+            raise ConfigError("runtime.share_gpus needs the same resources for every policy; set runtime.resources only")
+        shared = pool(next(iter(plans.values())).resources, len(plans))
+    groups: dict[str, VerlGroup] = {}
+    threads = None if not cpu else max(1, (os.cpu_count() or 1) // max(1, sum(p.resources.world_size for p in plans.values())))
+    first_rank = 0  # replica ranks are unique across policies: verl names servers and sockets by rank alone
+    for name, plan in plans.items():
+        # one rank per GPU bundle: NCCL refuses two ranks of one group on one GPU (a share below 1
+        # is refused when the config loads, see config._check_learner)
+        own = None if shared else pool(plan.resources, 1)
+        replica_ranks = 0
+        if plan.engine != "embedded":
+            from mas_trainer.rollout.config import ReplicaConfig
+            from mas_trainer.rollout.fleet import replica_count
+
+            replica_ranks = replica_count(ReplicaConfig.model_validate(plan.replica), plan.device, plan.resources.world_size)
+        plan = plan.model_copy(update={"torch_threads": threads, "offload_between_phases": shared is not None,
+                                       "replica_first_rank": first_rank})
+        first_rank += replica_ranks
+        cls = RayClassWithInitArgs(cls=ray.remote(PolicyWorker), plan=plan)
+        group = RayWorkerGroup(resource_pool=shared or own, ray_cls_with_init=cls, device_name=plan.device, worker_env=env)
+        groups[name] = VerlGroup(plan, group, own)
+        log.info("policy %s: verl worker group of %d rank(s) on %s", name, plan.resources.world_size, plan.device)
+    return groups
