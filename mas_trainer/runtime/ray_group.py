@@ -99,22 +99,18 @@ class VerlGroup:
         self.group = group
         self.pool = pool  # its placement groups are released on close (none when shared)
 
-    async def _rank0(self, method: str, *args: Any) -> Any:
+    async def _call(self, method: str, *args: Any, rank0: bool = False) -> Any:
+        """Rank 0 runs `method` (serving), or every rank (verl's ONE_TO_ALL) and rank 0 answers."""
         with _user_errors():
-            return await _cancellable(getattr(self.group.workers[0], method).remote(*args))
-
-    async def _call(self, method: str, *args: Any) -> Any:
-        """Every rank runs `method`; rank 0's answer."""
-        refs = getattr(self.group, method)(*args)
-        with _user_errors():
-            results = await asyncio.gather(*refs)
-        return results[0]
+            if rank0:
+                return await _cancellable(getattr(self.group.workers[0], method).remote(*args))
+            return (await asyncio.gather(*getattr(self.group, method)(*args)))[0]
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, turn_id: str | None = None) -> list[Generation]:
-        return await self._rank0("generate", list(prompt_ids), params, turn_id)
+        return await self._call("generate", list(prompt_ids), params, turn_id, rank0=True)
 
     async def discard(self) -> int:
-        return await self._rank0("discard")
+        return await self._call("discard", rank0=True)
 
     async def train(self, records: Sequence[Any], turns: dict[str, BufferedTurn] | None = None) -> dict[str, float]:
         """`turns`: the records' turns, when rollout replicas generated them (`ReplicaGroupHandle`)."""

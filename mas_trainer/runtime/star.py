@@ -35,30 +35,22 @@ log = logging.getLogger(__name__)
 
 class WorkerGroupHandle(Protocol):
     """What the trainer and the gateway need of a policy's worker group, whichever learner
-    and wherever it runs. Every method's metrics carry the same `engine/*` keys
-    (`engines.base.ENGINE_METRICS`)."""
+    and wherever it runs: `generate` (with a `turn_id` the choices' tokens stay in the group),
+    `discard` (forget them; how many), `train` (one update from the controller's thin
+    `TurnRecord`s; its metrics, `engine/*` keys from `engines.base.ENGINE_METRICS`), `save`
+    (Hugging Face folder, learner state), `load` (learner state; verl: its update count)."""
 
     policy: str
 
-    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, turn_id: str | None = None) -> list[Generation]:
-        """`params.n` choices; with a `turn_id` their tokens stay in the group for `train`."""
-        ...
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, turn_id: str | None = None) -> list[Generation]: ...
 
-    async def discard(self) -> int:
-        """Forget the stored turns (held-out rollouts); how many there were."""
-        ...
+    async def discard(self) -> int: ...
 
-    async def train(self, records: Sequence[Any]) -> dict[str, float]:
-        """One update from the controller's thin records (`TurnRecord`s); its metrics."""
-        ...
+    async def train(self, records: Sequence[Any]) -> dict[str, float]: ...
 
-    async def save(self, folder: str, learner_dir: str) -> None:
-        """The Hugging Face folder of the weights, and the learner's state in `learner_dir`."""
-        ...
+    async def save(self, folder: str, learner_dir: str) -> None: ...
 
-    async def load(self, learner_dir: str) -> int | None:
-        """Resume the learner's state (verl: returns its update count)."""
-        ...
+    async def load(self, learner_dir: str) -> int | None: ...
 
     def close(self) -> None: ...
 
@@ -96,7 +88,7 @@ class ReplicaGroupHandle:
     async def train(self, records: Sequence[Any]) -> dict[str, float]:
         if self.engine.failure is not None:  # never train on a step a dead replica cut short
             raise self.engine.failure
-        turns = self.turns.select(records)
+        turns = {r.turn_id: t for r, t in self.turns.take(records)}
         stale = sum(1 for t in turns if self._versions.get(t, 0) != self.fleet.version)
         self._versions.clear()
         await self.fleet.sleep(self.learner.group)

@@ -58,10 +58,6 @@ class TurnStore:
         self._turns.clear()
         return kept
 
-    def select(self, records: Sequence[Any]) -> dict[str, BufferedTurn]:
-        """The turns the records name (to send to the learner with them); the store is empty after."""
-        return {r.turn_id: t for r, t in self.take(records)}
-
     def clear(self) -> int:
         """Forget every turn (held-out rollouts, or turns nobody trained on); how many there were."""
         n = len(self._turns)

@@ -96,7 +96,7 @@ def test_taking_skips_unknown_turns_with_one_warning_and_empties_the_store(caplo
     store.add({"b": BufferedTurn([3], [4], [-0.2])})
     records = [SimpleNamespace(turn_id=t) for t in ("a", "x", "b", "y")]
     with caplog.at_level(logging.WARNING):
-        assert store.select(records) == {"a": BufferedTurn([1], [2], [-0.1]), "b": BufferedTurn([3], [4], [-0.2])}
+        assert dict((r.turn_id, t) for r, t in store.take(records)) == {"a": BufferedTurn([1], [2], [-0.1]), "b": BufferedTurn([3], [4], [-0.2])}
     assert len(store) == 0
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "2 of 4 records" in warnings[0].getMessage()
