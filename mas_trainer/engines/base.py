@@ -142,14 +142,15 @@ def max_context(engine: Engine) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
-ENGINE_METRICS = ("requests", "tokens", "busy_s")
-"""The running totals every engine that serves a worker group reports in `metrics()`: LLM
-calls answered, tokens sampled, seconds spent generating (batched calls overlap)."""
+ENGINE_METRICS = {"requests": "engine/requests", "tokens": "engine/tokens", "busy_s": "time/engine_busy_s"}
+"""The running totals every engine that serves a worker group reports in `metrics()` (LLM
+calls answered, tokens sampled, seconds spent generating), and their step metric names
+(a duration is a `time/` metric: runs that differ only in timing compare equal without it)."""
 
 
 class EngineMeter:
-    """An engine's figures since the last `read`, as a step's `engine/*` metrics: the same
-    keys on every path (embedded engine, rollout replicas)."""
+    """An engine's figures since the last `read`, as a step's metrics: the same keys on
+    every path (embedded engine, rollout replicas)."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -157,7 +158,7 @@ class EngineMeter:
 
     def read(self) -> dict[str, float]:
         now = self.engine.metrics()
-        out = {f"engine/{k}": float(now[k] - self.seen.get(k, 0)) for k in ENGINE_METRICS}
+        out = {key: float(now[k] - self.seen.get(k, 0)) for k, key in ENGINE_METRICS.items()}
         self.seen = dict(now)
         return out
 

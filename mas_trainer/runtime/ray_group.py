@@ -1,14 +1,9 @@
-"""Worker groups on Ray: starting their actors, the typed proxies the trainer and the
-gateway call, and stopping them.
-
-- `ActorGroup`: one `WorkerGroup` actor (the torch learner), one process per policy.
-- `VerlGroup`: a verl `RayWorkerGroup` of `PolicyWorker`s on its own `RayResourcePool` (or
-  one shared by every policy): serving goes to rank 0 (engine and turn store), training and
-  checkpoints to every rank (verl's ONE_TO_ALL dispatch).
-
-Both present the worker-group contract (`star.WorkerGroupHandle`) with real methods; each
-forwards through one `_call`, where an abandoned await cancels its Ray task and a worker's
-`UserError` arrives as its own line.
+"""Worker groups on Ray: their actors' start and stop, and the typed proxies (the
+`star.WorkerGroupHandle` contract) the trainer and the gateway call. `ActorGroup`: one
+`WorkerGroup` actor (the torch learner). `VerlGroup`: a verl `RayWorkerGroup` of
+`PolicyWorker`s; serving goes to rank 0 (engine, turns), training and checkpoints to every
+rank. Each forwards through one `_call`: an abandoned await cancels its Ray task, and a
+worker's `UserError` arrives as its own line.
 """
 
 from __future__ import annotations

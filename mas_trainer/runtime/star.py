@@ -37,7 +37,7 @@ class WorkerGroupHandle(Protocol):
     """What the trainer and the gateway need of a policy's worker group, whichever learner
     and wherever it runs: `generate` (with a `turn_id` the choices' tokens stay in the group),
     `discard` (forget them; how many), `train` (one update from the controller's thin
-    `TurnRecord`s; its metrics, `engine/*` keys from `engines.base.ENGINE_METRICS`), `save`
+    `TurnRecord`s; its metrics, with the engine keys of `engines.base.ENGINE_METRICS`), `save`
     (Hugging Face folder, learner state), `load` (learner state; verl: its update count)."""
 
     policy: str

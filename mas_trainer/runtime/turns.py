@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class BufferedTurn:
-    """One choice's exact tokens: the prompt, the response and its log-probs, as the engine produced them."""
+    """One choice's exact tokens, as the engine produced them."""
 
     prompt_ids: list[int]
     response_ids: list[int]
