@@ -73,6 +73,7 @@ def time_verl(model_spec: str, world: int, turns: list, records: list, reps: int
     from mas_trainer.learners.verl_cpu import worker_env
     from mas_trainer.config import Resources
     from mas_trainer.runtime.plan import WorkerPlan
+    from mas_trainer.runtime.turns import BufferedTurn
     from mas_trainer.runtime.verl_group import PolicyWorker
 
     n = len(turns)
@@ -83,17 +84,13 @@ def time_verl(model_spec: str, world: int, turns: list, records: list, reps: int
     pool = RayResourcePool(process_on_nodes=[world], use_gpu=False, max_colocate_count=1)
     group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(PolicyWorker), plan=plan),
                            device_name="cpu", worker_env=worker_env())
-    rank0 = group.workers[0]
-    payload = {t.id: (list(t.prompt_ids), list(t.response_ids), list(t.old_logprobs)) for t in turns}
-
-    def fill(self, buffer):  # what the engine would have buffered while generating these turns
-        self.buffer.update(buffer)
+    # the turns come with the records, as rollout replicas send them
+    payload = {t.id: BufferedTurn(list(t.prompt_ids), list(t.response_ids), list(t.old_logprobs)) for t in turns}
 
     whole, inner = [], []
     for rep in range(reps + 1):
-        ray.get(rank0.__ray_call__.remote(fill, payload))
         t0 = time.perf_counter()
-        [metrics, *_] = ray.get(group.train(records))
+        [metrics, *_] = ray.get(group.train(records, payload))
         seconds = time.perf_counter() - t0
         if rep:  # the first is a warm-up
             whole.append(seconds)

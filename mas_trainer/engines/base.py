@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncGenerator, AsyncIterator, Literal, Protocol, Sequence, runtime_checkable
 
 __all__ = ["SamplingParams", "choice_id", "Generation", "Delta", "Engine", "StreamingEngine", "ChatFormat", "stream_generation",
-           "max_context", "cut_at_stop", "EngineUnavailable"]
+           "max_context", "cut_at_stop", "EngineUnavailable", "ENGINE_METRICS", "EngineMeter"]
 
 
 class EngineUnavailable(RuntimeError):
@@ -140,6 +140,27 @@ def max_context(engine: Engine) -> int | None:
     """Tokens (prompt + completion) the engine's model takes, where the engine says."""
     value = getattr(engine, "max_context", None)
     return value if isinstance(value, int) and value > 0 else None
+
+
+ENGINE_METRICS = {"requests": "engine/requests", "tokens": "engine/tokens", "busy_s": "time/engine_busy_s"}
+"""The running totals every engine that serves a worker group reports in `metrics()` (LLM
+calls answered, tokens sampled, seconds spent generating), and their step metric names
+(a duration is a `time/` metric: runs that differ only in timing compare equal without it)."""
+
+
+class EngineMeter:
+    """An engine's figures since the last `read`, as a step's metrics: the same keys on
+    every path (embedded engine, rollout replicas)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.seen: dict[str, float] = dict(engine.metrics())
+
+    def read(self) -> dict[str, float]:
+        now = self.engine.metrics()
+        out = {key: float(now[k] - self.seen.get(k, 0)) for k, key in ENGINE_METRICS.items()}
+        self.seen = dict(now)
+        return out
 
 
 @runtime_checkable

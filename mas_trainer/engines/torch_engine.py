@@ -42,7 +42,9 @@ from mas_trainer.engines.base import Delta, Generation, SamplingParams, cut_at_s
 from mas_trainer.engines.grammar import COMPILE_TIMEOUT_S, SchemaGrammars
 from mas_trainer.engines.streaming import TextStream
 
-__all__ = ["TorchEngine"]
+__all__ = ["TorchEngine", "BATCH_WAIT_MS", "load_engine"]
+
+BATCH_WAIT_MS = 50.0  # `runtime.batch_wait_ms`' default: what every engine waits unless configured
 
 
 @dataclass(eq=False)
@@ -83,7 +85,7 @@ class TorchEngine:
         *,
         model_name: str,
         max_batch_size: int = 8,
-        batch_wait_ms: float = 5,
+        batch_wait_ms: float = BATCH_WAIT_MS,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
         bf16_autocast: bool | str = False,
@@ -113,7 +115,8 @@ class TorchEngine:
         eos |= set(gen_eos) if isinstance(gen_eos, (list, tuple)) else {gen_eos}
         self.eos_ids = frozenset(i for i in eos if i is not None)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids, default=0)
-        self.stats: dict[str, Any] = {"decode_steps": 0, "prefills": 0, "tokens": 0, "batch_sizes": collections.Counter()}
+        self.stats: dict[str, Any] = {"decode_steps": 0, "prefills": 0, "tokens": 0, "requests": 0, "busy_s": 0.0,
+                                      "batch_sizes": collections.Counter()}
         self._rng = torch.Generator(device=self.device).manual_seed(0)
         # Compiled grammars by schema, bounded in number, compiled off the event loop's default
         # executor under a deadline (probed in a child process that can be killed).
@@ -142,6 +145,11 @@ class TorchEngine:
     def model(self) -> Any:
         """The model; read freely, but change it only through `run_exclusive`."""
         return self._model
+
+    def metrics(self) -> dict[str, float]:
+        """Running totals under `engines.base.ENGINE_METRICS`' names (`stats` has more)."""
+        return {"requests": float(self.stats["requests"]), "tokens": float(self.stats["tokens"]),
+                "busy_s": float(self.stats["busy_s"])}
 
     @property
     def max_context(self) -> int:
@@ -274,6 +282,7 @@ class TorchEngine:
             if self._closed:
                 raise RuntimeError(f"engine {self.model_name!r} is closed")
             self._pending.extend(rows)
+            self.stats["requests"] += 1
             self._cond.notify()
         return req.future
 
@@ -294,12 +303,14 @@ class TorchEngine:
                         fut.set_result(fn(self._model))
                     except BaseException as err:  # handed to the caller
                         fut.set_exception(err)
+            t0 = time.perf_counter()
             try:
                 self._iteration(admit)
             except Exception as err:  # fail the affected requests, keep serving others
                 for row in self._rows + admit:
                     self._fail(row.req, err)
                 self._rows, self._cache = [], None
+            self.stats["busy_s"] += time.perf_counter() - t0
         self._shutdown()
 
     def _wait_for_work(self) -> list[_Row] | None:
@@ -564,3 +575,16 @@ class TorchEngine:
         tail = max(len(s) for s in stops) + 2
         text = self.tokenizer.decode(row.tokens[-tail:], skip_special_tokens=True)
         return any(s and s in text for s in stops)
+
+
+def load_engine(model: str, *, name: str, seed: int = 0, max_batch_size: int = 8, batch_wait_ms: float = BATCH_WAIT_MS,
+                bf16: bool | str = False, device: str | torch.device = "cpu") -> TorchEngine:
+    """The embedded engine on `model` (tiny | default | folder | hub id) with its own copy of
+    the weights: the one way worker groups, verl's rank 0, rollout replicas and the verbs'
+    engines build it, so all of them batch and sample alike."""
+    from mas_trainer.engines.models import load_model
+
+    weights, tokenizer = load_model(model, seed=seed)
+    # the engine places the weights itself: a model moved beforehand would be moved back to its default, the CPU
+    return TorchEngine(weights, tokenizer, model_name=name, max_batch_size=max_batch_size, batch_wait_ms=batch_wait_ms,
+                       bf16_autocast=bf16, device=device)

@@ -130,6 +130,10 @@ class ReplicaEngine:
         reason = "stop" if ended or cut or (len(ids) < params.max_tokens) else "length"
         return Generation(ids, logprobs, text, reason, list(prompt_ids))
 
+    def metrics(self) -> dict[str, float]:
+        """Running totals under `engines.base.ENGINE_METRICS`' names."""
+        return {"requests": float(self.requests), "tokens": float(self.tokens), "busy_s": self.busy_s}
+
     def fail(self, why: str) -> ReplicaError:
         """Record the replica failure `why` (the run's one error line) and return it to raise."""
         why = " ".join(why.split())  # one line

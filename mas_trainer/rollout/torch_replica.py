@@ -63,17 +63,15 @@ class TorchRolloutServer(Worker):
         from verl.checkpoint_engine import CheckpointEngineRegistry
 
         import mas_trainer.rollout.gloo_sync  # noqa: F401  (registers mas-gloo)
-        from mas_trainer.engines.models import load_model
-        from mas_trainer.engines.torch_engine import TorchEngine
+        from mas_trainer.engines.torch_engine import load_engine
 
         opts = dict((rollout_config.custom or {}).get("mas_torch", {}))
         if opts.get("torch_threads"):
             torch.set_num_threads(int(opts["torch_threads"]))
         device = torch.device("cuda", torch.cuda.current_device()) if opts.get("device") == "cuda" else torch.device("cpu")
-        model, tokenizer = load_model(model_config.local_path)
-        self.engine = TorchEngine(model, tokenizer, model_name=f"replica-{replica_rank}",
-                                  max_batch_size=int(opts.get("max_batch_size", 8)), bf16_autocast=opts.get("bf16", False),
-                                  batch_wait_ms=float(opts.get("batch_wait_ms", 5.0)), device=device)
+        # the fleet always sends the policy's engine settings (`torch_opts`); absent ones keep the engine's defaults
+        settings = {k: opts[k] for k in ("max_batch_size", "batch_wait_ms", "bf16") if opts.get(k) is not None}
+        self.engine = load_engine(model_config.local_path, name=f"replica-{replica_rank}", device=device, **settings)
         self.replica_rank = replica_rank
         self.global_steps: int | None = None
         ce = rollout_config.checkpoint_engine

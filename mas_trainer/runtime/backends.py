@@ -37,25 +37,22 @@ class EngineSettings(Protocol):
     device: str  # auto | cpu | cuda
 
 
-def torch_backend(model: str, *, seed: int = 0, max_batch_size: int = 8, bf16: bool | str = False,
-                  batch_wait_ms: float = 5.0, device: str = "cpu") -> PolicyBackend:
-    """The embedded engine on `model` (tiny | default | folder): its own copy of the weights."""
+def torch_backend(model: str, *, seed: int = 0, **engine: Any) -> PolicyBackend:
+    """The embedded engine on `model` (tiny | default | folder), its own copy of the weights;
+    `engine`: `load_engine`'s settings (max_batch_size, batch_wait_ms, bf16, device)."""
     from mas_trainer.engines.chat import HFChatFormat
-    from mas_trainer.engines.models import load_model
-    from mas_trainer.engines.torch_engine import TorchEngine
+    from mas_trainer.engines.torch_engine import load_engine
 
-    weights, tokenizer = load_model(model, seed=seed)
-    # the engine places the weights itself: a model moved beforehand would be moved back to its default, the CPU
-    engine = TorchEngine(weights, tokenizer, model_name=model, max_batch_size=max_batch_size, bf16_autocast=bf16,
-                         batch_wait_ms=batch_wait_ms, device=device)
-    return PolicyBackend(engine, HFChatFormat(tokenizer))
+    built = load_engine(model, name=model, seed=seed, **engine)
+    return PolicyBackend(built, HFChatFormat(built.tokenizer))
 
 
-class _Lazy:
-    """Builds a backend on first use. The frozen policy serves nodes nobody listed, and most
+class _LazyEngine:
+    """Builds its backend on first use. The frozen policy serves nodes nobody listed, and most
     such nodes (tools, routers) never call an LLM: no model is loaded for them unless one does."""
 
-    def __init__(self, factory: Callable[[], PolicyBackend]) -> None:
+    def __init__(self, factory: Callable[[], PolicyBackend], name: str) -> None:
+        self.model_name = name
         self._factory = factory
         self._backend: PolicyBackend | None = None
         self._lock = threading.Lock()
@@ -66,18 +63,13 @@ class _Lazy:
                 self._backend = self._factory()
             return self._backend
 
-
-class _LazyEngine:
-    def __init__(self, lazy: _Lazy, name: str) -> None:
-        self._lazy, self.model_name = lazy, name
-
     async def generate(self, prompt_ids: Any, params: Any, *, turn_id: str | None = None) -> Any:
-        return await self._lazy.get().engine.generate(prompt_ids, params, turn_id=turn_id)
+        return await self.get().engine.generate(prompt_ids, params, turn_id=turn_id)
 
     async def stream(self, prompt_ids: Any, params: Any, *, turn_id: str | None = None) -> Any:
         from mas_trainer.engines.base import stream_generation
 
-        async with aclosing(stream_generation(self._lazy.get().engine, prompt_ids, params, turn_id=turn_id)) as deltas:
+        async with aclosing(stream_generation(self.get().engine, prompt_ids, params, turn_id=turn_id)) as deltas:
             async for delta in deltas:
                 yield delta
 
@@ -86,27 +78,27 @@ class _LazyEngine:
         # known once the model is loaded (the gateway asks again after rendering, which loads it)
         from mas_trainer.engines.base import max_context
 
-        return max_context(self._lazy._backend.engine) if self._lazy._backend is not None else None
+        return max_context(self._backend.engine) if self._backend is not None else None
 
     def close(self) -> None:
-        if self._lazy._backend is not None:
-            self._lazy._backend.engine.close()
+        if self._backend is not None:
+            self._backend.engine.close()
 
 
 class _LazyChat:
-    def __init__(self, lazy: _Lazy) -> None:
-        self._lazy = lazy
+    def __init__(self, lazy: _LazyEngine) -> None:
+        self.lazy = lazy
 
     def render(self, messages: Any, tools: Any = None) -> list[int]:
-        return self._lazy.get().chat.render(messages, tools)
+        return self.lazy.get().chat.render(messages, tools)
 
     def parse(self, text: str, tools: Any = None) -> Any:
-        return self._lazy.get().chat.parse(text, tools)
+        return self.lazy.get().chat.parse(text, tools)
 
 
 def lazy_backend(name: str, factory: Callable[[], PolicyBackend]) -> PolicyBackend:
-    lazy = _Lazy(factory)
-    return PolicyBackend(_LazyEngine(lazy, name), _LazyChat(lazy))
+    lazy = _LazyEngine(factory, name)
+    return PolicyBackend(lazy, _LazyChat(lazy))
 
 
 def policy_backends(

@@ -216,7 +216,7 @@ class _Fit:
             by_policy[rec.policy].append(rec)
         trainable = list(self.handles)  # worker groups exist for trainable policies only
         # every worker group is called (an empty list clears its buffer), all at once
-        results = await asyncio.gather(*(self.handles[p].call("train", by_policy.get(p, [])) for p in trainable))
+        results = await asyncio.gather(*(self.handles[p].train(by_policy.get(p, [])) for p in trainable))
         t2 = time.perf_counter()
         row: dict[str, Any] = {"kind": "train", "step": step, **summarize(trajs), **self.take_reward_cost()}
         if temperature is not None:
@@ -244,7 +244,7 @@ class _Fit:
         # the same seed at every evaluation: differences come from the weights, not the dice
         trajs = await self.rollouts(session, self.val_tasks, n, ids, _seed(self.cfg.seed, "val"),
                                     temperature=self.cfg.rollout.val_temperature)
-        await asyncio.gather(*(h.call("discard") for h in self.handles.values()))
+        await asyncio.gather(*(h.discard() for h in self.handles.values()))
         self.rundir.write_trajectories(step, (t.to_json() for t in trajs), name=f"step_{step:06d}_val")
         return {"kind": "val", "step": step, **summarize(trajs, timeouts_apart=True), **self.take_reward_cost(),
                 "time/eval_s": time.perf_counter() - t0}
@@ -252,7 +252,7 @@ class _Fit:
     async def checkpoint(self, step: int, position: int) -> None:
         staging = self.rundir.staging()
         await asyncio.gather(*(
-            self.handles[p].call("save", str(self.rundir.policy_dir(p, staging)), str(self.rundir.learner_dir(p, staging)))
+            self.handles[p].save(str(self.rundir.policy_dir(p, staging)), str(self.rundir.learner_dir(p, staging)))
             for p in self.handles
         ))
         self.rundir.commit({"step": step, "position": position, "seed": self.cfg.seed, "policies": sorted(self.handles)})
@@ -277,7 +277,7 @@ class _Fit:
         c = self.cfg
         if state:
             try:
-                await asyncio.gather(*(h.call("load", str(self.rundir.learner_dir(p))) for p, h in self.handles.items()))
+                await asyncio.gather(*(h.load(str(self.rundir.learner_dir(p))) for p, h in self.handles.items()))
             except UserError:
                 raise
             except (OSError, EOFError, RuntimeError, ValueError, KeyError) as exc:  # a damaged file the format checks let by

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import math
 import os
 import time
@@ -31,14 +30,12 @@ import torch
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 
-from mas_trainer.engines.base import Generation, SamplingParams, choice_id
+from mas_trainer.engines.base import EngineMeter, Generation, SamplingParams
 from mas_trainer.engines.models import bf16_is_fast
 from mas_trainer.runtime.plan import WorkerPlan
-from mas_trainer.runtime.worker_group import engine_stats
+from mas_trainer.runtime.turns import BufferedTurn, TurnStore
 
 __all__ = ["PolicyWorker"]
-
-log = logging.getLogger(__name__)
 
 
 class PolicyWorker(Worker):
@@ -84,22 +81,21 @@ class PolicyWorker(Worker):
             for worker in self._trainable():
                 worker.to("cpu")
         self.updates = 0
-        self._seen: dict[str, int] = {}
-        self.buffer: dict[str, tuple[list[int], list[int], list[float]]] = {}
+        self.turns = TurnStore(plan.policy)
         self.engine = None
+        self.meter: EngineMeter | None = None
         self.host_model = None  # replica engines: rank 0's full copy of the weights, gathered for each save
         self.tokenizer = None
-        if self.rank == 0:
-            from mas_trainer.engines.models import load_model
-            from mas_trainer.engines.torch_engine import TorchEngine
+        if self.rank == 0 and plan.engine == "embedded":
+            from mas_trainer.engines.torch_engine import load_engine
 
-            model, self.tokenizer = load_model(model_dir)
-            if plan.engine == "embedded":
-                self.engine = TorchEngine(model, self.tokenizer, model_name=plan.policy, max_batch_size=plan.max_batch_size,
-                                          bf16_autocast=plan.engine_bf16, batch_wait_ms=plan.batch_wait_ms,
-                                          device=_device(plan.device))
-            else:
-                self.host_model = model
+            self.engine = load_engine(model_dir, name=plan.policy, max_batch_size=plan.max_batch_size,
+                                      batch_wait_ms=plan.batch_wait_ms, bf16=plan.engine_bf16, device=_device(plan.device))
+            self.tokenizer, self.meter = self.engine.tokenizer, EngineMeter(self.engine)
+        elif self.rank == 0:
+            from mas_trainer.engines.models import load_model
+
+            self.host_model, self.tokenizer = load_model(model_dir)
         self.checkpoint_engine = None
         self.rollout = None  # colocated vLLM (verl's hybrid engine): this rank's adapter to its replica's server
         if plan.engine != "embedded":  # the sending side of verl's weight sync, configured as the replicas' side
@@ -116,55 +112,44 @@ class PolicyWorker(Worker):
     # --- serving (rank 0) ------------------------------------------------------------------
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, turn_id: str | None = None) -> list[Generation]:
         gens = await self.engine.generate(prompt_ids, params)
-        if turn_id is not None:
-            for i, g in enumerate(gens):
-                self.buffer[choice_id(turn_id, i)] = (list(prompt_ids), g.token_ids, g.logprobs)
+        self.turns.record(turn_id, prompt_ids, gens)
         return gens
 
     async def discard(self) -> int:
-        """Forget buffered turns (held-out rollouts); engine figures restart from here too."""
-        n = len(self.buffer)
-        self.buffer.clear()
-        if self.engine is not None:
-            _, self._seen = engine_stats(self.engine, self._seen)
-        return n
+        """Forget stored turns (held-out rollouts); engine figures restart from here too."""
+        if self.meter is not None:
+            self.meter.read()
+        return self.turns.clear()
 
     # --- training (every rank) -------------------------------------------------------------
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
-    def train(self, records: Sequence[Any], turns: dict[str, Any] | None = None) -> dict[str, float] | None:
+    def train(self, records: Sequence[Any], turns: dict[str, BufferedTurn] | None = None) -> dict[str, float] | None:
         """One PPO update from the controller's thin records; returns metrics on rank 0.
 
-        `turns` (turn id -> prompt ids, response ids, log-probs) come with the records when
-        rollout replicas, not rank 0's engine, generated them."""
+        `turns` (`BufferedTurn`s by turn id) come with the records when rollout replicas,
+        not rank 0's engine, generated them."""
         from mas_trainer.learners.batch import Turn
 
         t0 = time.perf_counter()
         shared = [None]
         if self.rank == 0:
-            self.buffer.update(turns or {})
-            kept = [r for r in records if r.turn_id in self.buffer]
-            if len(kept) < len(records):
-                log.warning("policy %s: %d of %d records name turns this worker group never generated; skipped",
-                            self.plan.policy, len(records) - len(kept), len(records))
-            shared = [[(r, self.buffer[r.turn_id]) for r in kept]]
-            self.buffer.clear()
+            self.turns.add(turns or {})
+            shared = [self.turns.take(records)]
         torch.distributed.broadcast_object_list(shared, src=0)
         pairs = shared[0]
         if not pairs:
             return {"turns": 0.0} if self.rank == 0 else None
         records = [r for r, _ in pairs]
-        turns = [Turn(id=r.turn_id, prompt_ids=p, response_ids=s, old_logprobs=lp, advantages=0.0) for r, (p, s, lp) in pairs]
+        batch = [Turn(id=r.turn_id, prompt_ids=t.prompt_ids, response_ids=t.response_ids, old_logprobs=t.logprobs,
+                      advantages=0.0) for r, t in pairs]
         with self._on_device():  # shared GPUs: the update's turn, then the rollouts'
-            metrics = self._update(records, turns)
+            metrics = self._update(records, batch)
             if self.plan.engine == "embedded":
                 self._sync_engine()  # replica engines get the weights from update_weights, after this call
-        metrics.update(turns=float(len(turns)), seconds=time.perf_counter() - t0, updates=float(self.updates))
+        metrics.update(turns=float(len(batch)), seconds=time.perf_counter() - t0, updates=float(self.updates))
         if self.rank != 0:
             return None
-        if self.engine is None:
-            return metrics
-        stats, self._seen = engine_stats(self.engine, self._seen)
-        return {**metrics, **stats}
+        return {**metrics, **(self.meter.read() if self.meter is not None else {})}  # replicas: their group adds theirs
 
     def _trainable(self) -> list[Any]:
         """The workers holding parameters and optimizer state on the GPU (the reference is

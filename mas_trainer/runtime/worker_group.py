@@ -10,61 +10,41 @@ own thread between batches, so the next request already uses the new weights.
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Sequence
 
-from mas_trainer.engines.base import Generation, SamplingParams, choice_id
+from mas_trainer.engines.base import EngineMeter, Generation, SamplingParams
 from mas_trainer.runtime.plan import WorkerPlan
+from mas_trainer.runtime.turns import TurnStore
 
-__all__ = ["WorkerGroup", "BufferedTurn", "engine_stats"]
-
-log = logging.getLogger(__name__)
-
-
-def engine_stats(engine: Any, seen: dict[str, int]) -> tuple[dict[str, float], dict[str, int]]:
-    """Decode steps, prefills and mean batch rows of `engine` since the counts in `seen`
-    (start with an empty dict); returns the metrics and the counts to pass next time."""
-    st = engine.stats
-    rows = sum(size * n for size, n in st["batch_sizes"].items())
-    now = {"decode_steps": st["decode_steps"], "prefills": st["prefills"], "rows": rows}
-    d = {k: now[k] - seen.get(k, 0) for k in now}
-    return ({"engine/decode_steps": float(d["decode_steps"]), "engine/prefills": float(d["prefills"]),
-             "engine/mean_batch": d["rows"] / d["decode_steps"] if d["decode_steps"] else 0.0}, now)
-
-
-@dataclass
-class BufferedTurn:
-    prompt_ids: list[int]
-    response_ids: list[int]
-    logprobs: list[float]
+__all__ = ["WorkerGroup"]
 
 
 class WorkerGroup:
-    """Engine + turn buffer + learner of one trainable policy (a Ray actor, or an object
-    in-process). Frozen policies need none of this: the controller serves them directly."""
+    """Engine + turn store + learner of one trainable policy (a Ray actor, or an object
+    in-process); a `WorkerGroupHandle` itself. Frozen policies need none of this: the
+    controller serves them directly."""
 
     def __init__(self, plan: WorkerPlan) -> None:
         import torch
 
-        from mas_trainer.engines.models import load_model
-        from mas_trainer.engines.torch_engine import TorchEngine
+        from mas_trainer.engines.models import is_adapter, load_model
+        from mas_trainer.engines.torch_engine import load_engine
         from mas_trainer.learners.torch_learner import TorchLearner
 
         if plan.torch_threads:
             torch.set_num_threads(plan.torch_threads)
-        from mas_trainer.engines.models import is_adapter
-
         self.policy = plan.policy
         learner = plan.learner
         # resuming a LoRA policy: the base again, and its saved adapter trains on (not merged into a new base)
         adapter = plan.model if learner.lora_rank and is_adapter(plan.model) else None
-        model, self.tokenizer = load_model(plan.reference if adapter else plan.model, seed=plan.seed)
-        self.engine = TorchEngine(model, self.tokenizer, model_name=plan.policy, max_batch_size=plan.max_batch_size,
-                                  bf16_autocast=plan.engine_bf16, batch_wait_ms=plan.batch_wait_ms, device=plan.device)
-        self.buffer: dict[str, BufferedTurn] = {}
-        self._seen: dict[str, int] = {}
+        self.engine = load_engine(plan.reference if adapter else plan.model, name=plan.policy, seed=plan.seed,
+                                  max_batch_size=plan.max_batch_size, batch_wait_ms=plan.batch_wait_ms,
+                                  bf16=plan.engine_bf16, device=plan.device)
+        model, self.tokenizer = self.engine.model, self.engine.tokenizer
+        self.turns = TurnStore(plan.policy)
+        self.meter = EngineMeter(self.engine)
         reference = None
         if learner.kl_coef > 0 and not learner.lora_rank and plan.reference is not None:  # resumed: the reference stays the base model
             reference = load_model(plan.reference, seed=plan.seed)[0].to(plan.device)
@@ -80,36 +60,27 @@ class WorkerGroup:
     # --- serving ---------------------------------------------------------------------------
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, turn_id: str | None = None) -> list[Generation]:
         gens = await self.engine.generate(prompt_ids, params)
-        if turn_id is not None:
-            for i, g in enumerate(gens):
-                self.buffer[choice_id(turn_id, i)] = BufferedTurn(list(prompt_ids), g.token_ids, g.logprobs)
+        self.turns.record(turn_id, prompt_ids, gens)
         return gens
 
-    def discard(self) -> int:
-        """Forget buffered turns (held-out rollouts, or turns nobody trained on); the engine
+    async def discard(self) -> int:
+        """Forget stored turns (held-out rollouts, or turns nobody trained on); the engine
         figures of the next update count from here, so a resumed run reports the same ones."""
-        n = len(self.buffer)
-        self.buffer.clear()
-        _, self._seen = engine_stats(self.engine, self._seen)
-        return n
+        self.meter.read()
+        return self.turns.clear()
 
     # --- training --------------------------------------------------------------------------
     async def train(self, records: Sequence[Any]) -> dict[str, float]:
-        """One update from thin records (`TurnRecord`s of this policy); clears the buffer."""
+        """One update from thin records (`TurnRecord`s of this policy); empties the turn store."""
         from mas_trainer.algo.advantages import compute_policy_advantages
         from mas_trainer.learners.batch import Turn
 
-        kept = [r for r in records if r.turn_id in self.buffer]
-        if len(kept) < len(records):
-            log.warning("policy %s: %d of %d records name turns this worker group never generated; skipped",
-                        self.policy, len(records) - len(kept), len(records))
-        records = kept
-        if not records:
-            self.buffer.clear()
+        pairs = self.turns.take(records)
+        if not pairs:
             return {"turns": 0.0}
-        turns = [Turn(id=r.turn_id, prompt_ids=self.buffer[r.turn_id].prompt_ids, response_ids=self.buffer[r.turn_id].response_ids,
-                      old_logprobs=self.buffer[r.turn_id].logprobs, advantages=0.0) for r in records]
-        self.buffer.clear()
+        records = [r for r, _ in pairs]
+        turns = [Turn(id=r.turn_id, prompt_ids=t.prompt_ids, response_ids=t.response_ids, old_logprobs=t.logprobs,
+                      advantages=0.0) for r, t in pairs]
         learner, critic = self.learner, self.critic
 
         def update(_model: Any) -> dict[str, float]:
@@ -125,11 +96,7 @@ class WorkerGroup:
             return {**metrics, "turns": float(len(turns)), "adv_mean": float(adv.mean()), "adv_abs_mean": float(adv.abs().mean())}
 
         metrics = await asyncio.wrap_future(self.engine.run_exclusive(update))
-        return {**metrics, **self._engine_stats()}
-
-    def _engine_stats(self) -> dict[str, float]:
-        metrics, self._seen = engine_stats(self.engine, self._seen)
-        return metrics
+        return {**metrics, **self.meter.read()}
 
     # --- checkpoints -----------------------------------------------------------------------
     async def save(self, folder: str, learner_dir: str) -> None:

@@ -9,7 +9,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from mas_trainer.errors import UserError  # noqa: E402
-from mas_trainer.runtime.star import WorkerHandle  # noqa: E402
+from mas_trainer.runtime.ray_group import ActorGroup  # noqa: E402
 
 
 @ray.remote
@@ -17,7 +17,7 @@ class Slow:
     def __init__(self) -> None:
         self.state = "idle"
 
-    async def generate(self, seconds: float) -> str:
+    async def generate(self, prompt_ids: list[int], seconds: float, turn_id: str | None) -> str:
         self.state = "running"
         try:
             await asyncio.sleep(seconds)
@@ -40,10 +40,10 @@ def test_cancelling_the_await_cancels_the_ray_task():
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         actor = Slow.remote()
-        handle = WorkerHandle("p", actor, remote=True)
+        handle = ActorGroup("p", actor)
 
         async def abandon() -> None:
-            task = asyncio.ensure_future(handle.call("generate", 60.0))
+            task = asyncio.ensure_future(handle.generate([1], 60.0))  # type: ignore[arg-type]
             while ray.get(actor.status.remote()) != "running":
                 await asyncio.sleep(0.05)
             task.cancel()  # the gateway does this when the client hangs up
@@ -58,7 +58,7 @@ def test_cancelling_the_await_cancels_the_ray_task():
 
         # a worker's UserError reaches the CLI as its own line, not Ray's wrapped traceback
         with pytest.raises(UserError) as err:
-            asyncio.run(handle.call("load", "/run/checkpoint"))
+            asyncio.run(handle.load("/run/checkpoint"))
         assert str(err.value) == "/run/checkpoint/optimizer.pt holds a pickle; refused"
     finally:
         ray.shutdown()

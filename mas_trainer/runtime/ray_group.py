@@ -1,0 +1,187 @@
+"""Worker groups on Ray: their actors' start and stop, and the typed proxies (the
+`star.WorkerGroupHandle` contract) the trainer and the gateway call. `ActorGroup`: one
+`WorkerGroup` actor (the torch learner). `VerlGroup`: a verl `RayWorkerGroup` of
+`PolicyWorker`s; serving goes to rank 0 (engine, turns), training and checkpoints to every
+rank. Each forwards through one `_call`: an abandoned await cancels its Ray task, and a
+worker's `UserError` arrives as its own line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any, Iterator, Sequence
+
+from mas_trainer.engines.base import Generation, SamplingParams
+from mas_trainer.errors import UserError
+from mas_trainer.runtime.plan import WorkerPlan
+from mas_trainer.runtime.ray_init import init_ray, init_ray_for
+from mas_trainer.runtime.turns import BufferedTurn
+
+__all__ = ["ActorGroup", "VerlGroup", "start_actor_groups", "start_verl_groups"]
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _user_errors() -> Iterator[None]:
+    """A UserError raised in a Ray worker reaches the CLI as its one line, not as Ray's
+    traceback-laden wrapper (which is also an instance of the cause's type)."""
+    try:
+        yield
+    except UserError as exc:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, UserError) and cause is not exc:
+            raise UserError(str(cause)) from None
+        raise
+
+
+async def _cancellable(ref: Any) -> Any:
+    """Await a Ray task; if the awaiting request is cancelled (its client hung up), cancel the
+    task too: an abandoned generation must not keep the engine busy."""
+    try:
+        return await ref
+    except asyncio.CancelledError:
+        import ray
+
+        ray.cancel(ref)
+        raise
+
+
+class ActorGroup:
+    """A torch-learner worker group running as one Ray actor."""
+
+    def __init__(self, policy: str, actor: Any) -> None:
+        self.policy = policy
+        self.actor = actor
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        with _user_errors():
+            return await _cancellable(getattr(self.actor, method).remote(*args))
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, turn_id: str | None = None) -> list[Generation]:
+        return await self._call("generate", list(prompt_ids), params, turn_id)
+
+    async def discard(self) -> int:
+        return await self._call("discard")
+
+    async def train(self, records: Sequence[Any]) -> dict[str, float]:
+        return await self._call("train", records)
+
+    async def save(self, folder: str, learner_dir: str) -> None:
+        await self._call("save", folder, learner_dir)
+
+    async def load(self, learner_dir: str) -> int | None:
+        return await self._call("load", learner_dir)
+
+    def close(self) -> None:
+        import ray
+
+        try:
+            ray.get(self.actor.close.remote(), timeout=30)
+        finally:
+            ray.kill(self.actor)
+
+
+class VerlGroup:
+    """A verl worker group of one policy; `plan` is the plan its ranks started with."""
+
+    def __init__(self, plan: WorkerPlan, group: Any, pool: Any = None) -> None:
+        self.policy = plan.policy
+        self.plan = plan
+        self.group = group
+        self.pool = pool  # its placement groups are released on close (none when shared)
+
+    async def _call(self, method: str, *args: Any, rank0: bool = False) -> Any:
+        """Rank 0 runs `method` (serving), or every rank (verl's ONE_TO_ALL) and rank 0 answers."""
+        with _user_errors():
+            if rank0:
+                return await _cancellable(getattr(self.group.workers[0], method).remote(*args))
+            return (await asyncio.gather(*getattr(self.group, method)(*args)))[0]
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, turn_id: str | None = None) -> list[Generation]:
+        return await self._call("generate", list(prompt_ids), params, turn_id, rank0=True)
+
+    async def discard(self) -> int:
+        return await self._call("discard", rank0=True)
+
+    async def train(self, records: Sequence[Any], turns: dict[str, BufferedTurn] | None = None) -> dict[str, float]:
+        """`turns`: the records' turns, when rollout replicas generated them (`ReplicaGroupHandle`)."""
+        return await self._call("train", records, turns)
+
+    async def save(self, folder: str, learner_dir: str) -> None:
+        await self._call("save", folder, learner_dir)
+
+    async def load(self, learner_dir: str) -> int:
+        return await self._call("load", learner_dir)
+
+    def close(self) -> None:
+        import ray
+
+        try:
+            ray.get(self.group.close(), timeout=30)
+        finally:
+            for w in self.group.workers:
+                ray.kill(w)
+            for pg in (self.pool.pgs or []) if self.pool is not None else []:
+                ray.util.remove_placement_group(pg)
+
+
+def start_actor_groups(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, ActorGroup]:
+    """One `WorkerGroup` actor per policy; returns once every one has started."""
+    import ray
+
+    from mas_trainer.runtime.worker_group import WorkerGroup
+
+    init_ray(runtime, 0, {})
+    actor_cls = ray.remote(WorkerGroup)
+    groups = {}
+    for name, plan in plans.items():  # the plan decided each group's torch threads
+        gpus = plan.resources.gpus_per_proc if plan.device == "cuda" else 0
+        actor = actor_cls.options(num_cpus=runtime.worker_cpus, num_gpus=gpus, max_concurrency=1000).remote(plan)
+        groups[name] = ActorGroup(name, actor)
+    # fail here, not at the first request, if an actor cannot start (e.g. a bad model path)
+    ray.get([g.actor.discard.remote() for g in groups.values()])
+    return groups
+
+
+def start_verl_groups(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, VerlGroup]:
+    """One verl worker group per policy, world size `nodes x procs_per_node`: FSDP2 over NCCL
+    on GPUs, over gloo on CPU; with `runtime.share_gpus`, all on one pool."""
+    import ray
+
+    devices = {p.device for p in plans.values()}
+    cpu = devices == {"cpu"}
+    # one logical CPU per rank and per CPU rollout replica
+    replicas = sum(p.replica.replicas for p in plans.values() if p.engine != "embedded") if cpu else 0
+    env = init_ray_for("cpu" if cpu else "cuda", runtime, sum(p.resources.world_size for p in plans.values()) + replicas)
+    from verl.single_controller.ray.base import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+
+    from mas_trainer.runtime.verl_group import PolicyWorker
+
+    def pool(r: Any, colocate: int) -> Any:
+        return RayResourcePool(process_on_nodes=[r.procs_per_node] * r.nodes, use_gpu=not cpu,
+                               max_colocate_count=colocate, name_prefix=None)
+
+    shared = None  # the plan checked that the policies' resources agree
+    if any(p.offload_between_phases for p in plans.values()):
+        shared = pool(next(iter(plans.values())).resources, len(plans))
+    groups: dict[str, VerlGroup] = {}
+    first_rank = 0  # replica ranks are unique across policies: verl names servers and sockets by rank alone
+    for name, plan in plans.items():
+        # one rank per GPU bundle: NCCL refuses two ranks of one group on one GPU (a share below 1
+        # is refused when the config loads, see config._check_learner)
+        own = None if shared else pool(plan.resources, 1)
+        replica_ranks = 0
+        if plan.engine != "embedded":
+            from mas_trainer.rollout.fleet import replica_count
+
+            replica_ranks = replica_count(plan.replica, plan.device, plan.resources.world_size)
+        plan = plan.model_copy(update={"replica_first_rank": first_rank})
+        first_rank += replica_ranks
+        cls = RayClassWithInitArgs(cls=ray.remote(PolicyWorker), plan=plan)
+        group = RayWorkerGroup(resource_pool=shared or own, ray_cls_with_init=cls, device_name=plan.device, worker_env=env)
+        groups[name] = VerlGroup(plan, group, own)
+        log.info("policy %s: verl worker group of %d rank(s) on %s", name, plan.resources.world_size, plan.device)
+    return groups

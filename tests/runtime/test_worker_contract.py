@@ -1,0 +1,119 @@
+"""One contract for a policy's worker group: the in-process group, the Ray proxies and the
+replica group have the same typed methods, and file, take and forget turns alike."""
+
+import asyncio
+import inspect
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from mas_trainer.engines.base import ENGINE_METRICS, EngineMeter, SamplingParams, choice_id
+from mas_trainer.engines.fake import FakeEngine
+from mas_trainer.runtime.ray_group import ActorGroup, VerlGroup
+from mas_trainer.runtime.star import ReplicaGroupHandle, WorkerGroupHandle
+from mas_trainer.runtime.turns import BufferedTurn, TurnStore
+
+METHODS = ("generate", "discard", "train", "save", "load", "close")
+
+
+def _groups():
+    from mas_trainer.runtime.worker_group import WorkerGroup
+
+    return [WorkerGroup, ActorGroup, VerlGroup, ReplicaGroupHandle]
+
+
+@pytest.mark.parametrize("cls", _groups(), ids=lambda c: c.__name__)
+def test_every_group_has_the_protocols_methods_and_signatures(cls):
+    for name in METHODS:
+        want, have = getattr(WorkerGroupHandle, name), getattr(cls, name)
+        assert inspect.iscoroutinefunction(have) == inspect.iscoroutinefunction(want), (cls.__name__, name)
+        wp = list(inspect.signature(want).parameters.values())
+        hp = list(inspect.signature(have).parameters.values())
+        assert [p.name for p in hp[: len(wp)]] == [p.name for p in wp], (cls.__name__, name)
+        # parameters beyond the contract's are optional (verl's train takes the replicas' turns)
+        assert all(p.default is not inspect.Parameter.empty for p in hp[len(wp):]), (cls.__name__, name)
+
+
+class _Metered(FakeEngine):
+    def __init__(self) -> None:
+        super().__init__("p")
+        self.requests = 0
+
+    async def generate(self, prompt_ids, params, *, turn_id=None):
+        self.requests += 1
+        return await super().generate(prompt_ids, params, turn_id=turn_id)
+
+    def metrics(self):
+        return {"requests": float(self.requests), "tokens": 0.0, "busy_s": 0.0}
+
+
+def _embedded():
+    from mas_trainer.runtime.worker_group import WorkerGroup
+
+    g = WorkerGroup.__new__(WorkerGroup)  # no model: only the serving side is under test
+    g.policy, g.engine, g.turns = "p", _Metered(), TurnStore("p")
+    g.meter = EngineMeter(g.engine)
+    return g
+
+
+def _verl_rank0():
+    from mas_trainer.runtime.verl_group import PolicyWorker
+
+    w = PolicyWorker.__new__(PolicyWorker)
+    w.engine, w.turns = _Metered(), TurnStore("p")
+    w.meter = EngineMeter(w.engine)
+    return w
+
+
+def _replicas():
+    engine = _Metered()
+    fleet = SimpleNamespace(engine=lambda tokenizer, on_output: engine, version=0)
+    return ReplicaGroupHandle(SimpleNamespace(policy="p"), fleet, tokenizer=None)
+
+
+@pytest.mark.parametrize("make", [_embedded, _verl_rank0, _replicas], ids=["embedded", "verl", "replicas"])
+def test_every_group_files_choices_by_choice_id_and_discards_them(make):
+    group = make()
+
+    async def run():
+        gens = await group.generate([5, 6], SamplingParams(n=2, max_tokens=3), "call")
+        await group.generate([7], SamplingParams(), None)  # not for training: not kept
+        return gens
+
+    gens = asyncio.run(run())
+    assert len(group.turns) == 2
+    pairs = group.turns.take([SimpleNamespace(turn_id=choice_id("call", i)) for i in range(2)])
+    assert [t for _, t in pairs] == [BufferedTurn([5, 6], g.token_ids, g.logprobs) for g in gens]
+    asyncio.run(group.generate([5], SamplingParams(), "again"))
+    assert asyncio.run(group.discard()) == 1 and len(group.turns) == 0
+    assert set(group.meter.read()) == set(ENGINE_METRICS.values())
+
+
+def test_taking_skips_unknown_turns_with_one_warning_and_empties_the_store(caplog):
+    store = TurnStore("p")
+    store.record("a", [1], [SimpleNamespace(token_ids=[2], logprobs=[-0.1])])
+    store.add({"b": BufferedTurn([3], [4], [-0.2])})
+    records = [SimpleNamespace(turn_id=t) for t in ("a", "x", "b", "y")]
+    with caplog.at_level(logging.WARNING):
+        assert dict((r.turn_id, t) for r, t in store.take(records)) == {"a": BufferedTurn([1], [2], [-0.1]), "b": BufferedTurn([3], [4], [-0.2])}
+    assert len(store) == 0
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "2 of 4 records" in warnings[0].getMessage()
+    assert store.take(records) == [] and store.clear() == 0
+
+
+def test_engine_metrics_have_the_same_keys_on_every_engine():
+    from mas_trainer.rollout.engine import ReplicaEngine
+
+    replica = ReplicaEngine(SimpleNamespace(), model_name="p", decode=str, eos_ids=[2])
+    assert tuple(replica.metrics()) == tuple(ENGINE_METRICS)
+    torch = pytest.importorskip("torch")  # noqa: F841
+    from mas_trainer.engines.torch_engine import load_engine
+
+    with load_engine("tiny", name="p", batch_wait_ms=0) as engine:
+        asyncio.run(engine.generate([1, 17, 42], SamplingParams(max_tokens=4, seed=0)))
+        meter_keys = tuple(engine.metrics())
+        assert meter_keys == tuple(ENGINE_METRICS)
+        m = engine.metrics()
+        assert m["requests"] == 1 and m["tokens"] >= 1 and m["busy_s"] > 0
