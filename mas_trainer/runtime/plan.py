@@ -36,7 +36,7 @@ class WorkerPlan(BaseModel):
     device: Literal["cpu", "cuda"] = "cpu"
     resources: Resources = Field(default_factory=Resources)
     max_batch_size: int = 8
-    batch_wait_ms: float = 5.0
+    batch_wait_ms: float = 50.0  # runtime.batch_wait_ms' default
     engine_bf16: bool | Literal["auto"] = False
     torch_threads: int | None = None
     engine: Literal["embedded", "vllm", "torch-replica"] = Field(
