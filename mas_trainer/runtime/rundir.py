@@ -3,7 +3,7 @@
 ```
 RUN_DIR/config.yaml               resolved config
 RUN_DIR/app.json                  the policy map the run trained (`AppRecord`)
-RUN_DIR/plan.json                 the run plan `fit` resolved (`RunPlan`; informative, resume does not need it)
+RUN_DIR/plan.json                 the run plan `fit` resolved at its last launch (`RunPlan`; informative, resume does not need it)
 RUN_DIR/metrics.jsonl             one row per training step (kind "train") and evaluation (kind "val")
 RUN_DIR/trajectories/step_000001.jsonl
 RUN_DIR/checkpoint/policies/NAME/ Hugging Face folder per policy (transformers / vllm serve)

@@ -225,7 +225,8 @@ def _rows(out):
 
 
 def _comparable(rows):
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]
+    """The rows less their durations: `time/...`, `perf/...` and a policy's `policy/NAME/time/...`."""
+    return [{k: v for k, v in r.items() if not {"time", "perf"} & set(k.split("/")[:3])} for r in rows]
 
 
 def _trajectories(out):
