@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["ReplicaConfig", "ENGINES"]
+from mas_trainer.errors import UserError
+
+__all__ = ["ReplicaConfig", "ENGINES", "VLLM_INSTALL", "require_vllm"]
 
 # embedded: the torch engine inside the policy's worker group (rank 0); vllm: verl's vLLM
 # replicas; torch-replica: the embedded engine behind verl's replica interface (CPU CI runs the
@@ -34,3 +37,13 @@ class ReplicaConfig(BaseModel):
         "colocated there, mas-gloo on CPU)")
     bucket_mb: int = Field(512, ge=1, description="weight sync bucket size (MB)")
     timeout_s: float = Field(600.0, gt=0, description="a request a replica does not answer in this time fails the run (resumable)")
+
+
+VLLM_INSTALL = "pip install -c constraints-gpu.txt -e '.[torch,train,vllm]' (verl 0.9.1's vllm extra: vllm 0.24, torch 2.11; docs/vllm.md)"
+
+
+def require_vllm() -> None:
+    """One line naming what to install where vLLM is missing (found without importing it: the
+    run plan asks before anything starts, and importing vLLM takes seconds)."""
+    if importlib.util.find_spec("vllm") is None:
+        raise UserError(f"engine vllm needs vLLM, which is not installed here: {VLLM_INSTALL}")

@@ -27,24 +27,13 @@ import types
 from typing import Any, Coroutine
 
 from mas_trainer.errors import UserError
-from mas_trainer.rollout.config import ReplicaConfig
+from mas_trainer.rollout.config import ReplicaConfig, require_vllm
 from mas_trainer.rollout.engine import ReplicaEngine
 
-__all__ = ["RolloutFleet", "require_vllm", "VLLM_INSTALL", "rollout_config", "weight_sync_backend", "replica_count",
+__all__ = ["RolloutFleet", "rollout_config", "weight_sync_backend", "replica_count",
            "sync_group_name", "learner_checkpoint_engine"]
 
 log = logging.getLogger(__name__)
-
-VLLM_INSTALL = "pip install -c constraints-gpu.txt -e '.[torch,train,vllm]' (verl 0.9.1's vllm extra: vllm 0.24, torch 2.11; docs/vllm.md)"
-
-
-def require_vllm() -> None:
-    """One line naming what to install where vLLM is missing."""
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        raise UserError(f"engine vllm needs vLLM, which is not installed here: {VLLM_INSTALL}") from None
-
 
 def _run(coro: Coroutine[Any, Any, Any]) -> Any:
     """Run a coroutine to completion from sync code, whether or not a loop runs in this thread."""

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from mas_trainer.algo.config import AdvantageConfig
 from mas_trainer.config import ConfigError, FitConfig, Resources, RuntimeConfig, check_runtime, resolve_learner
 from mas_trainer.learners.config import CriticConfig, LearnerConfig
-from mas_trainer.rollout.config import ReplicaConfig
+from mas_trainer.rollout.config import ReplicaConfig, require_vllm
 
 __all__ = ["WorkerPlan", "RunPlan", "Machine", "probe_machine", "resolve_plan"]
 
@@ -107,6 +107,8 @@ def resolve_plan(cfg: FitConfig, models: Mapping[str, tuple[str, str]], *, machi
                              max_batch_size=rt.max_batch_size, batch_wait_ms=rt.batch_wait_ms, engine_bf16=rt.engine_bf16,
                              engine=cfg.engine_for(p), replica=rt.replica)
                for p, (model, base) in models.items()}
+    if any(w.engine == "vllm" for w in workers.values()):  # before minutes of start-up, not after
+        require_vllm()
     shared = rt.share_gpus and learner == "verl" and device == "cuda"
     if shared and len({(w.resources.nodes, w.resources.procs_per_node) for w in workers.values()}) > 1:
         raise ConfigError("runtime.share_gpus puts every policy on one pool, so every policy needs the same resources: "

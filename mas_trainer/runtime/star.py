@@ -154,10 +154,6 @@ def start_workers(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, Worke
 
 
 def _start_verl(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, WorkerGroupHandle]:
-    if any(p.engine == "vllm" for p in plans.values()):  # before minutes of start-up, not after
-        from mas_trainer.rollout.fleet import require_vllm
-
-        require_vllm()
     groups = start_verl_groups(plans, runtime)
     handles: dict[str, WorkerGroupHandle] = dict(groups)
     try:
@@ -196,8 +192,8 @@ def serving_backends(checkpoints: dict[str, Any], kind: str, runtime: Any) -> di
     from mas_trainer.engines.chat import HFChatFormat
     from mas_trainer.engines.models import load_tokenizer
     from mas_trainer.gateway import PolicyBackend
-    from mas_trainer.rollout.config import ReplicaConfig
-    from mas_trainer.rollout.fleet import RolloutFleet, require_vllm
+    from mas_trainer.rollout.config import ReplicaConfig, require_vllm
+    from mas_trainer.rollout.fleet import RolloutFleet
 
     if kind == "vllm":
         require_vllm()

@@ -100,3 +100,16 @@ def test_fit_writes_the_plan_and_resumes_a_run_without_one(tmp_path, capsys):
     rows = fit(f"{APP}:graph", TASKS[:4], load_config(overrides=[*base, "steps=2"]), out, resume=True, console=console)
     assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2]
     assert RunPlan.model_validate_json((out / "plan.json").read_text()).workers["lead"].model.endswith("policies/lead")
+
+
+def test_engine_vllm_without_vllm_is_refused_by_the_plan(monkeypatch):
+    """A missing vLLM is the plan's one line, before Ray or any worker group starts."""
+    import importlib.util
+
+    from mas_trainer.errors import UserError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(UserError, match=r"engine vllm needs vLLM, which is not installed here: pip install -c constraints-gpu.txt"):
+        _plan("runtime.engine=vllm", "runtime.learner=verl", gpus=2)
+    _plan("policies.lead.engine=embedded", gpus=2)  # no vllm policy: nothing asked
