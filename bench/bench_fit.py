@@ -78,7 +78,7 @@ def fit_steps(model_spec: str, steps: int, samples: int, new_tokens: int, lr: fl
     from mas_trainer.runtime.trainer import fit
 
     cfg = load_config(overrides=[
-        "runtime.backend=local", f"steps={steps}", f"rollout.tasks_per_step={len(PROMPTS)}", f"rollout.n={samples}",
+        "runtime.execution=local", f"steps={steps}", f"rollout.tasks_per_step={len(PROMPTS)}", f"rollout.n={samples}",
         f"rollout.max_tokens={new_tokens}", f"runtime.max_batch_size={len(PROMPTS) * samples}", f"learner.lr={lr}",
         f"learner.mini_batch_size={len(PROMPTS) * samples}", f"learner.micro_batch_size={len(PROMPTS) * samples}", "save_every=1000", "eval_every=1000", f"model={model_spec}",
     ])

@@ -39,7 +39,7 @@ COMMON = ["examples/langgraph_apps/rag_qa/app.py:graph_answerer",
 # The previous main command (scripts/demo.sh and the README until 2026-12-02): full fine-tuning, every turn in
 # every update, training rollouts sampled as the app asks (temperature 1), an evaluation every 10 steps.
 OLD = ["steps=55", "rollout.tasks_per_step=8", "rollout.n=4", "rollout.val_temperature=0", "eval_every=10", "save_every=10",
-       "learner.lr=2e-5", "learner.mini_batch_size=16", "runtime.backend=local", "runtime.max_batch_size=32"]
+       "learner.lr=2e-5", "learner.mini_batch_size=16", "runtime.execution=local", "runtime.max_batch_size=32"]
 # The main command now (scripts/demo.sh and the README; tests/bench/test_time_to_target.py keeps them equal): training
 # rollouts at temperature 0.7 (a group's samples stay near the greedy reply, so fewer score zero), dynamic sampling
 # (groups with no spread left out, a second draw while fewer than 4 of 8 have spread), each distinct prompt run once
@@ -48,7 +48,7 @@ OLD = ["steps=55", "rollout.tasks_per_step=8", "rollout.n=4", "rollout.val_tempe
 NEW = ["steps=40", "rollout.tasks_per_step=8", "rollout.n=4", "rollout.temperature=0.7", "rollout.val_temperature=0",
        "rollout.filter_groups=true", "rollout.min_groups=4", "eval_every=5", "save_every=10", "learner.lr=2e-5",
        "learner.mini_batch_size=16", "learner.share_prompts=true", "learner.skip_zero_advantage=true",
-       "runtime.backend=local", "runtime.max_batch_size=32"]
+       "runtime.execution=local", "runtime.max_batch_size=32"]
 
 
 def run(out: Path, args: list[str], extra: list[str]) -> None:

@@ -27,7 +27,7 @@ from mas_trainer.rollout.config import ENGINES, ReplicaConfig
 
 __all__ = [
     "FitConfig", "PolicyConfig", "RuntimeConfig", "Resources", "load_config", "describe_keys", "check_torch_only", "check_policy_names",
-    "check_trackers", "check_runtime", "resolve_learner", "TRACKERS", "ConfigError",
+    "check_trackers", "check_runtime", "resolve_learner", "TRACKERS", "ConfigError", "RENAMED",
 ]
 
 TRACKERS = ("console", "tensorboard", "mlflow", "wandb")
@@ -155,13 +155,13 @@ class RuntimeConfig(_Strict):
         "engine behind the same replica interface (CPU)")
     replica: ReplicaConfig = Field(default_factory=ReplicaConfig)
     share_gpus: bool = Field(False, description="verl learner on GPUs: every policy's worker group on one pool of GPUs (rollout and update take turns) instead of disjoint pools")
-    backend: Literal["ray", "local"] = Field("ray", description="torch learner: ray = one Ray actor per policy; local = worker groups in this process")
+    execution: Literal["ray", "local"] = Field("ray", description="where the policies' worker groups run: ray = Ray actors (one per policy, or verl's ranks); local = in this process (torch learner only)")
     ray_address: str | None = Field(None, description="join this Ray cluster instead of starting a local one")
     num_cpus: int | None = Field(None, description="CPUs of the local Ray instance (default: all); not with ray_address")
     worker_cpus: float = Field(0.0, ge=0, description="CPUs each worker group actor reserves (0 fits any number on one machine); "
                                "torch learner on Ray only (verl's ranks take their pool's bundles)")
     torch_threads: int | None = Field(None, ge=1, description="torch threads per worker process (default: on CPU cores / "
-                                      "processes: policies, or verl ranks); Ray backend only")
+                                      "processes: policies, or verl ranks); runtime.execution=ray only")
     max_batch_size: int = Field(8, ge=1, description="engine rows decoded together")
     batch_wait_ms: float = Field(50.0, ge=0, description="how long an idle engine waits for more requests to fill a batch")
     engine_bf16: bool | Literal["auto"] = Field(
@@ -216,6 +216,25 @@ class FitConfig(_Strict):
         return CriticConfig.model_validate({**self.critic.model_dump(), **(over.critic if over else {})})
 
 
+RENAMED = {"runtime.backend": "runtime.execution"}
+"""Keys renamed since runs were first written -> their name now (in the same section): a user's
+config that spells the old one is refused in one line; a run directory's config.yaml is read
+with the new name (`load_config(upgrade=True)`), so runs written before still eval, export, serve."""
+
+
+def _renamed_keys(tree: dict[str, Any], upgrade: bool) -> None:
+    for old, new in RENAMED.items():
+        *parents, leaf = old.split(".")
+        node: Any = tree
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or leaf not in node:
+            continue
+        if not upgrade:
+            raise ConfigError(f"{old} is now called {new}: write {new}={node[leaf]}")
+        node.setdefault(new.rsplit(".", 1)[1], node.pop(leaf))
+
+
 def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
     parts = key.split(".")
     node = tree
@@ -260,8 +279,10 @@ def _section_of(path: tuple[Any, ...]) -> type[BaseModel] | None:
     return model
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), base: Mapping[str, Any] | None = None) -> FitConfig:
-    """YAML file (optional), then `base` (e.g. CLI flags), then `key=value` overrides (values parsed as YAML)."""
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), base: Mapping[str, Any] | None = None, *,
+                upgrade: bool = False) -> FitConfig:
+    """YAML file (optional), then `base` (e.g. CLI flags), then `key=value` overrides (values parsed as YAML).
+    `upgrade`: the file is a run's config.yaml, whose renamed keys (`RENAMED`) are read under their new names."""
     tree: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -281,6 +302,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), b
             raise ConfigError(f"override {item!r} must look like key=value (e.g. learner.lr=1e-5)")
         key, raw = item.split("=", 1)
         _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw else "")
+    _renamed_keys(tree, upgrade)
     try:
         cfg = FitConfig.model_validate(tree)
     except ValidationError as exc:
@@ -346,7 +368,7 @@ def resolve_learner(cfg: FitConfig, device: str | None) -> str | None:
     rt = cfg.runtime
     if rt.learner != "auto":
         return rt.learner
-    if rt.backend == "local":
+    if rt.execution == "local":
         return "torch"
     if _replicated(cfg) or device == "cuda":
         return "verl"
@@ -369,7 +391,7 @@ def _check_learner(cfg: FitConfig, learner: str | None) -> None:
         which = ", ".join(sorted(engines))
         if learner == "torch":
             raise ConfigError(f"engine {which} syncs weights from verl worker groups on Ray: use runtime.learner=verl "
-                              "(or auto on GPUs) and runtime.backend=ray, or runtime.engine=embedded")
+                              "(or auto on GPUs) and runtime.execution=ray, or runtime.engine=embedded")
         if "torch-replica" in engines and rt.replica.tensor_parallel_size != 1:
             raise ConfigError("engine torch-replica is one process a replica: set runtime.replica.tensor_parallel_size=1")
         _check_placement(cfg, engines)
@@ -380,8 +402,8 @@ def _check_learner(cfg: FitConfig, learner: str | None) -> None:
         if old in ("recompute", "rollout_correction") and learner == "torch":
             where = f"policies.{name}.learner.old_logprobs" if name else "learner.old_logprobs"
             raise ConfigError(f"{where}={old} needs runtime.learner=verl; the torch learner always uses the engine's (bypass)")
-    if learner == "verl" and rt.backend == "local":
-        raise ConfigError("runtime.learner=verl runs worker groups on Ray; drop runtime.backend=local (or use runtime.learner=torch)")
+    if learner == "verl" and rt.execution == "local":
+        raise ConfigError("runtime.learner=verl runs worker groups on Ray; drop runtime.execution=local (or use runtime.learner=torch)")
     if learner == "verl":
         for name in ["", *cfg.policies]:
             res = cfg.resources_for(name) if name else rt.resources
@@ -442,11 +464,11 @@ def _check_ignored(cfg: FitConfig, learner: str | None, device: str | None) -> N
         raise ConfigError("runtime.share_gpus pools the verl learner's GPUs" + (
             "; the torch learner's policies share GPUs with runtime.resources.gpus_per_proc below 1" if learner == "torch"
             else ", and this run is on CPU") + ": drop the key")
-    if rt.backend == "local":
+    if rt.execution == "local":
         for key in ("worker_cpus", "torch_threads"):
             if getattr(rt, key) != RuntimeConfig.model_fields[key].default:
-                raise ConfigError(f"runtime.{key} sizes the Ray worker groups; with runtime.backend=local they run in this "
-                                  "process (torch's threads: OMP_NUM_THREADS): drop the key, or use runtime.backend=ray")
+                raise ConfigError(f"runtime.{key} sizes the Ray worker groups; with runtime.execution=local they run in this "
+                                  "process (torch's threads: OMP_NUM_THREADS): drop the key, or use runtime.execution=ray")
 
 
 def _check_placement(cfg: FitConfig, engines: set[str]) -> None:

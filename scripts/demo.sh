@@ -18,6 +18,6 @@ start=$(date +%s)
   --data "$RAG/train.jsonl" --val-data "$RAG/heldout.jsonl" --model default --output runs/demo \
   steps=40 rollout.tasks_per_step=8 rollout.n=4 rollout.temperature=0.7 rollout.val_temperature=0 \
   rollout.filter_groups=true rollout.min_groups=4 eval_every=5 save_every=10 learner.lr=2e-5 learner.mini_batch_size=16 \
-  learner.share_prompts=true learner.skip_zero_advantage=true runtime.backend=local runtime.max_batch_size=32 "$@"
+  learner.share_prompts=true learner.skip_zero_advantage=true runtime.execution=local runtime.max_batch_size=32 "$@"
 echo "fit wall time: $(( $(date +%s) - start )) s"
 exec .venv/bin/python "$RAG/report.py" runs/demo --json runs/demo/heldout_scores.json

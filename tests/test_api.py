@@ -15,7 +15,7 @@ from mas_trainer.errors import UserError
 ROOT = Path(__file__).resolve().parents[1]
 APP = f"{ROOT / 'tests' / 'fixtures' / 'words_app.py'}:single"
 TASKS = [json.loads(line) for line in (ROOT / "tests" / "fixtures" / "words.jsonl").read_text().splitlines()]
-QUICK = {"steps": 1, "rollout.tasks_per_step": 2, "rollout.n": 2, "runtime.backend": "local", "logger": ["console"],
+QUICK = {"steps": 1, "rollout.tasks_per_step": 2, "rollout.n": 2, "runtime.execution": "local", "logger": ["console"],
          "rollout.max_tokens": 8, "val_fraction": 0.25}
 
 

@@ -62,8 +62,8 @@ def test_config_models_are_importable_from_their_old_places():
     (["runtime.learner=verl", "learner.fused_adamw=true"], r"learner.fused_adamw applies to the torch learner only"),
     (["runtime.learner=auto", "runtime.device=cuda", "policies.p.learner.fused_adamw=false"],
      r"policies.p.learner.fused_adamw applies to the torch learner only"),
-    (["runtime.backend=local", "runtime.worker_cpus=1"], r"runtime.worker_cpus sizes the Ray worker groups"),
-    (["runtime.backend=local", "runtime.torch_threads=2"], r"runtime.torch_threads sizes the Ray worker groups"),
+    (["runtime.execution=local", "runtime.worker_cpus=1"], r"runtime.worker_cpus sizes the Ray worker groups"),
+    (["runtime.execution=local", "runtime.torch_threads=2"], r"runtime.torch_threads sizes the Ray worker groups"),
     (["runtime.learner=verl", "critic.micro_batch_tokens=512"], r"critic.micro_batch_tokens applies to the torch learner only"),
     (["runtime.learner=verl", "policies.p.critic.micro_batch_tokens=512"],
      r"policies.p.critic.micro_batch_tokens applies to the torch learner only"),
@@ -88,6 +88,18 @@ def test_an_unknown_key_names_the_closest_valid_one():
         load_config(overrides=["learner.lrr=1e-5"])
     with pytest.raises(ConfigError, match=r"policies.front.learner: unknown config key 'cliip_ratio_low'; did you mean 'clip_ratio_low'\?"):
         load_config(overrides=["policies.front.learner.cliip_ratio_low=0.1"])
+
+
+def test_a_renamed_key_is_refused_with_its_new_name_but_a_run_written_before_still_loads(tmp_path):
+    with pytest.raises(ConfigError, match=r"^runtime.backend is now called runtime.execution: write runtime.execution=local$"):
+        load_config(overrides=["runtime.backend=local"])
+    (tmp_path / "config.yaml").write_text("steps: 3\nruntime:\n  backend: local\n")
+    with pytest.raises(ConfigError, match="runtime.backend is now called runtime.execution"):
+        load_config(tmp_path / "config.yaml")  # a user's file
+    from mas_trainer.runtime.backends import run_config
+
+    cfg = run_config(tmp_path)  # a run directory's config.yaml, written before the rename
+    assert cfg.runtime.execution == "local" and cfg.steps == 3
 
 
 def test_a_policy_override_must_name_a_policy_of_the_app():

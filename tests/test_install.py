@@ -71,7 +71,7 @@ def test_pip_install_into_a_clean_venv_then_fit_an_app_outside_the_repository(tm
     where = _run([str(venv / "bin" / "python"), "-c", "import mas_trainer; print(mas_trainer.__file__)"], cwd=work, env=env)
     assert str(venv) in where.stdout and str(ROOT) not in where.stdout, "the checkout leaked into the clean venv"
     fit = _run([cli, "fit", "app.py:graph", "--data", "tasks.jsonl", "--output", "runs/first", "steps=1",
-                "rollout.tasks_per_step=2", "rollout.n=2", "runtime.backend=local", "logger=[console]"], cwd=work, env=env)
+                "rollout.tasks_per_step=2", "rollout.n=2", "runtime.execution=local", "logger=[console]"], cwd=work, env=env)
     run = work / "runs" / "first"
     assert (run / "checkpoint" / "policies" / "solo" / "config.json").is_file(), fit.stdout[-2000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

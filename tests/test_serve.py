@@ -47,7 +47,7 @@ def trained_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     (root / "app.py").write_text(APP)
     run = root / "run"
-    cfg = load_config(overrides=["runtime.backend=local", "steps=2", "rollout.tasks_per_step=2", "rollout.n=2",
+    cfg = load_config(overrides=["runtime.execution=local", "steps=2", "rollout.tasks_per_step=2", "rollout.n=2",
                                  "learner.lr=5e-2", "seed=2"])
     fit(f"{root / 'app.py'}:graph", [{"question": "Name a fruit."}, {"question": "Say hello."}], cfg, run)
     return root, run

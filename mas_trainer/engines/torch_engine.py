@@ -88,7 +88,7 @@ class TorchEngine:
         batch_wait_ms: float = BATCH_WAIT_MS,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
-        bf16_autocast: bool | str = False,
+        bf16: bool | str = False,
         max_grammars: int = 64,
         grammar_timeout_s: float = COMPILE_TIMEOUT_S,
     ) -> None:
@@ -98,11 +98,11 @@ class TorchEngine:
         # bf16 autocast while decoding (CPU: ~1.5x faster). Log-probs then carry bf16 rounding,
         # like a learner's bf16 forward; off by default so they match an fp32 forward exactly.
         # "auto": where bf16 is fast on the device (not on AVX2-only CPUs)
-        if bf16_autocast == "auto":
+        if bf16 == "auto":
             from mas_trainer.engines.models import bf16_is_fast
 
-            bf16_autocast = bf16_is_fast(device)
-        self.bf16_autocast = bool(bf16_autocast)
+            bf16 = bf16_is_fast(device)
+        self.bf16 = bool(bf16)
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_ms / 1000
@@ -412,7 +412,7 @@ class TorchEngine:
             self._rows, self._cache, self._mask, self._pos, self._next = fresh
 
     def _autocast(self) -> Any:
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16_autocast)
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
 
     def _decode(self) -> None:
         ones = torch.ones((len(self._rows), 1), dtype=torch.long, device=self.device)
@@ -587,4 +587,4 @@ def load_engine(model: str, *, name: str, seed: int = 0, max_batch_size: int = 8
     weights, tokenizer = load_model(model, seed=seed)
     # the engine places the weights itself: a model moved beforehand would be moved back to its default, the CPU
     return TorchEngine(weights, tokenizer, model_name=name, max_batch_size=max_batch_size, batch_wait_ms=batch_wait_ms,
-                       bf16_autocast=bf16, device=device)
+                       bf16=bf16, device=device)

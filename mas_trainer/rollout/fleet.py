@@ -30,7 +30,7 @@ from mas_trainer.errors import UserError
 from mas_trainer.rollout.config import ReplicaConfig, require_vllm
 from mas_trainer.rollout.engine import ReplicaEngine
 
-__all__ = ["RolloutFleet", "rollout_config", "weight_sync_backend", "replica_count",
+__all__ = ["RolloutFleet", "rollout_config", "weight_sync_method", "replica_count",
            "sync_group_name", "learner_checkpoint_engine"]
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ def sync_group_name(policy: str) -> str:
     return f"mas_weights_{policy}"
 
 
-def weight_sync_backend(cfg: ReplicaConfig, device: str) -> str:
+def weight_sync_method(cfg: ReplicaConfig, device: str) -> str:
     """verl checkpoint engine that moves a policy's weights to its replicas. Colocated replicas
     live in the learner's own processes (verl's hybrid engine) and take the weights in-process
     (`naive`): NCCL refuses a group whose two ranks share one GPU."""
@@ -77,8 +77,8 @@ def rollout_config(policy: str, kind: str, cfg: ReplicaConfig, *, device: str, t
     reads its checkpoint-engine section too, so both ends agree on backend and group."""
     from verl.workers.config import CheckpointEngineConfig, RolloutConfig
 
-    backend = weight_sync_backend(cfg, device)
-    engine_kwargs = {"nccl": {"group_name": sync_group_name(policy)}} if backend == "nccl" else {}
+    method = weight_sync_method(cfg, device)
+    engine_kwargs = {"nccl": {"group_name": sync_group_name(policy)}} if method == "nccl" else {}
     return RolloutConfig(
         name="vllm" if kind == "vllm" else "mas-torch", mode="async",
         tensor_model_parallel_size=cfg.tensor_parallel_size, data_parallel_size=1, pipeline_model_parallel_size=1,
@@ -93,9 +93,9 @@ def rollout_config(policy: str, kind: str, cfg: ReplicaConfig, *, device: str, t
         load_format="auto",
         free_cache_engine=cfg.placement == "colocated", enable_sleep_mode=cfg.placement == "colocated",
         checkpoint_engine=CheckpointEngineConfig(
-            backend=backend, update_weights_bucket_megabytes=cfg.bucket_mb, engine_kwargs=engine_kwargs,
+            backend=method, update_weights_bucket_megabytes=cfg.bucket_mb, engine_kwargs=engine_kwargs,
             # verl imports this in every process that builds a checkpoint engine (registers mas-gloo)
-            custom_backend_module="mas_trainer.rollout.gloo_sync" if backend == "mas-gloo" else None),
+            custom_backend_module="mas_trainer.rollout.gloo_sync" if method == "mas-gloo" else None),
         custom={"mas_torch": dict(torch_opts or {}, device=device)},
     )
 
@@ -125,7 +125,7 @@ class RolloutFleet:
         if kind == "vllm" and device != "cuda":
             raise UserError("engine vllm runs on GPUs; this machine has none (use engine torch-replica or embedded)")
         self.policy, self.model_dir, self.kind, self.cfg, self.device = policy, model_dir, kind, cfg, device
-        self.backend = weight_sync_backend(cfg, device)
+        self.weight_sync = weight_sync_method(cfg, device)
         self.torch_opts = dict(torch_opts or {}, device=device)
         self.gpus_per_node = gpus_per_node
         self.first_rank = first_rank
@@ -172,7 +172,7 @@ class RolloutFleet:
         self.balancer = get_router_handle(servers={r.server_address: r.server_handle for r in self.replicas})
         self.client = _client(rcfg.name, self.balancer)
         log.info("policy %s: %d %s replica(s) (%s, weights over %s) up in %.0f s", self.policy, len(self.replicas),
-                 self.kind, self.cfg.placement if self.device == "cuda" else "cpu", self.backend, time.perf_counter() - t0)
+                 self.kind, self.cfg.placement if self.device == "cuda" else "cpu", self.weight_sync, time.perf_counter() - t0)
         return self
 
     async def init(self, learner_group: Any) -> None:

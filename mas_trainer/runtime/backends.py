@@ -37,13 +37,13 @@ class EngineSettings(Protocol):
     device: str  # auto | cpu | cuda
 
 
-def torch_backend(model: str, *, seed: int = 0, **engine: Any) -> PolicyBackend:
+def torch_backend(model: str, *, seed: int = 0, **settings: Any) -> PolicyBackend:
     """The embedded engine on `model` (tiny | default | folder), its own copy of the weights;
-    `engine`: `load_engine`'s settings (max_batch_size, batch_wait_ms, bf16, device)."""
+    `settings`: `load_engine`'s (max_batch_size, batch_wait_ms, bf16, device)."""
     from mas_trainer.engines.chat import HFChatFormat
     from mas_trainer.engines.torch_engine import load_engine
 
-    built = load_engine(model, name=model, seed=seed, **engine)
+    built = load_engine(model, name=model, seed=seed, **settings)
     return PolicyBackend(built, HFChatFormat(built.tokenizer))
 
 
@@ -103,7 +103,7 @@ def lazy_backend(name: str, factory: Callable[[], PolicyBackend]) -> PolicyBacke
 
 def policy_backends(
     policies: Mapping[str, PolicySpec],
-    engine: EngineSettings,
+    settings: EngineSettings,
     *,
     seed: int = 0,
     checkpoints: Mapping[str, str | Path] | None = None,
@@ -113,7 +113,7 @@ def policy_backends(
     """One backend per policy of an app's spec (`spec.policies`).
 
     A policy in `served` keeps the backend given there (fit: its worker group's engine).
-    Any other gets the embedded engine, configured by `engine`, on its weights: the folder in
+    Any other gets the embedded engine, configured by `settings`, on its weights: the folder in
     `checkpoints` (trained), else its base model built with `seed` (which only `tiny` reads).
     Trainable policies start now; frozen ones on their first call. `factory` (model -> backend)
     replaces the embedded engine, e.g. with fake engines in tests.
@@ -122,11 +122,11 @@ def policy_backends(
     def build(name: str, model: str) -> PolicyBackend:
         if factory is not None:
             return factory(model)
-        device = resolve_device(engine.device)
-        log.info("policy %s: engine on %s (%s, bf16 %s, %d rows a batch)", name, model, device, engine.engine_bf16,
-                 engine.max_batch_size)
-        return torch_backend(model, seed=seed, max_batch_size=engine.max_batch_size, bf16=engine.engine_bf16,
-                             batch_wait_ms=engine.batch_wait_ms, device=device)
+        device = resolve_device(settings.device)
+        log.info("policy %s: engine on %s (%s, bf16 %s, %d rows a batch)", name, model, device, settings.engine_bf16,
+                 settings.max_batch_size)
+        return torch_backend(model, seed=seed, max_batch_size=settings.max_batch_size, bf16=settings.engine_bf16,
+                             batch_wait_ms=settings.batch_wait_ms, device=device)
 
     served, checkpoints = served or {}, checkpoints or {}
     out: dict[str, PolicyBackend] = {}
@@ -146,7 +146,7 @@ def run_config(run_dir: str | Path) -> FitConfig:
     path = Path(run_dir) / "config.yaml"
     if not path.exists():
         raise ConfigError(f"{run_dir} has no config.yaml (is it a `mas-trainer fit` run directory?)")
-    return load_config(path)
+    return load_config(path, upgrade=True)
 
 
 def trained_policies(run_dir: str | Path) -> dict[str, Path]:

@@ -15,25 +15,25 @@ from mas_trainer.apps import AppRunner
 from mas_trainer.gateway.ledger import Ledger
 from mas_trainer.trace.schema import Trajectory
 
-__all__ = ["Controller", "jsonable"]
+__all__ = ["Controller", "state_json"]
 
 
-def jsonable(obj: Any) -> Any:
+def state_json(obj: Any) -> Any:
     """Graph state as JSON: pydantic models (LangChain messages included) dumped, the rest str()."""
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     if isinstance(obj, dict):
-        return {str(k): jsonable(v) for k, v in obj.items()}
+        return {str(k): state_json(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple, set)):
-        return [jsonable(v) for v in obj]
+        return [state_json(v) for v in obj]
     dump = getattr(obj, "model_dump", None)
     if callable(dump):
         try:
-            return jsonable(dump(mode="json"))
+            return state_json(dump(mode="json"))
         except Exception:
             pass
     if hasattr(obj, "__dict__") and type(obj).__module__.startswith("langgraph"):
-        return {"type": type(obj).__name__, **jsonable(vars(obj))}
+        return {"type": type(obj).__name__, **state_json(vars(obj))}
     return str(obj)
 
 
@@ -62,7 +62,7 @@ class Controller:
             nodes=result.nodes,
             llm_calls=sorted(calls, key=lambda c: (c.start_time or 0.0)),
             tool_calls=result.tool_calls,
-            final_state=jsonable(result.final_state),
+            final_state=state_json(result.final_state),
             duration_s=time.time() - start,
         )
 

@@ -91,7 +91,7 @@ def evaluate(app_ref: Any, tasks: list[dict], *, run_dir: str | Path | None = No
     model_seed = cfg.seed if run_dir is not None else seed
     with Session(model=_given(model, cfg.model), max_in_flight=_given(max_in_flight, ro.max_in_flight),
                  timeout_s=_given(timeout_s, ro.timeout_s), default_max_tokens=_given(max_tokens, ro.max_tokens),
-                 engine=cfg.runtime, seed=model_seed) as session:
+                 engine_settings=cfg.runtime, seed=model_seed) as session:
         app = session.load_app(app_ref, recursion_limit=ro.recursion_limit, checkpoints=trained)
         r = cfg.reward
         check_allocator(r.allocator, r.options)  # one the app registers exists only now

@@ -1,5 +1,5 @@
 """What `fit` will do, decided once before anything starts: the run plan (`RunPlan`: learner,
-device, backend, pools, engines, trackers, allocator) and in it one worker plan per trainable
+device, where the workers run, pools, engines, trackers, allocator) and in it one worker plan per trainable
 policy (`WorkerPlan`: what the controller tells a worker group to be).
 
 The plan crosses a process boundary (a Ray actor's constructor), so it carries plain data and
@@ -75,7 +75,7 @@ class RunPlan(BaseModel):
 
     learner: Literal["torch", "verl"]
     device: Literal["cpu", "cuda"]
-    backend: Literal["ray", "local"]
+    execution: Literal["ray", "local"]
     machine: Machine
     share_gpus: bool = Field(False, description="verl on GPUs: every worker group on one pool, offloaded between phases")
     gpus_needed: float = Field(0.0, description="GPUs the worker groups and rollout replicas take (0 on CPU)")
@@ -85,7 +85,7 @@ class RunPlan(BaseModel):
     runtime: RuntimeConfig = Field(description="runtime.*, with learner and device decided")
 
     def summary(self) -> str:
-        where = "in this process" if self.backend == "local" else "on Ray"
+        where = "in this process" if self.execution == "local" else "on Ray"
         pools = " (one shared GPU pool)" if self.share_gpus else ""
         each = "; ".join(f"{p}: {w.engine} engine, {w.resources.world_size} rank(s), {w.advantage.estimator}"
                          for p, w in self.workers.items()) or "no trainable policy"
@@ -116,17 +116,17 @@ def resolve_plan(cfg: FitConfig, models: Mapping[str, tuple[str, str]], *, machi
     ranks = sum(w.resources.world_size for w in workers.values())
     for name, w in workers.items():  # torch threads per process: configured, else the cores shared out
         threads = rt.torch_threads
-        if threads is None and rt.backend == "ray" and (learner == "torch" or device == "cpu"):
+        if threads is None and rt.execution == "ray" and (learner == "torch" or device == "cpu"):
             threads = max(1, machine.cpus // max(1, ranks if learner == "verl" else len(workers)))
-        workers[name] = w.model_copy(update={"torch_threads": threads if rt.backend == "ray" else None,
+        workers[name] = w.model_copy(update={"torch_threads": threads if rt.execution == "ray" else None,
                                              "offload_between_phases": shared})
-    needed = _gpus_needed(workers, learner, shared, rt.backend) if device == "cuda" else 0.0
+    needed = _gpus_needed(workers, learner, shared, rt.execution) if device == "cuda" else 0.0
     if device == "cuda" and rt.ray_address is None and needed > machine.gpus:
         fix = ("lower runtime.resources.gpus_per_proc (0.5: two policies a GPU)" if learner == "torch" else
                "lower runtime.resources.procs_per_node or the replicas" + ("" if shared else ", set runtime.share_gpus=true"))
         raise ConfigError(f"the {learner} learner needs {needed:g} GPU(s) here ({_gpu_use(workers, learner)}), and torch sees "
                           f"{machine.gpus}: {fix}, or join a cluster with runtime.ray_address")
-    return RunPlan(learner=learner, device=device, backend=rt.backend, machine=machine, share_gpus=shared, gpus_needed=needed,
+    return RunPlan(learner=learner, device=device, execution=rt.execution, machine=machine, share_gpus=shared, gpus_needed=needed,
                    trackers=list(cfg.logger), allocator=cfg.reward.allocator, workers=workers,
                    runtime=rt.model_copy(update={"learner": learner, "device": device}))
 
@@ -138,9 +138,9 @@ def _replica_gpus(w: WorkerPlan) -> int:
     return w.replica.replicas * w.replica.tensor_parallel_size
 
 
-def _gpus_needed(workers: Mapping[str, WorkerPlan], learner: str, shared: bool, backend: str) -> float:
+def _gpus_needed(workers: Mapping[str, WorkerPlan], learner: str, shared: bool, where: str) -> float:
     if learner == "torch":  # in this process every policy takes the one GPU; on Ray each its share
-        return float(bool(workers)) if backend == "local" else sum(w.resources.gpus_per_proc for w in workers.values())
+        return float(bool(workers)) if where == "local" else sum(w.resources.gpus_per_proc for w in workers.values())
     ranks = [w.resources.world_size for w in workers.values()]
     return float((max(ranks, default=0) if shared else sum(ranks)) + sum(map(_replica_gpus, workers.values())))
 

@@ -54,10 +54,10 @@ def _rollout_loop() -> asyncio.AbstractEventLoop:
 
 
 class Session:
-    """`engine` configures the engines `load_app` starts (default: `fit`'s defaults) and
+    """`engine_settings` configure the engines `load_app` starts (default: `fit`'s defaults) and
     `seed` builds their base models; `backend_factory` (model -> backend) replaces the
     embedded engine, e.g. with fake engines in tests. `max_in_flight` rollouts run at once
-    (default: `engine.max_batch_size`, one engine batch: more would only queue for a row
+    (default: `engine_settings.max_batch_size`, one engine batch: more would only queue for a row
     and spend their `timeout_s` waiting)."""
 
     def __init__(
@@ -70,14 +70,14 @@ class Session:
         timeout_s: float | None = 300.0,
         otel_exporter: str | None = None,
         default_max_tokens: int = 256,
-        engine: EngineSettings | None = None,
+        engine_settings: EngineSettings | None = None,
         seed: int = 0,
         backend_factory: Callable[[str], PolicyBackend] | None = None,
     ) -> None:
         self.model = model
         self.timeout_s = timeout_s
-        self.engine = engine or RuntimeConfig()
-        self.max_in_flight = max_in_flight or self.engine.max_batch_size
+        self.engine_settings = engine_settings or RuntimeConfig()
+        self.max_in_flight = max_in_flight or self.engine_settings.max_batch_size
         self.seed = seed
         self.backend_factory = backend_factory
         self.ledger = Ledger()
@@ -162,7 +162,7 @@ class Session:
         obj = load_object(ref_or_obj) if isinstance(ref_or_obj, str) else ref_or_obj
         app = LangGraphApp(obj, base_model=self.model, recursion_limit=recursion_limit)
         if start_engines:
-            backends = policy_backends(app.spec.policies, self.engine, seed=self.seed, checkpoints=checkpoints,
+            backends = policy_backends(app.spec.policies, self.engine_settings, seed=self.seed, checkpoints=checkpoints,
                                        factory=self.backend_factory)
             for name, backend in backends.items():
                 self.attach(name, backend)

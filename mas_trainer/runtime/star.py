@@ -9,7 +9,7 @@ train, save, load, close), so the trainer and the gateway never ask which one ru
   runs on clusters. With rollout replicas (`engine: vllm | torch-replica`) a
   `ReplicaGroupHandle` wraps it.
 - `torch` (`runtime.learner=torch`): one process per policy, the embedded torch learner
-  (`runtime/worker_group.py`), as a Ray actor or, with `runtime.backend=local`, the
+  (`runtime/worker_group.py`), as a Ray actor or, with `runtime.execution=local`, the
   `WorkerGroup` object itself in the controller's process. On 2 CPU cores it updates faster
   (bench/bench_learner_verl.py).
 
@@ -146,7 +146,7 @@ def start_workers(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, Worke
     was checked) says: `runtime` is its runtime section, learner and device decided."""
     if runtime.learner == "verl":
         return _start_verl(plans, runtime)
-    if runtime.backend == "local":
+    if runtime.execution == "local":
         from mas_trainer.runtime.worker_group import WorkerGroup
 
         return {name: WorkerGroup(plan) for name, plan in plans.items()}

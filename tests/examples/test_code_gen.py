@@ -247,7 +247,7 @@ def test_fit_one_step_turn_delta(tmp_path):
 
     tasks = [json.loads(line) for line in EASY.read_text().splitlines()[:2]]
     cfg = load_config(overrides=[
-        "runtime.backend=local", "model=tiny", "steps=1", "rollout.tasks_per_step=2", "rollout.n=2",
+        "runtime.execution=local", "model=tiny", "steps=1", "rollout.tasks_per_step=2", "rollout.n=2",
         "rollout.max_tokens=12", "reward.allocator=turn_delta", "eval_every=1000", "save_every=1000",
     ])
     out = tmp_path / "run"
@@ -274,7 +274,7 @@ def test_graph_coder_trains_the_coder_alone_and_caps_the_notes(tmp_path):
 
     task = json.loads(EASY.read_text().splitlines()[0])
     cfg = load_config(overrides=[
-        "runtime.backend=local", "model=tiny", "steps=1", "rollout.tasks_per_step=1", "rollout.n=2",
+        "runtime.execution=local", "model=tiny", "steps=1", "rollout.tasks_per_step=1", "rollout.n=2",
         "rollout.max_tokens=200", "eval_every=1000", "save_every=1000",
     ])
     out = tmp_path / "run"

@@ -383,7 +383,7 @@ def test_agentic_search_traces_on_tiny_with_plans_decoded_under_the_schema(searc
 
 
 def _cfg(*overrides):
-    return load_config(overrides=["runtime.backend=local", "model=tiny", "steps=1", "rollout.tasks_per_step=2",
+    return load_config(overrides=["runtime.execution=local", "model=tiny", "steps=1", "rollout.tasks_per_step=2",
                                   "rollout.n=2", "eval_every=100", *overrides])
 
 

@@ -32,7 +32,7 @@ def _ask(server, policy):
 
 def test_serve_on_replicas_answers_as_the_embedded_engine(tmp_path):
     run = tmp_path / "run"
-    fit(f"{WORDS}:graph", TASKS[:1], load_config(overrides=["runtime.backend=local", "model=tiny", "steps=1",
+    fit(f"{WORDS}:graph", TASKS[:1], load_config(overrides=["runtime.execution=local", "model=tiny", "steps=1",
                                                                  "rollout.tasks_per_step=1", "rollout.n=2", "learner.lr=1e-2"]), run)
     with GatewayServer(build_gateway(run)) as server:
         want = {p: _ask(server, p) for p in ("lead", "crew")}

@@ -33,7 +33,7 @@ from mas_trainer.rollout.fleet import (  # noqa: E402
     RolloutFleet,
     learner_checkpoint_engine,
     rollout_config,
-    weight_sync_backend,
+    weight_sync_method,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -236,7 +236,7 @@ def test_colocated_replicas_run_on_the_learner_ranks_as_verls_hybrid_engine(vllm
     learner = types.SimpleNamespace(workers=[f"rank{i}" for i in range(world)], world_size=world)
     fleets = _fleets(tiny_dir, placement="colocated", tp=tp, world=world)
     for fleet in fleets:
-        assert fleet.backend == "naive"
+        assert fleet.weight_sync == "naive"
         asyncio.run(fleet.init(learner))
     assert len(_Replica.launched) == 4 and all(len(r.workers) == tp for r in _Replica.launched)
     monkeypatch.setattr("verl.workers.rollout.base.get_rollout_class", lambda name, mode: vllm_rollout.ServerAdapter)
@@ -262,9 +262,9 @@ def test_colocated_weights_go_in_process_not_over_nccl(monkeypatch, tiny_dir):
     `update_weights(mode="naive")`. An explicit nccl with colocated is refused at load."""
     from verl.checkpoint_engine import base
 
-    assert weight_sync_backend(ReplicaConfig(placement="colocated"), "cuda") == "naive"
-    assert weight_sync_backend(ReplicaConfig(), "cuda") == "nccl"
-    assert weight_sync_backend(ReplicaConfig(placement="colocated"), "cpu") == "mas-gloo"
+    assert weight_sync_method(ReplicaConfig(placement="colocated"), "cuda") == "naive"
+    assert weight_sync_method(ReplicaConfig(), "cuda") == "nccl"
+    assert weight_sync_method(ReplicaConfig(placement="colocated"), "cpu") == "mas-gloo"
     [fleet, _] = _fleets(tiny_dir, placement="colocated", world=1)
     calls = []
     learner = types.SimpleNamespace(world_size=1, update_weights=lambda **kw: calls.append(kw) or [{}])

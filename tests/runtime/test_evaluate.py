@@ -30,7 +30,7 @@ TASKS = [json.loads(line) for line in DATA.read_text().splitlines()]
 
 def test_eval_base_vs_trained_and_export(tmp_path):
     run = tmp_path / "run"
-    fit(APP, TASKS[:2], load_config(overrides=["runtime.backend=local", "steps=1", "rollout.tasks_per_step=2",
+    fit(APP, TASKS[:2], load_config(overrides=["runtime.execution=local", "steps=1", "rollout.tasks_per_step=2",
                                                "rollout.n=2", "rollout.max_tokens=12"]), run)
     base = evaluate(APP, TASKS[:3], max_tokens=12)
     trained = evaluate(APP, TASKS[:3], run_dir=run, max_tokens=12)
@@ -53,7 +53,7 @@ def test_fit_held_out_score_is_what_eval_measures_on_the_checkpoint(tmp_path, mo
     evaluation token for token, hence its rewards. The tiny model's greedy tokens hardly
     depend on the precision; their log-probs do, to the last bit: an fp32 engine fails this."""
     run = tmp_path / "run"
-    cfg = load_config(overrides=["runtime.backend=local", "steps=1", "rollout.tasks_per_step=2", "rollout.n=2",
+    cfg = load_config(overrides=["runtime.execution=local", "steps=1", "rollout.tasks_per_step=2", "rollout.n=2",
                                  "rollout.max_tokens=12", "rollout.val_temperature=0", "runtime.max_batch_size=1", "seed=5",
                                  # bf16 whatever the CPU (auto is off where bf16 is emulated): eval must follow the run
                                  "runtime.engine_bf16=true"])

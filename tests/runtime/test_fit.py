@@ -22,7 +22,7 @@ TASKS = [json.loads(line) for line in DATA.read_text().splitlines()]
 
 
 def _cfg(*overrides):
-    return load_config(overrides=["runtime.backend=local", "rollout.tasks_per_step=2", "rollout.n=2", "learner.lr=1e-2",
+    return load_config(overrides=["runtime.execution=local", "rollout.tasks_per_step=2", "rollout.n=2", "learner.lr=1e-2",
                                   "rollout.max_tokens=12",
                                   "seed=3", *overrides])
 
@@ -332,7 +332,7 @@ def test_ray_star_runtime_trains_two_policies_side_by_side(tmp_path):
     ray = pytest.importorskip("ray")
     try:
         rows = fit(f"{APP}:graph", TASKS[:2], load_config(overrides=[
-            "runtime.backend=ray", "runtime.num_cpus=2", "rollout.tasks_per_step=2", "rollout.n=2", "steps=1", "seed=3",
+            "runtime.execution=ray", "runtime.num_cpus=2", "rollout.tasks_per_step=2", "rollout.n=2", "steps=1", "seed=3",
             "rollout.max_tokens=12"]),
             tmp_path / "run")
     finally:
@@ -444,7 +444,7 @@ def test_a_hub_id_that_cannot_be_had_is_one_line_before_any_worker_starts(tmp_pa
     every policy's model before anything starts (no network here: the hub is unreachable)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    cfg = load_config(overrides=["runtime.backend=ray", "model=nobody-here/no-such-model", "steps=1"])
+    cfg = load_config(overrides=["runtime.execution=ray", "model=nobody-here/no-such-model", "steps=1"])
     with pytest.raises(UserError) as err:
         fit(f"{APP}:single", TASKS[:2], cfg, tmp_path / "run")
     assert "\n" not in str(err.value) and "nobody-here/no-such-model" in str(err.value)

@@ -130,7 +130,7 @@ def test_fit_with_counterfactual_credit_on_the_tiny_model(tmp_path):
     from mas_trainer.config import load_config
     from mas_trainer.runtime.trainer import fit
 
-    cfg = load_config(overrides=["runtime.backend=local", "rollout.tasks_per_step=2", "rollout.n=2", "rollout.max_tokens=6",
+    cfg = load_config(overrides=["runtime.execution=local", "rollout.tasks_per_step=2", "rollout.n=2", "rollout.max_tokens=6",
                                  "seed=3", "steps=1", "reward.allocator=counterfactual", "reward.counterfactual.k=2",
                                  "advantage.estimator=reinforce_plus_plus"])
     rows = fit(f"{APP}:graph", [{"question": "q"}, {"question": "r"}], cfg, tmp_path / "run", val_tasks=[{"question": "v"}])
@@ -151,7 +151,7 @@ def test_fit_refuses_an_unforkable_app_before_any_rollout(tmp_path):
     from mas_trainer.runtime.trainer import fit
 
     build = load_object(f"{APP}:build")
-    cfg = load_config(overrides=["runtime.backend=local", "steps=1", "reward.allocator=counterfactual"])
+    cfg = load_config(overrides=["runtime.execution=local", "steps=1", "reward.allocator=counterfactual"])
     with pytest.raises(UserError, match=r"node\(s\) 'solver' not forkable \(no_fork"):
         fit(lambda: build(no_fork={"solver"}), [{"question": "q"}], cfg, tmp_path / "run", val_tasks=[{"question": "v"}])
     assert not list((tmp_path / "run").rglob("step_*"))  # no rollout ran, not even the held-out evaluation of step 0

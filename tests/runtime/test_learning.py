@@ -13,7 +13,7 @@ TASKS = [{"question": q} for q in ("Name a fruit.", "Name a color.", "Say hello.
 
 
 def test_mean_reward_rises_clearly(tmp_path):
-    cfg = load_config(overrides=["runtime.backend=local", "steps=24", "rollout.tasks_per_step=8", "rollout.n=4",
+    cfg = load_config(overrides=["runtime.execution=local", "steps=24", "rollout.tasks_per_step=8", "rollout.n=4",
                                  "learner.lr=3e-2", "rollout.max_tokens=12", "save_every=100", "eval_every=100", "seed=1"])
     rows = [r for r in fit(APP, TASKS, cfg, tmp_path / "run") if r["kind"] == "train"]
     rewards = [r["reward/mean"] for r in rows]

@@ -23,13 +23,13 @@ def _plan(*overrides: str, gpus: int = 0, cpus: int = 8, models=TWO) -> RunPlan:
 
 def test_auto_is_decided_against_the_machine():
     cpu = _plan()
-    assert (cpu.learner, cpu.device, cpu.backend, cpu.gpus_needed) == ("torch", "cpu", "ray", 0)
+    assert (cpu.learner, cpu.device, cpu.execution, cpu.gpus_needed) == ("torch", "cpu", "ray", 0)
     assert {w.torch_threads for w in cpu.workers.values()} == {4}  # 8 cores over 2 policies
     assert cpu.runtime.learner == "torch" and cpu.runtime.device == "cpu"
     gpu = _plan("runtime.resources.procs_per_node=2", "learner.mini_batch_size=4", gpus=4)
     assert (gpu.learner, gpu.device, gpu.gpus_needed) == ("verl", "cuda", 4)
     assert {(w.device, w.torch_threads, w.resources.world_size) for w in gpu.workers.values()} == {("cuda", None, 2)}
-    local = _plan("runtime.backend=local", gpus=1)  # worker groups in this process: the torch learner
+    local = _plan("runtime.execution=local", gpus=1)  # worker groups in this process: the torch learner
     assert (local.learner, local.device) == ("torch", "cuda")
     assert {w.torch_threads for w in local.workers.values()} == {None}
     verl_cpu = _plan("runtime.learner=verl", "runtime.resources.procs_per_node=2", "learner.mini_batch_size=4")
@@ -90,11 +90,11 @@ def test_fit_writes_the_plan_and_resumes_a_run_without_one(tmp_path, capsys):
     from mas_trainer.runtime.trainer import fit
 
     out = tmp_path / "run"
-    base = ["runtime.backend=local", "rollout.tasks_per_step=1", "rollout.n=2", "rollout.max_tokens=4", "eval_every=5"]
+    base = ["runtime.execution=local", "rollout.tasks_per_step=1", "rollout.n=2", "rollout.max_tokens=4", "eval_every=5"]
     console = Console(width=300)
     fit(f"{APP}:graph", TASKS[:4], load_config(overrides=[*base, "steps=1"]), out, console=console)
     plan = RunPlan.model_validate_json((out / "plan.json").read_text())
-    assert (plan.learner, plan.device, plan.backend, sorted(plan.workers)) == ("torch", "cpu", "local", ["crew", "lead"])
+    assert (plan.learner, plan.device, plan.execution, sorted(plan.workers)) == ("torch", "cpu", "local", ["crew", "lead"])
     assert "starting the torch learner on cpu in this process; lead: embedded engine" in capsys.readouterr().out
     (out / "plan.json").unlink()  # a run written before plan.json existed
     rows = fit(f"{APP}:graph", TASKS[:4], load_config(overrides=[*base, "steps=2"]), out, resume=True, console=console)

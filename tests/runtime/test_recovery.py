@@ -32,7 +32,7 @@ APP = ROOT / "tests" / "fixtures" / "words_app.py"
 DATA = ROOT / "tests" / "fixtures" / "words.jsonl"
 # 6 train tasks, 2 held out; checkpoints after steps 2, 4, 6; evaluations at 0, 3, 6
 FIT = ["fit", f"{APP}:single", "--data", str(DATA),
-       "runtime.backend=local", "rollout.tasks_per_step=2", "rollout.n=2", "rollout.max_in_flight=1", "rollout.max_tokens=12",
+       "runtime.execution=local", "rollout.tasks_per_step=2", "rollout.n=2", "rollout.max_in_flight=1", "rollout.max_tokens=12",
        "steps=6", "save_every=2", "eval_every=3", "val_fraction=0.25", "learner.lr=1e-2", "seed=5",
        # bit-exact: fp32 updates, and MKL's conditional numerical reproducibility, without which
        # a fresh process may round the first resumed update differently in the last bit
@@ -371,7 +371,7 @@ def test_a_live_run_directory_is_refused_and_its_lock_dies_with_its_holder(tmp_p
         assert holder.stdout.readline().strip() == "held"
         tasks = [json.loads(line) for line in DATA.read_text().splitlines()][:2]
         with pytest.raises(UserError, match=rf"in use by another running `mas-trainer fit` \(pid {holder.pid}\)"):
-            fit(f"{APP}:single", tasks, load_config(overrides=["runtime.backend=local", "steps=1"]), out, resume=True)
+            fit(f"{APP}:single", tasks, load_config(overrides=["runtime.execution=local", "steps=1"]), out, resume=True)
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
@@ -457,7 +457,7 @@ def test_killing_the_driver_of_a_ray_run_leaves_no_ray_process(tmp_path):
     env.pop("RAY_ADDRESS", None)
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "mas_trainer.cli", "fit", f"{APP}:graph", "--data", str(DATA), "--output", str(out),
-           "runtime.backend=ray", "runtime.num_cpus=2", "rollout.tasks_per_step=2", "rollout.n=2", "rollout.max_tokens=12",
+           "runtime.execution=ray", "runtime.num_cpus=2", "rollout.tasks_per_step=2", "rollout.n=2", "rollout.max_tokens=12",
            "steps=200", "val_fraction=0"]
     with open(tmp_path / "fit.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)

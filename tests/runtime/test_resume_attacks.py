@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 APP = ROOT / "tests" / "fixtures" / "words_app.py"
 DATA = ROOT / "tests" / "fixtures" / "words.jsonl"
 TASKS = [json.loads(line) for line in DATA.read_text().splitlines()]
-SETTINGS = ["runtime.backend=local", "rollout.tasks_per_step=2", "rollout.n=2", "learner.lr=1e-2", "rollout.max_tokens=12",
+SETTINGS = ["runtime.execution=local", "rollout.tasks_per_step=2", "rollout.n=2", "learner.lr=1e-2", "rollout.max_tokens=12",
             "seed=3", "save_every=1"]
 
 

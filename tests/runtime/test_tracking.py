@@ -169,7 +169,7 @@ def test_fit_sends_every_metrics_row_to_every_tracker_and_resume_repeats_no_step
     TensorBoard and MLflow have exactly metrics.jsonl's rows (every numeric field, train and
     held-out), W&B every step once; the command printed one rounded line per step."""
     out = tmp_path / "run"
-    args = ["fit", f"{APP}:graph", "--data", str(DATA), "--output", str(out), "runtime.backend=local",
+    args = ["fit", f"{APP}:graph", "--data", str(DATA), "--output", str(out), "runtime.execution=local",
             "rollout.tasks_per_step=2", "rollout.n=2", "rollout.max_tokens=8", "learner.lr=1e-2", "seed=3",
             "steps=4", "save_every=2", "eval_every=2", "val_fraction=0.25", "logger=[console,tensorboard,mlflow,wandb]"]
     real_step = trainer._Fit.train_step

@@ -188,8 +188,8 @@ def test_verl_learner_config_is_checked_before_anything_starts():
     with pytest.raises(ConfigError, match=r"policies.crew.critic.mini_batch_size=3 must be a multiple"):
         load_config(overrides=[*VERL, "policies.crew.advantage.estimator=gae", "critic.mini_batch_size=3"])
     load_config(overrides=[*VERL, "critic.mini_batch_size=3"])  # no GAE: no critic worker to split for
-    with pytest.raises(ConfigError, match="drop runtime.backend=local"):
-        load_config(overrides=["runtime.learner=verl", "runtime.backend=local"])
+    with pytest.raises(ConfigError, match="drop runtime.execution=local"):
+        load_config(overrides=["runtime.learner=verl", "runtime.execution=local"])
     cfg = load_config(overrides=["runtime.learner=verl", "policies.crew.resources.procs_per_node=2"])
     assert cfg.resources_for("crew").world_size == 2 and cfg.resources_for("lead").world_size == 1
 

@@ -168,7 +168,7 @@ def runs(tmp_path_factory):
 def words_run(tmp_path_factory):
     """A real fit: tiny model, 3 roles on 2 policies, one step, held-out before and after."""
     out = tmp_path_factory.mktemp("view-fit") / "run"
-    cfg = load_config(overrides=["runtime.backend=local", "rollout.tasks_per_step=2", "rollout.n=2", "rollout.max_tokens=8",
+    cfg = load_config(overrides=["runtime.execution=local", "rollout.tasks_per_step=2", "rollout.n=2", "rollout.max_tokens=8",
                                  "steps=1", "eval_every=1", "seed=3"])
     fit(f"{WORDS_APP}:graph", WORDS[:4], cfg, out, val_tasks=WORDS[4:5])
     return out
@@ -303,7 +303,7 @@ def test_filter_groups_runs_show_each_draw_and_what_was_left_out(tmp_path):
     order = take_tasks(8, 0, 3, 3)  # draws of 2 tasks, then 1
     flat = {order[1]}
     tasks = [{"question": t["question"], "flat": i in flat} for i, t in enumerate(WORDS)]
-    cfg = load_config(overrides=["runtime.backend=local", "rollout.tasks_per_step=2", "rollout.n=2", "rollout.max_tokens=8",
+    cfg = load_config(overrides=["runtime.execution=local", "rollout.tasks_per_step=2", "rollout.n=2", "rollout.max_tokens=8",
                                  "steps=1", "seed=3", "rollout.filter_groups=true"])
     fit(f"{WORDS_APP}:some_flat", tasks, cfg, tmp_path / "run")
     src = ViewSource(tmp_path / "run")
