@@ -44,7 +44,7 @@ import yaml
 
 from mas_trainer.errors import UserError
 
-__all__ = ["ViewSource", "build_charts", "token_pieces", "jsonable", "read_jsonl", "STEP_NAME", "MAX_DEPTH"]
+__all__ = ["ViewSource", "build_charts", "token_pieces", "finite_json", "read_jsonl", "STEP_NAME", "MAX_DEPTH"]
 
 log = logging.getLogger(__name__)
 
@@ -54,21 +54,21 @@ _VAL_FILE = re.compile(r"^step_(\d+)_val$")
 # fit's ids: s000001-t00005-r0, and s000001d1-t00005-r0 for a later draw of rollout.filter_groups
 _ROLLOUT_ID = re.compile(r"^(?P<group>[sv]\d+(?:d\d+)?-t(?P<task>\d+))-r(?P<k>\d+)$")
 # far deeper than anything fit writes, far shallower than what the recursive code downstream
-# (jsonable, the JSON encoders, the page) survives at Python's recursion limit
+# (finite_json, the JSON encoders, the page) survives at Python's recursion limit
 MAX_DEPTH = 100
 _MAX_LISTED = 10  # unreadable lines named one by one per file; the rest are counted
 
 
-def jsonable(value: Any) -> Any:
+def finite_json(value: Any) -> Any:
     """`value` with every non-finite float replaced by a string JSON can carry."""
     if isinstance(value, float):
         if math.isfinite(value):
             return value
         return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
     if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
+        return {str(k): finite_json(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
+        return [finite_json(v) for v in value]
     if value is None or isinstance(value, (str, int)):
         return value
     return str(value)  # what YAML can make that JSON cannot carry (dates, sets)
@@ -469,7 +469,7 @@ class ViewSource:
         elif not rows:
             notes.append("metrics.jsonl has no rows yet")
         warnings += [w for s in steps for w in s["warnings"]]
-        return jsonable({
+        return finite_json({
             "title": self.title(), "source": str(self.path), "kind": "file" if self.single is not None else "run",
             "app": app, "reward_config": reward_cfg, "advantage_config": self._advantage_settings(),
             "charts": charts, "more_charts": more, "steps": steps, "notes": notes,
@@ -618,7 +618,7 @@ class ViewSource:
         for g in groups.values():
             rs = [r for r in (_traj_reward(trajs[i]) for i in g["rollouts"]) if r is not None]
             g["mean_reward"] = statistics.fmean(rs) if rs else None
-        return jsonable({"name": s.name, "step": s.step, "kind": s.kind, "file": s.label,
+        return finite_json({"name": s.name, "step": s.step, "kind": s.kind, "file": s.label,
                          "advantages": adv_status, "tokenizers": tokenizers, "groups": list(groups.values()),
                          "rollouts": rollouts, "warnings": warnings})
 
