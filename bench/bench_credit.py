@@ -46,6 +46,7 @@ ARMS = {
 COMMON = ["steps=20", "rollout.tasks_per_step=4", "rollout.n=4", "rollout.max_tokens=8", "learner.lr=3e-2",
           "eval_every=4", "val_n=4", "save_every=100", "runtime.execution=local", "logger=[console]"]
 WORD = re.compile(r"[a-z]+")
+TARGET = 0.9  # held-out reward whose first crossing is reported (step and wall time)
 
 
 def word_fraction(text: str | None) -> float:
@@ -76,12 +77,18 @@ def analyze(run_dir: Path) -> dict:
     for r in (r for r in rows if r["kind"] == "val"):
         roles = role_scores(run_dir / "trajectories" / f"step_{r['step']:06d}_val.jsonl")
         curve.append({"step": r["step"], "wall_s": elapsed.get(r["step"], 0.0), "reward": r["reward/mean"], "roles": roles})
+    hit = next((c for c in curve if c["reward"] >= TARGET), None)
     fork_s = sum(r.get("time/fork_s", 0.0) for r in train)
     rollout_s = sum(r.get("time/rollout_s", 0.0) for r in train)
     return {"run": str(run_dir), "arm": run_dir.name.rsplit("-", 1)[0], "curve": curve,
             "before": curve[0]["reward"], "final": curve[-1]["reward"], "final_roles": curve[-1]["roles"],
             "train_s": sum(r.get("time/step_s", 0.0) for r in train), "rollout_s": rollout_s, "fork_s": fork_s,
-            "forks": sum(r.get("forks/runs", 0.0) for r in train), "wall_s": train[-1].get("time/elapsed_s", 0.0)}
+            "forks": sum(r.get("forks/runs", 0.0) for r in train), "wall_s": train[-1].get("time/elapsed_s", 0.0),
+            "target_step": hit["step"] if hit else None, "target_wall_s": hit["wall_s"] if hit else None}
+
+
+def _reach(r: dict) -> str:
+    return "-" if r["target_step"] is None else f"step {r['target_step']}, {r['target_wall_s']:.0f} s"
 
 
 def summarise(results: list[dict]) -> dict[str, dict]:
@@ -96,6 +103,8 @@ def summarise(results: list[dict]) -> dict[str, dict]:
                     "before_mean": statistics.fmean(r["before"] for r in rs),
                     "roles_mean": {role: statistics.fmean(r["final_roles"].get(role, 0.0) for r in rs) for role in roles},
                     "train_s_mean": statistics.fmean(r["train_s"] for r in rs),
+                    "reached": sum(r["target_step"] is not None for r in rs),
+                    "target_wall_s": [r["target_wall_s"] for r in rs], "target_step": [r["target_step"] for r in rs],
                     "fork_share": statistics.fmean(r["fork_s"] / r["train_s"] if r["train_s"] else 0.0 for r in rs)}
     return out
 
@@ -155,16 +164,17 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{(time.time() - t0) / 60:.1f} min] {folder} done", flush=True)
                 dirs.append(folder)
     results = [analyze(d) for d in dirs]
-    print(f"\n{'run':<22} {'held-out before':>15} {'after':>6} {'planner':>8} {'writer':>7} {'train s':>8} {'forks':>6} {'fork s':>7}")
+    print(f"\n{'run':<22} {'held-out before':>15} {'after':>6} {'planner':>8} {'writer':>7} {'train s':>8} {'forks':>6} {'fork s':>7} {'to 0.9':>12}")
     for r in results:
         roles = r["final_roles"]
         print(f"{Path(r['run']).name:<22} {r['before']:>15.3f} {r['final']:>6.3f} {roles.get('planner', 0):>8.3f} "
-              f"{roles.get('writer', 0):>7.3f} {r['train_s']:>8.0f} {r['forks']:>6.0f} {r['fork_s']:>7.0f}")
+              f"{roles.get('writer', 0):>7.3f} {r['train_s']:>8.0f} {r['forks']:>6.0f} {r['fork_s']:>7.0f} {_reach(r):>12}")
     summary = summarise(results)
     for arm, s in summary.items():
         roles = ", ".join(f"{k} {v:.3f}" for k, v in s["roles_mean"].items())
         print(f"{arm}: held-out {s['before_mean']:.3f} -> {s['final_mean']:.3f} (range {s['final_min']:.3f}-{s['final_max']:.3f}, "
-              f"{s['runs']} runs; {roles}), training {s['train_s_mean']:.0f} s, forks {100 * s['fork_share']:.0f}% of it")
+              f"{s['runs']} runs; {roles}), training {s['train_s_mean']:.0f} s, forks {100 * s['fork_share']:.0f}% of it; "
+              f"held-out {TARGET} reached in {s['reached']}/{s['runs']} runs")
     out.mkdir(parents=True, exist_ok=True)
     (out / "credit.json").write_text(json.dumps({"runs": results, "summary": summary}, indent=1) + "\n")
     plot(results, out / "credit.png")

@@ -44,7 +44,7 @@ import yaml
 
 from mas_trainer.errors import UserError
 
-__all__ = ["ViewSource", "build_charts", "token_pieces", "finite_json", "read_jsonl", "STEP_NAME", "MAX_DEPTH"]
+__all__ = ["ViewSource", "build_charts", "token_pieces", "finite_json", "fork_tree", "read_jsonl", "STEP_NAME", "MAX_DEPTH"]
 
 log = logging.getLogger(__name__)
 
@@ -658,7 +658,7 @@ class ViewSource:
             "nodes": _list(t.get("nodes")), "llm_calls": calls, "tool_calls": _list(t.get("tool_calls")),
             "rewards": {"trajectory": rewards.get("trajectory"), "roles": _dict(rewards.get("roles")), "turns": turns,
                         "detail": {k: v for k, v in _dict(rewards.get("detail")).items() if k != "calls"}},
-            "reward": _traj_reward(t), "final_state": t.get("final_state"),
+            "reward": _traj_reward(t), "final_state": t.get("final_state"), "forks": fork_tree(t.get("forks")),
         }
 
     def all_steps(self, names: Iterable[str] | None = None) -> dict[str, Any]:
@@ -686,6 +686,45 @@ def _load_tokenizer(spec: str) -> Any:
         if key not in _TOKENIZERS:
             _TOKENIZERS[key] = load_tokenizer(spec)
         return _TOKENIZERS[key]
+
+
+_MAX_SEGMENTS, _MAX_RETURNS, _MAX_TEXT = 64, 64, 200  # a page, not a dump: what is cut is counted
+
+
+def fork_tree(record: Any) -> dict[str, Any] | None:
+    """A rollout's counterfactual record (`Trajectory.forks`) as the fork tree the page draws:
+    per credited segment (one role's turns between two checkpoints) the checkpoint before and
+    after it, each with its continuations' returns (None: failed, left out) and V (their mean,
+    as the allocator used it), and the credit V(after) - V(before). Anything of the wrong type
+    is left out, long lists are cut and counted; None when the rollout was not forked."""
+    record = _dict(record)
+    segments = _list(record.get("segments"))
+    if not segments:
+        return None
+    values = _dict(record.get("values"))
+
+    def point(step: Any) -> dict[str, Any] | None:
+        if isinstance(step, bool) or not isinstance(step, int):
+            return None
+        v = _dict(values.get(str(step)))
+        rets = list(_dict(v.get("returns")).items())
+        return {"step": step, "value": _num(v.get("value")), "cut": max(0, len(rets) - _MAX_RETURNS),
+                "checkpoint_id": str(v["checkpoint_id"])[:_MAX_TEXT] if v.get("checkpoint_id") is not None else None,
+                "returns": [{"id": str(k)[:_MAX_TEXT], "value": _num(r)} for k, r in rets[:_MAX_RETURNS]]}
+
+    out = []
+    for seg in segments[:_MAX_SEGMENTS]:
+        seg = _dict(seg)
+        before, after = point(seg.get("before")), point(seg.get("after"))
+        if before is None or after is None:
+            continue
+        credit = None if before["value"] is None or after["value"] is None else after["value"] - before["value"]
+        out.append({"role": str(seg.get("role"))[:_MAX_TEXT], "calls": [str(c)[:_MAX_TEXT] for c in _list(seg.get("calls"))[:_MAX_RETURNS]],
+                    "before": before, "after": after, "credit": credit})
+    k = record.get("k")
+    return {"k": k if isinstance(k, int) and not isinstance(k, bool) else None, "segments": out,
+            "cut": max(0, len(segments) - _MAX_SEGMENTS),
+            "skipped": {str(c)[:_MAX_TEXT]: str(why)[:_MAX_TEXT] for c, why in list(_dict(record.get("skipped")).items())[:_MAX_RETURNS]}}
 
 
 def _dict(value: Any) -> dict[str, Any]:

@@ -317,6 +317,7 @@
     if (r.error) box.appendChild(el('div', { class: 'error-text', text: 'error: ' + r.error }));
     box.appendChild(section('graph of node calls', [renderGraph(r, ri)]));
     box.appendChild(section('rewards', [renderRewards(r)]));
+    if (r.forks) box.appendChild(section('counterfactual credit: fork tree', [renderForks(r, ri)]));
     const calls = el('div', {});
     r.llm_calls.forEach((c, ci) => calls.appendChild(renderCall(r, ri, c, ci, scale)));
     box.appendChild(section('LLM calls (' + r.llm_calls.length + ')', [calls]));
@@ -437,6 +438,43 @@
         el('td', { class: 'num sum', text: fmt(c.reward, 4) }), el('td', { class: 'num', text: advText })];
     });
     if (rows.length) box.appendChild(table(['call (role / policy)', 'levels × weights', 'reward', 'advantage'], rows));
+    return box;
+  }
+
+  // --- counterfactual credit: per credited turn, the continuations forked before and after it -------
+  function renderForks(r, ri) {
+    const f = r.forks;
+    const box = el('div', { class: 'forks' });
+    box.appendChild(el('div', { class: 'muted', text: 'K = ' + (f.k === null ? '?' : f.k) + ' continuations from each checkpoint; V = the mean of their returns; ' +
+      'credit = V(after) − V(before), the change in expected return the turn made' }));
+    const callIndex = {};
+    r.llm_calls.forEach((c, ci) => { callIndex[c.id] = ci; });
+    function branch(label, p) {
+      const rets = el('span', { class: 'returns' });
+      for (const x of p.returns) {
+        rets.appendChild(x.value === null ? badge('failed', 'error', 'continuation ' + x.id + ': no return (failed, left out of V)')
+          : badge(fmt(x.value, 3), 'ret', 'continuation ' + x.id));
+      }
+      if (p.cut) rets.appendChild(el('span', { class: 'muted', text: ' +' + p.cut + ' more' }));
+      return el('li', { class: 'branch' }, [el('span', { class: 'blabel', text: label + ' (checkpoint of step ' + p.step + ')',
+        title: p.checkpoint_id ? 'checkpoint ' + p.checkpoint_id : '' }), el('span', { class: 'v', text: 'V = ' + fmt(p.value, 4) }), rets]);
+    }
+    for (const seg of f.segments) {
+      const turns = el('span', {});
+      for (const cid of seg.calls) {
+        const ci = callIndex[cid];
+        turns.appendChild(el('span', { class: 'chip inline', text: cid, title: 'LLM call ' + cid, onclick: ci === undefined ? null : () => jump('call-' + ri + '-' + ci) }));
+      }
+      const credit = num(seg.credit);
+      box.appendChild(el('div', { class: 'forktree', 'data-role': seg.role }, [
+        el('div', { class: 'turn' }, [el('span', { class: 'frole', text: seg.role }), turns,
+          el('span', { class: 'credit ' + (credit === null ? '' : credit > 0 ? 'pos' : credit < 0 ? 'neg' : ''), text: 'credit ' + signed(seg.credit) })]),
+        el('ul', {}, [branch('before', seg.before), branch('after', seg.after)]),
+      ]));
+    }
+    if (f.cut) box.appendChild(el('div', { class: 'muted', text: f.cut + ' more segments not shown' }));
+    const skipped = Object.keys(f.skipped || {});
+    if (skipped.length) box.appendChild(kv(skipped.map((c) => ['not forked: ' + c, f.skipped[c]])));
     return box;
   }
 
