@@ -164,6 +164,10 @@ class RuntimeConfig(_Strict):
                                       "processes: policies, or verl ranks); runtime.execution=ray only")
     max_batch_size: int = Field(8, ge=1, description="engine rows decoded together")
     batch_wait_ms: float = Field(50.0, ge=0, description="how long an idle engine waits for more requests to fill a batch")
+    prefix_cache_mb: float = Field(
+        0.0, ge=0, description="embedded engine: MiB for the K/V of prompt prefixes reused across requests (a group's prompt, "
+        "shared system prompts, earlier turns); cleared at every weight update; 0: off. Log-probs equal a full recompute "
+        "within fp32 rounding, which can flip a rare sample: a resumed run may then differ from an uninterrupted one")
     engine_bf16: bool | Literal["auto"] = Field(
         "auto", description="bf16 autocast while generating (auto: where bf16 is fast: GPUs, CPUs with AVX512-BF16/AMX; log-probs then carry bf16 rounding like the learner's)")
 

@@ -158,7 +158,12 @@ class EngineMeter:
 
     def read(self) -> dict[str, float]:
         now = self.engine.metrics()
-        out = {key: float(now[k] - self.seen.get(k, 0)) for k, key in ENGINE_METRICS.items()}
+        delta = {k: float(now[k] - self.seen.get(k, 0)) for k in now}
+        out = {key: delta[k] for k, key in ENGINE_METRICS.items()}
+        if "cached_tokens" in now:  # the embedded engine's prefix cache (runtime.prefix_cache_mb)
+            out["engine/prompt_tokens"] = delta["prompt_tokens"]
+            out["engine/prefill_tokens_saved"] = delta["cached_tokens"]
+            out["engine/prefix_hit_rate"] = delta["cached_tokens"] / delta["prompt_tokens"] if delta["prompt_tokens"] else 0.0
         self.seen = dict(now)
         return out
 

@@ -40,6 +40,7 @@ import torch
 
 from mas_trainer.engines.base import Delta, Generation, SamplingParams, cut_at_stop
 from mas_trainer.engines.grammar import COMPILE_TIMEOUT_S, SchemaGrammars
+from mas_trainer.engines.prefix_cache import PrefixCache
 from mas_trainer.engines.streaming import TextStream
 
 __all__ = ["TorchEngine", "BATCH_WAIT_MS", "load_engine"]
@@ -91,9 +92,12 @@ class TorchEngine:
         bf16: bool | str = False,
         max_grammars: int = 64,
         grammar_timeout_s: float = COMPILE_TIMEOUT_S,
+        prefix_cache_mb: float = 0.0,
     ) -> None:
         """`max_grammars`: compiled JSON-schema grammars kept; `grammar_timeout_s`: how long
-        one schema may compile before its request fails (see `mas_trainer.engines.grammar`)."""
+        one schema may compile before its request fails (see `mas_trainer.engines.grammar`);
+        `prefix_cache_mb`: memory for the K/V of prompt prefixes shared across requests (0: off;
+        see `mas_trainer.engines.prefix_cache`)."""
         self.model_name = model_name
         # bf16 autocast while decoding (CPU: ~1.5x faster). Log-probs then carry bf16 rounding,
         # like a learner's bf16 forward; off by default so they match an fp32 forward exactly.
@@ -116,7 +120,7 @@ class TorchEngine:
         self.eos_ids = frozenset(i for i in eos if i is not None)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids, default=0)
         self.stats: dict[str, Any] = {"decode_steps": 0, "prefills": 0, "tokens": 0, "requests": 0, "busy_s": 0.0,
-                                      "batch_sizes": collections.Counter()}
+                                      "prompt_tokens": 0, "cached_tokens": 0, "batch_sizes": collections.Counter()}
         self._rng = torch.Generator(device=self.device).manual_seed(0)
         # Compiled grammars by schema, bounded in number, compiled off the event loop's default
         # executor under a deadline (probed in a child process that can be killed).
@@ -136,6 +140,8 @@ class TorchEngine:
 
         layers = DynamicCache(config=config).layers
         self._continuous = bool(layers) and all(type(l).__name__ == "DynamicLayer" for l in layers)
+        # A hit is prefilled apart and merged into the batch, which needs the same per-layer edits.
+        self._prefix = PrefixCache(int(prefix_cache_mb * 2**20)) if prefix_cache_mb > 0 and self._continuous else None
         self._thread = threading.Thread(target=self._work, name=f"TorchEngine[{model_name}]", daemon=True)
         self._thread.start()
 
@@ -147,9 +153,10 @@ class TorchEngine:
         return self._model
 
     def metrics(self) -> dict[str, float]:
-        """Running totals under `engines.base.ENGINE_METRICS`' names (`stats` has more)."""
-        return {"requests": float(self.stats["requests"]), "tokens": float(self.stats["tokens"]),
-                "busy_s": float(self.stats["busy_s"])}
+        """Running totals under `engines.base.ENGINE_METRICS`' names (`stats` has more), and with
+        the prefix cache on, the prompt tokens asked for and those it saved prefilling."""
+        keys = ("requests", "tokens", "busy_s") + (("prompt_tokens", "cached_tokens") if self._prefix is not None else ())
+        return {k: float(self.stats[k]) for k in keys}
 
     @property
     def max_context(self) -> int:
@@ -297,6 +304,8 @@ class TorchEngine:
                 controls = [] if self._rows or admit else list(self._controls)
                 if controls:
                     self._controls.clear()
+            if controls and self._prefix is not None:
+                self._prefix.clear()  # the weights may change: no K/V computed with the old ones is reused
             for fn, fut in controls:
                 if fut.set_running_or_notify_cancel():
                     try:
@@ -370,25 +379,37 @@ class TorchEngine:
             self._decode()
 
     def _prefill(self, rows: list[_Row]) -> None:
-        """Run the new prompts (each distinct prompt once) and merge them into the batch."""
+        """Run the new prompts (each distinct prompt once; with the prefix cache, only what
+        follows each one's cached prefix) in one batch and merge them into the running batch."""
         from transformers import DynamicCache
 
         distinct: dict[tuple[int, ...], int] = {}
         which = [distinct.setdefault(tuple(r.req.prompt_ids), len(distinct)) for r in rows]
         prompts = list(distinct)
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+        self.stats["prompt_tokens"] += sum(len(p) for p in prompts)
+        hits = [self._prefix.lookup(p) if self._prefix is not None else (0, []) for p in prompts]
+        self.stats["cached_tokens"] += sum(n for n, _ in hits)
+        # Each row is [pad | cached prefix | pad | rest of the prompt]; the mask hides the pads and
+        # positions count real tokens only, so a row computes what it would alone.
+        width_p = max(n for n, _ in hits)
+        width_s = max(len(p) - n for p, (n, _) in zip(prompts, hits))
+        ids = torch.full((len(prompts), width_s), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width_p + width_s), dtype=torch.long)
+        for i, (p, (n, _)) in enumerate(zip(prompts, hits)):
+            ids[i, width_s - (len(p) - n):] = torch.tensor(p[n:])
+            mask[i, width_p - n:width_p] = 1
+            mask[i, width_p + width_s - (len(p) - n):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        cache = DynamicCache(config=self._model.config)
+        cache = DynamicCache(self._cached_prefixes(hits, width_p) if width_p else None, config=self._model.config)
         with self._autocast():
             out = self._model(
-                input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)[:, width_p:],
                 past_key_values=cache, use_cache=True, logits_to_keep=1,
             )
+        if self._prefix is not None:
+            for i, p in enumerate(prompts):
+                real = mask[i].bool()
+                self._prefix.store(p, [(layer.keys[i][:, real], layer.values[i][:, real]) for layer in cache.layers])
         index = torch.tensor(which, device=self.device)
         if len(prompts) != len(rows):
             cache.batch_select_indices(index)
@@ -398,10 +419,29 @@ class TorchEngine:
 
                 row.matcher = xgr.GrammarMatcher(row.req.grammar)
         self.stats["prefills"] += 1
+        self._join(rows, cache, mask[index], out.logits[index, -1])
+
+    @staticmethod
+    def _cached_prefixes(hits: list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]], width: int
+                         ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the batch's cached K/V right-aligned in `width` columns (zeros where a row has less)."""
+        some = next(kv for n, kv in hits if n)
+        out = []
+        for layer, (k0, v0) in enumerate(some):
+            keys = k0.new_zeros((len(hits), k0.shape[0], width, k0.shape[-1]))
+            values = v0.new_zeros((len(hits), v0.shape[0], width, v0.shape[-1]))
+            for i, (n, kv) in enumerate(hits):
+                if n:
+                    keys[i, :, width - n:], values[i, :, width - n:] = kv[layer]
+            out.append((keys, values))
+        return out
+
+    def _join(self, rows: list[_Row], cache: Any, mask: torch.Tensor, logits: torch.Tensor) -> None:
+        """Sample the first tokens of freshly prefilled rows and add them to the running batch."""
         running = (self._rows, self._cache, self._mask, self._pos, self._next)
-        self._rows, self._cache, self._mask, self._next = rows, cache, mask[index], None
+        self._rows, self._cache, self._mask, self._next = rows, cache, mask, None
         self._pos = self._mask.sum(-1)
-        first = self._sample(out.logits[index, -1])
+        first = self._sample(logits)
         fresh = (self._rows, self._cache, self._mask, self._pos, first)
         self._rows, self._cache, self._mask, self._pos, self._next = running
         if not fresh[0]:
@@ -578,7 +618,7 @@ class TorchEngine:
 
 
 def load_engine(model: str, *, name: str, seed: int = 0, max_batch_size: int = 8, batch_wait_ms: float = BATCH_WAIT_MS,
-                bf16: bool | str = False, device: str | torch.device = "cpu") -> TorchEngine:
+                bf16: bool | str = False, device: str | torch.device = "cpu", prefix_cache_mb: float = 0.0) -> TorchEngine:
     """The embedded engine on `model` (tiny | default | folder | hub id) with its own copy of
     the weights: the one way worker groups, verl's rank 0, rollout replicas and the verbs'
     engines build it, so all of them batch and sample alike."""
@@ -587,4 +627,4 @@ def load_engine(model: str, *, name: str, seed: int = 0, max_batch_size: int = 8
     weights, tokenizer = load_model(model, seed=seed)
     # the engine places the weights itself: a model moved beforehand would be moved back to its default, the CPU
     return TorchEngine(weights, tokenizer, model_name=name, max_batch_size=max_batch_size, batch_wait_ms=batch_wait_ms,
-                       bf16=bf16, device=device)
+                       bf16=bf16, device=device, prefix_cache_mb=prefix_cache_mb)

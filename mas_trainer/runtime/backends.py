@@ -33,13 +33,14 @@ class EngineSettings(Protocol):
 
     max_batch_size: int
     batch_wait_ms: float
+    prefix_cache_mb: float
     engine_bf16: bool | str  # True | False | "auto"
     device: str  # auto | cpu | cuda
 
 
 def torch_backend(model: str, *, seed: int = 0, **settings: Any) -> PolicyBackend:
     """The embedded engine on `model` (tiny | default | folder), its own copy of the weights;
-    `settings`: `load_engine`'s (max_batch_size, batch_wait_ms, bf16, device)."""
+    `settings`: `load_engine`'s (max_batch_size, batch_wait_ms, bf16, device, prefix_cache_mb)."""
     from mas_trainer.engines.chat import HFChatFormat
     from mas_trainer.engines.torch_engine import load_engine
 
@@ -126,7 +127,7 @@ def policy_backends(
         log.info("policy %s: engine on %s (%s, bf16 %s, %d rows a batch)", name, model, device, settings.engine_bf16,
                  settings.max_batch_size)
         return torch_backend(model, seed=seed, max_batch_size=settings.max_batch_size, bf16=settings.engine_bf16,
-                             batch_wait_ms=settings.batch_wait_ms, device=device)
+                             batch_wait_ms=settings.batch_wait_ms, device=device, prefix_cache_mb=settings.prefix_cache_mb)
 
     served, checkpoints = served or {}, checkpoints or {}
     out: dict[str, PolicyBackend] = {}

@@ -41,7 +41,7 @@ class WorkerGroup:
         adapter = plan.model if learner.lora_rank and is_adapter(plan.model) else None
         self.engine = load_engine(plan.reference if adapter else plan.model, name=plan.policy, seed=plan.seed,
                                   max_batch_size=plan.max_batch_size, batch_wait_ms=plan.batch_wait_ms,
-                                  bf16=plan.engine_bf16, device=plan.device)
+                                  bf16=plan.engine_bf16, device=plan.device, prefix_cache_mb=plan.prefix_cache_mb)
         model, self.tokenizer = self.engine.model, self.engine.tokenizer
         self.turns = TurnStore(plan.policy)
         self.meter = EngineMeter(self.engine)

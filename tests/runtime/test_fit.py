@@ -448,3 +448,17 @@ def test_a_hub_id_that_cannot_be_had_is_one_line_before_any_worker_starts(tmp_pa
     with pytest.raises(UserError) as err:
         fit(f"{APP}:single", TASKS[:2], cfg, tmp_path / "run")
     assert "\n" not in str(err.value) and "nobody-here/no-such-model" in str(err.value)
+
+
+def test_the_prefix_cache_reports_what_it_saved_in_every_step(tmp_path):
+    """runtime.prefix_cache_mb: each policy's step metrics say how many prompt tokens the
+    embedded engine did not prefill again. The planner's prompts all arrive in one batch (each
+    distinct one prefilled once, nothing cached yet); the crew's critic prompts come after its
+    writer prompts and share the chat template's system prompt with them."""
+    rows = fit(f"{APP}:graph", TASKS[:4], _cfg("steps=2", "runtime.prefix_cache_mb=32"), tmp_path / "run")
+    for row in (r for r in rows if r["kind"] == "train"):
+        saved, asked = row["policy/crew/engine/prefill_tokens_saved"], row["policy/crew/engine/prompt_tokens"]
+        assert 0 < saved < asked and row["policy/crew/engine/prefix_hit_rate"] == pytest.approx(saved / asked)
+        assert row["policy/lead/engine/prefill_tokens_saved"] == 0 < row["policy/lead/engine/prompt_tokens"]
+    off = fit(f"{APP}:graph", TASKS[:4], _cfg("steps=1"), tmp_path / "off")
+    assert not any("prefix" in k for k in off[-1])  # off by default: no such metrics
