@@ -51,7 +51,11 @@ async def _workload(eng, shared, turn1, turn2):
     first = await eng.generate(turn1, SamplingParams(max_tokens=6, seed=1))
     second = await eng.generate(turn2, SamplingParams(max_tokens=6, seed=2))
     greedy = await eng.generate(turn2, SamplingParams(max_tokens=6, temperature=0.0))
-    return [group, *others, first, second, greedy]
+    # one batch mixing a miss (no system prompt) with hits of two prefix lengths
+    mixed = await asyncio.gather(eng.generate(list(range(40, 90)), SamplingParams(max_tokens=5, seed=3)),
+                                 eng.generate(turn1, SamplingParams(max_tokens=5, seed=4)),
+                                 eng.generate(shared[3], SamplingParams(max_tokens=5, seed=5)))
+    return [group, *others, first, second, greedy, *mixed]
 
 
 async def test_cached_prefixes_give_the_same_tokens_and_logprobs_as_none(tiny, chats):
@@ -69,14 +73,14 @@ async def test_cached_prefixes_give_the_same_tokens_and_logprobs_as_none(tiny, c
         await on.generate(turn2, SamplingParams(max_tokens=2, seed=0))
         row = meter.read()
     assert [[g.token_ids for g in gens] for gens in cached] == [[g.token_ids for g in gens] for gens in plain]
-    prompts = [shared[0], *shared, turn1, turn2, turn2]
+    prompts = [shared[0], *shared, turn1, turn2, turn2, list(range(40, 90)), turn1, shared[3]]
     for prompt, gens in zip(prompts, cached):
         for g in gens:
             ref = reference_logprobs(on.model, prompt, g.token_ids)
             assert torch.allclose(torch.tensor(g.logprobs, dtype=ref.dtype), ref, atol=1e-4)
     # the group ran its one prompt once; every later prompt reused the system prompt (turn 2: turn 1's blocks)
-    assert (hits, lookups) == (7, 8)
-    assert metrics["cached_tokens"] == saved >= 7 * 3 * BLOCK and 0 < saved < prompt_tokens == metrics["prompt_tokens"]
+    assert (hits, lookups) == (9, 11)
+    assert metrics["cached_tokens"] == saved >= 9 * 3 * BLOCK and 0 < saved < prompt_tokens == metrics["prompt_tokens"]
     # a step's metrics: the prompt tokens of the step, those the cache saved, their ratio
     cached = BLOCK * ((len(turn2) - 1) // BLOCK)
     assert row["engine/prompt_tokens"] == len(turn2) and row["engine/prefill_tokens_saved"] == cached
