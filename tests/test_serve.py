@@ -193,6 +193,9 @@ def test_record_runs_and_feedback_over_http(trained_run, tmp_path, monkeypatch):
         assert r.status_code == 200, r.text
         run_id, turn = r.headers["x-mas-run-id"], r.json()["id"]
         assert r.json()["run_id"] == run_id and len(run_id) == 32
+        streamed = httpx.post(f"{server.base_url}/chat/completions", json={**body, "stream": True}, headers=auth)
+        assert streamed.status_code == 200 and "data:" in streamed.text
+        streamed_id = streamed.headers["x-mas-run-id"]
         monkeypatch.setenv("OPENAI_BASE_URL", server.base_url)
         monkeypatch.setenv("OPENAI_API_KEY", "k")
         load_object(f"{root / 'app.py'}:graph").invoke({"question": "Name a fruit."})
@@ -215,6 +218,7 @@ def test_record_runs_and_feedback_over_http(trained_run, tmp_path, monkeypatch):
     assert "bob@example.com" not in on_disk and "[email]" in on_disk
     runs = {t.rollout_id: (t, f) for t, f in read_runs(tmp_path)}
     assert [f.get("label") for f in runs[run_id][1]] == ["good", None]
+    assert runs.pop(streamed_id)[0].llm_calls[0].output_text is not None  # a streamed answer is recorded too
     graph_runs = [t for t in runs.values() if t[0].rollout_id != run_id]
     # outside a rollout an @trainable graph's calls do not share one trace id yet: a run per call
     assert sorted(c.node for t, _ in graph_runs for c in t.llm_calls) == ["planner", "writer"]

@@ -304,6 +304,7 @@ class Gateway:
         parsed = [call.content(gen) for gen in gens]
         choices = [_choice(i, gen, *parsed[i]) for i, gen in enumerate(gens)]
         self._file(call, gens, parsed)
+        await self._record(call, gens, parsed)
         completion_tokens = sum(len(g.token_ids) for g in gens)
         return {
             "id": f"chatcmpl-{call.call_id}",
@@ -319,14 +320,25 @@ class Gateway:
         }
 
     def _file(self, call: _Call, gens: list[Generation], parsed: list[tuple[str | None, list[dict]]]) -> None:
-        end = time.time()
         if not call.decision.rollout_id:
-            if self.recorder is not None and call.run_id is not None:
-                for i, gen in enumerate(gens):
-                    self.recorder.record(call.run_id, _llm_call(call, i, gen, *parsed[i], end))
-            return  # serving keeps nothing else per request
+            return  # serving keeps nothing per request (a recorder keeps its own, in _record)
+        end = time.time()
         for i, gen in enumerate(gens):
             self.ledger.file(call.decision.rollout_id, _llm_call(call, i, gen, *parsed[i], end), claim=call.call_id)
+
+    async def _record(self, call: _Call, gens: list[Generation], parsed: list[tuple[str | None, list[dict]]]) -> None:
+        """serve --record: each choice on disk (fsync'ed, so off the event loop) before the answer goes."""
+        recorder, run_id = self.recorder, call.run_id
+        if recorder is None or run_id is None:
+            return
+        end = time.time()
+        calls = [_llm_call(call, i, gen, *parsed[i], end) for i, gen in enumerate(gens)]
+
+        def write() -> None:
+            for c in calls:
+                recorder.record(run_id, c)
+
+        await asyncio.to_thread(write)
 
     async def _sse(self, call: _Call, first: Delta, deltas: AsyncGenerator[Delta, None], flight: Flight) -> AsyncIterator[str]:
         base = {"id": f"chatcmpl-{call.call_id}", "object": "chat.completion.chunk", "created": int(call.start),
@@ -369,6 +381,7 @@ class Gateway:
                 yield events(d)
             done = [g for g in gens if g is not None]
             self._file(call, done, parsed)
+            await self._record(call, done, parsed)
         except Stopped as exc:  # the rollout ended or the gateway is closing: end the stream
             log.info("stream %s stopped: %s", call.call_id, exc)
             yield f"data: {json.dumps(error_body(str(exc), code=exc.code, kind='server_error'))}\n\n"
