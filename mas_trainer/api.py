@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from mas_trainer.data import load_tasks
 from mas_trainer.errors import UserError
@@ -187,13 +187,18 @@ def trace(app: Any, data: str | Path | Iterable[dict[str, Any]], *, n: int = 1, 
 
 def serve(run: str | Path, *, host: str = "127.0.0.1", port: int = 8000, routes: Mapping[str, str] | None = None,
           api_key: str | None = None, engine: str = "embedded", ready: threading.Event | None = None,
-          stop: threading.Event | None = None) -> None:
+          stop: threading.Event | None = None, record: str | Path | None = None, record_file_mb: float = 64,
+          record_max_mb: float = 1024, redact: str | Callable[[str], str] | None = None) -> None:
     """Serve the trained policies of `run` behind one OpenAI-compatible endpoint until SIGINT or
     SIGTERM (or until `stop` is set; `ready` is set once it accepts requests). `routes` maps
-    a client's model name to a policy; `api_key` is required of every request when given."""
+    a client's model name to a policy; `api_key` is required of every request when given.
+    `record`: a folder where each served run is kept (rotated at `record_file_mb`, at most
+    `record_max_mb` in all), its texts passed through `redact` (a function or "module:function")
+    first; feedback on those runs is then taken at POST /v1/feedback (docs/serving.md)."""
     from mas_trainer.serve import serve as run_serve
 
-    run_serve(run, host=host, port=port, routes=routes, api_key=api_key, engine=engine, ready=ready, stop=stop)
+    run_serve(run, host=host, port=port, routes=routes, api_key=api_key, engine=engine, ready=ready, stop=stop,
+              record=record, record_file_mb=record_file_mb, record_max_mb=record_max_mb, redact=redact)
 
 
 def view(path: str | Path, *, port: int = 8765, html: str | Path | None = None, steps: str | None = None,

@@ -203,7 +203,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         name, policy = item.split("=", 1)
         routes[name] = policy
     serve(args.run_dir, host=args.host, port=args.port, routes=routes, api_key=resolve_api_key(args.api_key, args.api_key_file),
-          engine=args.engine)
+          engine=args.engine, record=args.record, record_file_mb=args.record_file_mb, record_max_mb=args.record_max_mb,
+          redact=args.redact)
     return 0
 
 
@@ -305,6 +306,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=["embedded", "vllm", "torch-replica"], default="embedded",
                    help="what answers the trained policies: the embedded torch engine, vLLM replicas (GPUs, docs/vllm.md), "
                         "or the embedded engine as replicas")
+    p.add_argument("--record", default=None, metavar="DIR",
+                   help="keep each served run (its LLM calls) as JSON lines under DIR and accept POST /v1/feedback on them; "
+                        "off by default: nothing is written without it")
+    p.add_argument("--record-file-mb", type=float, default=64, metavar="MB", help="start a new runs file past this size")
+    p.add_argument("--record-max-mb", type=float, default=1024, metavar="MB",
+                   help="delete the oldest runs files past this total (their runs can no longer get feedback)")
+    p.add_argument("--redact", default=None, metavar="MODULE:FUNCTION",
+                   help="a str -> str function applied to every recorded text before it reaches disk")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("view", help="look at a run in the browser: curves, graphs of node calls, tokens, rewards",

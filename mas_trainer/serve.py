@@ -20,10 +20,11 @@ import os
 import signal
 import threading
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 from mas_trainer.config import ConfigError
 from mas_trainer.gateway import Gateway, GatewayServer, Router
+from mas_trainer.record import Recorder, load_redactor
 from mas_trainer.runtime.backends import policy_backends, run_config, trained_policies
 from mas_trainer.runtime.rundir import RunDir
 from mas_trainer.spec import ResolvedSpec
@@ -91,9 +92,17 @@ def build_gateway(run_dir: str | Path, *, routes: Mapping[str, str] | None = Non
 
 def serve(run_dir: str | Path, *, host: str = "127.0.0.1", port: int = 8000, routes: Mapping[str, str] | None = None,
           api_key: str | None = None, ready: threading.Event | None = None, stop: threading.Event | None = None,
-          engine: str = "embedded") -> None:
-    """Serve until SIGINT/SIGTERM (or `stop` is set)."""
+          engine: str = "embedded", record: str | Path | None = None, record_file_mb: float = 64,
+          record_max_mb: float = 1024, redact: str | Callable[[str], str] | None = None) -> None:
+    """Serve until SIGINT/SIGTERM (or `stop` is set); with `record`, keep each served run there."""
+    recorder = None
+    if record is not None:  # checked before the engines load
+        hook = load_redactor(redact) if isinstance(redact, str) else redact
+        recorder = Recorder(record, file_mb=record_file_mb, max_mb=record_max_mb, redact=hook)
+    elif redact is not None:
+        raise ConfigError("--redact applies to what --record keeps: give --record DIR too")
     gateway = build_gateway(run_dir, routes=routes, api_key=api_key, engine=engine)
+    gateway.recorder = recorder
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -102,7 +111,8 @@ def serve(run_dir: str | Path, *, host: str = "127.0.0.1", port: int = 8000, rou
         log.warning("serving on %s without an API key: anyone who can reach it can use the models "
                     "(set %s or --api-key-file)", host, API_KEY_ENV)
     with GatewayServer(gateway, host, port) as server:
-        print(f"serving {', '.join(sorted(gateway.backends))} at {server.base_url} ({gateway.protection()})", flush=True)
+        kept = f"; recording runs in {recorder.folder}" if recorder is not None else ""
+        print(f"serving {', '.join(sorted(gateway.backends))} at {server.base_url} ({gateway.protection()}{kept})", flush=True)
         if ready is not None:
             ready.set()
         stop.wait()

@@ -57,15 +57,20 @@ from mas_trainer.gateway.sampling import RolloutSampling
 from mas_trainer.gateway.transport import GatewayServer, ServerLimits
 from mas_trainer.trace import attributes as A
 from mas_trainer.trace.instrument import BAGGAGE_TOKEN, rollout_token_ok
+from mas_trainer.record import Feedback, Recorder
 from mas_trainer.trace.schema import LLMCall
 
-__all__ = ["PolicyBackend", "Gateway", "GatewayServer", "RequestLimits", "ServerLimits", "key_matches", "POLICY_HEADER"]
+__all__ = ["PolicyBackend", "Gateway", "GatewayServer", "RequestLimits", "ServerLimits", "key_matches", "POLICY_HEADER", "RUN_HEADER"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # Names the policy that answered, on every completion (streamed or not).
 POLICY_HEADER = "x-mas-policy"
+# With a recorder (serve --record): the recorded run a completion belongs to.
+RUN_HEADER = "x-mas-run-id"
+# A feedback body is a few fields; anything bigger is not feedback.
+_MAX_FEEDBACK_BYTES = 8 * 1024
 # Bodies up to this size are parsed and validated on the event loop: cheaper than a thread
 # hop, and over in microseconds. Larger ones go to a thread so they delay nobody.
 _INLINE_BODY_BYTES = 64 * 1024
@@ -124,6 +129,7 @@ class _Call:
     params: SamplingParams
     call_id: str
     start: float
+    run_id: str | None = None  # set when the gateway records served calls
 
     @property
     def turn_id(self) -> str | None:
@@ -164,6 +170,8 @@ class Gateway:
         self.flights = Flights()
         # set by the HTTP server: told which connections carried an admitted request
         self.on_admitted: Callable[[Any], None] | None = None
+        # serve --record: keeps each served call (mas_trainer.record.Recorder); None keeps nothing
+        self.recorder: Recorder | None = None
         self.app = self._build_app()
 
     def add_policy(self, name: str, backend: PolicyBackend) -> None:
@@ -296,6 +304,7 @@ class Gateway:
         parsed = [call.content(gen) for gen in gens]
         choices = [_choice(i, gen, *parsed[i]) for i, gen in enumerate(gens)]
         self._file(call, gens, parsed)
+        await self._record(call, gens, parsed)
         completion_tokens = sum(len(g.token_ids) for g in gens)
         return {
             "id": f"chatcmpl-{call.call_id}",
@@ -307,14 +316,29 @@ class Gateway:
             "usage": _usage(call, completion_tokens),
             "system_fingerprint": f"mas-trainer:{call.decision.policy}",
             "policy": call.decision.policy,  # which policy answered: `model` echoes what the client asked for
+            **({"run_id": call.run_id} if call.run_id else {}),
         }
 
     def _file(self, call: _Call, gens: list[Generation], parsed: list[tuple[str | None, list[dict]]]) -> None:
         if not call.decision.rollout_id:
-            return  # serving keeps nothing per request
+            return  # serving keeps nothing per request (a recorder keeps its own, in _record)
         end = time.time()
         for i, gen in enumerate(gens):
             self.ledger.file(call.decision.rollout_id, _llm_call(call, i, gen, *parsed[i], end), claim=call.call_id)
+
+    async def _record(self, call: _Call, gens: list[Generation], parsed: list[tuple[str | None, list[dict]]]) -> None:
+        """serve --record: each choice on disk (fsync'ed, so off the event loop) before the answer goes."""
+        recorder, run_id = self.recorder, call.run_id
+        if recorder is None or run_id is None:
+            return
+        end = time.time()
+        calls = [_llm_call(call, i, gen, *parsed[i], end) for i, gen in enumerate(gens)]
+
+        def write() -> None:
+            for c in calls:
+                recorder.record(run_id, c)
+
+        await asyncio.to_thread(write)
 
     async def _sse(self, call: _Call, first: Delta, deltas: AsyncGenerator[Delta, None], flight: Flight) -> AsyncIterator[str]:
         base = {"id": f"chatcmpl-{call.call_id}", "object": "chat.completion.chunk", "created": int(call.start),
@@ -357,6 +381,7 @@ class Gateway:
                 yield events(d)
             done = [g for g in gens if g is not None]
             self._file(call, done, parsed)
+            await self._record(call, done, parsed)
         except Stopped as exc:  # the rollout ended or the gateway is closing: end the stream
             log.info("stream %s stopped: %s", call.call_id, exc)
             yield f"data: {json.dumps(error_body(str(exc), code=exc.code, kind='server_error'))}\n\n"
@@ -383,6 +408,8 @@ class Gateway:
         bag = dict(baggage.get_all(ctx))
         span_ctx = trace.get_current_span(ctx).get_span_context()
         signed_id = format(span_ctx.span_id, "016x") if span_ctx.is_valid else None
+        # a graph invocation's calls share its trace id: one recorded run
+        trace_id = format(span_ctx.trace_id, "032x") if span_ctx.is_valid else uuid.uuid4().hex
         rollout = self._admit(request, bag, signed_id)
         # a call outside the run's rollouts is filed nowhere: its id is the gateway's own
         call_id = signed_id if rollout and signed_id else uuid.uuid4().hex[:16]
@@ -401,7 +428,7 @@ class Gateway:
         try:
             raw = await self._read_body(request)
             req = self._decode(raw) if len(raw) <= _INLINE_BODY_BYTES else await asyncio.to_thread(self._decode, raw)
-            response = await _unless_gone(request, flight.until_stopped(self._answer(req, call_id, bag, rollout, flight)))
+            response = await _unless_gone(request, flight.until_stopped(self._answer(req, call_id, bag, rollout, flight, trace_id)))
             streaming = isinstance(response, StreamingResponse)  # its flight ends with the stream
             return response
         except Stopped as exc:  # its rollout ended, or the gateway is closing
@@ -431,10 +458,14 @@ class Gateway:
         if rollout_id is not None:
             self.ledger.release(rollout_id, call_id)
 
-    async def _answer(self, req: ChatRequest, call_id: str, bag: dict[str, object], rollout: bool, flight: Flight) -> Response:
+    async def _answer(self, req: ChatRequest, call_id: str, bag: dict[str, object], rollout: bool, flight: Flight,
+                      trace_id: str) -> Response:
         call = await self._prepare(req, call_id, bag, rollout)
+        headers = {POLICY_HEADER: call.decision.policy}
+        if self.recorder is not None and not call.decision.rollout_id:
+            call.run_id = headers[RUN_HEADER] = trace_id
         if not req.stream:
-            return JSONResponse(await self._complete(call), headers={POLICY_HEADER: call.decision.policy})
+            return JSONResponse(await self._complete(call), headers=headers)
         deltas = stream_generation(call.backend.engine, call.prompt_ids, call.params, turn_id=call.turn_id)
         try:
             # the first token before the status line: an engine that refuses the request (a
@@ -445,7 +476,7 @@ class Gateway:
             raise
         # from here Starlette cancels the stream when the client hangs up
         return StreamingResponse(self._sse(call, first, deltas, flight), media_type="text/event-stream",
-                                 headers={"cache-control": "no-cache", POLICY_HEADER: call.decision.policy})
+                                 headers={"cache-control": "no-cache", **headers})
 
     # --- HTTP --------------------------------------------------------------------------------
     def _build_app(self) -> FastAPI:
@@ -492,7 +523,35 @@ class Gateway:
                 log.info("client went away; its request was dropped")
                 return Response(status_code=499)
 
+        @app.post("/v1/feedback")
+        async def _feedback(request: Request) -> Response:
+            if not self._key_ok(request):
+                return unauthorised()
+            return await self._feedback(request)
+
         return app
+
+    async def _feedback(self, request: Request) -> Response:
+        """A score or label for a recorded run (or one of its turns); refused for runs it does not hold."""
+        if self.recorder is None:
+            return _refuse(404, error_body("this server records nothing (start it with --record)", code="not_recording"))
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > _MAX_FEEDBACK_BYTES:
+            return _refuse(413, error_body(f"feedback over {_MAX_FEEDBACK_BYTES} bytes", code="request_too_large"))
+        raw = b""
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > _MAX_FEEDBACK_BYTES:
+                return _refuse(413, error_body(f"feedback over {_MAX_FEEDBACK_BYTES} bytes", code="request_too_large"))
+        try:
+            fb = Feedback.model_validate_json(raw)
+        except ValidationError as exc:
+            return _refuse(422, error_body(_describe(exc.errors()), param=_first_loc(exc.errors())), retry=False)
+        why = self.recorder.check(fb.run_id, fb.turn)
+        if why is not None:
+            return _refuse(404, error_body(why, code="run_not_found"), retry=False)
+        await asyncio.to_thread(self.recorder.feedback, fb)
+        return JSONResponse({"status": "recorded", "run_id": fb.run_id})
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -1,0 +1,201 @@
+"""`serve --record DIR`: each served run kept on disk as trajectory JSON, and feedback on it.
+
+A run is every LLM call that shares one W3C trace id (an `@trainable` graph's invocation sends
+one); a call that carries none is a run of its own. Its id (32 hex characters) goes back to
+the caller as `x-mas-run-id` and `run_id`. Each call is one JSON line in `runs-NNNN.jsonl`,
+written, flushed and fsync'ed before the answer leaves, so a kill -9 loses at most the calls in
+flight. Files rotate at `file_mb`; the oldest go once all of them pass `max_mb`, and their runs
+are forgotten (feedback on them is refused). `redact` (str -> str) sees every text before the
+disk does; when it raises, the call is not recorded at all. Feedback lines go to
+`feedback.jsonl`, append-only. `read_runs(DIR)` gives (Trajectory, [feedback]) per run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import re
+import threading
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from mas_trainer.errors import UserError
+from mas_trainer.trace.schema import LLMCall, NodeCall, Trajectory
+
+__all__ = ["Feedback", "Recorder", "read_runs", "load_redactor", "RUN_ID"]
+
+log = logging.getLogger(__name__)
+RUN_ID = re.compile(r"[0-9a-f]{32}")
+_RUNS = re.compile(r"runs-(\d{4,})\.jsonl")
+FEEDBACK_FILE = "feedback.jsonl"
+Redactor = Callable[[str], str]
+
+
+class Feedback(BaseModel):
+    """POST /v1/feedback: a score or a label for a recorded run, or for one of its calls (`turn`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    run_id: str = Field(pattern=r"^[0-9a-f]{32}$")
+    score: float | None = Field(default=None, allow_inf_nan=False)
+    label: str | None = Field(default=None, min_length=1, max_length=200)
+    turn: str | None = Field(default=None, max_length=64)
+    comment: str | None = Field(default=None, max_length=2000)
+
+    @model_validator(mode="after")
+    def _something(self) -> Feedback:
+        if self.score is None and self.label is None:
+            raise ValueError("give a score or a label")
+        return self
+
+
+def load_redactor(spec: str) -> Redactor:
+    """`module:function`, a function from str to str."""
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise UserError(f"--redact {spec!r}: give module:function")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise UserError(f"--redact {spec!r}: {exc}") from None
+    if not callable(fn):
+        raise UserError(f"--redact {spec!r} is not callable")
+    return fn  # type: ignore[no-any-return]
+
+
+def _scrub(value: Any, redact: Redactor) -> Any:
+    if isinstance(value, str):
+        out = redact(value)
+        if not isinstance(out, str):
+            raise TypeError(f"the redaction hook returned {type(out).__name__}, not str")
+        return out
+    if isinstance(value, list):
+        return [_scrub(v, redact) for v in value]
+    if isinstance(value, dict):
+        return {k: _scrub(v, redact) for k, v in value.items()}
+    return value
+
+
+def _run_files(folder: Path) -> list[Path]:
+    found = [(int(m.group(1)), p) for p in folder.glob("runs-*.jsonl") if (m := _RUNS.fullmatch(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def _lines(path: Path) -> Iterator[dict[str, Any]]:
+    """The records of one file; a torn line (the server killed mid-write) is skipped."""
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                yield json.loads(raw)
+            except ValueError:
+                log.warning("%s:%d: skipping a torn or unreadable line", path, n)
+
+
+def _fsync_append(path: Path, line: str) -> None:
+    with path.open("a", encoding="utf-8") as f:
+        f.write(line)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class Recorder:
+    """Appends served calls and feedback under `folder`; knows which runs and turns it holds."""
+
+    def __init__(self, folder: str | Path, *, file_mb: float = 64, max_mb: float = 1024,
+                 redact: Redactor | None = None) -> None:
+        if file_mb <= 0 or max_mb < file_mb:
+            raise UserError("--record-file-mb must be > 0 and at most --record-max-mb")
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.file_bytes, self.max_bytes = int(file_mb * 2**20), int(max_mb * 2**20)
+        self.redact = redact
+        self._lock = threading.Lock()
+        # run id -> its call ids, and which runs each file holds (to forget them when it goes)
+        self._runs: dict[str, set[str]] = {}
+        self._by_file: dict[Path, set[str]] = {}
+        for path in _run_files(self.folder):  # rebuilt at start: runs survive a restart
+            for rec in _lines(path):
+                if isinstance(rec, dict) and isinstance(rec.get("run_id"), str) and isinstance(rec.get("call"), dict):
+                    self._index(path, rec["run_id"], str(rec["call"].get("id")))
+        files = _run_files(self.folder)
+        self._current = files[-1] if files else self.folder / "runs-0000.jsonl"
+
+    def _index(self, path: Path, run_id: str, call_id: str) -> None:
+        self._runs.setdefault(run_id, set()).add(call_id)
+        self._by_file.setdefault(path, set()).add(run_id)
+
+    def record(self, run_id: str, call: LLMCall) -> bool:
+        """Persist one call of `run_id`; False (and one log line) when the redaction hook failed."""
+        data = call.model_dump(mode="json")
+        if self.redact is not None:
+            try:
+                for key in ("messages", "output_text", "tool_calls"):
+                    data[key] = _scrub(data[key], self.redact)
+            except Exception as exc:  # never written unredacted
+                log.error("run %s: the redaction hook failed (%s: %s); this call is not recorded",
+                          run_id, type(exc).__name__, exc)
+                return False
+        line = json.dumps({"run_id": run_id, "call": data}, separators=(",", ":")) + "\n"
+        with self._lock:
+            if self._current.exists() and self._current.stat().st_size + len(line) > self.file_bytes:
+                number = int(_RUNS.fullmatch(self._current.name).group(1)) + 1  # type: ignore[union-attr]
+                self._current = self.folder / f"runs-{number:04d}.jsonl"
+            _fsync_append(self._current, line)
+            self._index(self._current, run_id, data["id"])
+            self._trim()
+        return True
+
+    def _trim(self) -> None:
+        files = _run_files(self.folder)
+        total = sum(p.stat().st_size for p in files)
+        for old in files[:-1]:  # the file being written stays
+            if total <= self.max_bytes:
+                break
+            total -= old.stat().st_size
+            old.unlink()
+            gone = self._by_file.pop(old, set())
+            still = set().union(*self._by_file.values()) if self._by_file else set()
+            for run_id in gone - still:  # a run split across files lives while any part does
+                self._runs.pop(run_id, None)
+
+    def check(self, run_id: str, turn: str | None) -> str | None:
+        """Why feedback on (run_id, turn) is refused, or None."""
+        with self._lock:
+            calls = self._runs.get(run_id) if RUN_ID.fullmatch(run_id) else None
+        if calls is None:
+            return f"no recorded run {run_id!r} (unknown, or rotated away)"
+        # a turn is the completion's id; its "chatcmpl-" prefix is optional
+        if turn is not None and turn.removeprefix("chatcmpl-") not in calls:
+            return f"run {run_id} has no turn {turn!r}"
+        return None
+
+    def feedback(self, fb: Feedback) -> None:
+        with self._lock:
+            _fsync_append(self.folder / FEEDBACK_FILE, fb.model_dump_json(exclude_none=True) + "\n")
+
+
+def read_runs(folder: str | Path) -> Iterator[tuple[Trajectory, list[dict[str, Any]]]]:
+    """Each recorded run as a Trajectory (calls in order, nodes from the calls' node ids) with
+    the feedback given on it, oldest run first."""
+    folder = Path(folder)
+    calls: dict[str, list[LLMCall]] = {}
+    for path in _run_files(folder):
+        for rec in _lines(path):
+            calls.setdefault(rec["run_id"], []).append(LLMCall.model_validate(rec["call"]))
+    feedback: dict[str, list[dict[str, Any]]] = {}
+    if (folder / FEEDBACK_FILE).exists():
+        for fb in _lines(folder / FEEDBACK_FILE):
+            feedback.setdefault(fb["run_id"], []).append(fb)
+    for run_id, run in calls.items():
+        nodes: dict[str, NodeCall] = {}
+        for c in run:
+            if c.node_id and c.node_id not in nodes:
+                nodes[c.node_id] = NodeCall(id=c.node_id, name=c.node or "", step=None, parent_id=None, status="ok",
+                                            start_time=c.start_time, end_time=c.end_time)
+        start, end = run[0].start_time, run[-1].end_time
+        traj = Trajectory(rollout_id=run_id, trace_id=run_id, task={}, status="ok", nodes=list(nodes.values()),
+                          llm_calls=run, duration_s=(end - start) if start is not None and end is not None else None)
+        yield traj, feedback.get(run_id, [])
