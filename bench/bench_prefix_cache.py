@@ -8,6 +8,11 @@ ignored), so both engines do the same decoding and differ only in what they pref
 
     .venv/bin/python bench/bench_prefix_cache.py [--model default|tiny|PATH] [--tasks 4] [--n 4] [--turns 4] \
         [--max-tokens 16] [--repeats 2]
+    .venv/bin/python bench/bench_prefix_cache.py --fit agentic_search [--steps 2] [--out runs/prefix]
+
+`--fit NAME` instead runs `mas-trainer fit` on an example app (``agentic_search``: its README
+command; ``rag_qa``: the main command's settings) for `--steps` steps, once with the cache off
+and once on, and prints each step's rollout seconds (`time/rollout_s`) side by side.
 
 Prints seconds per step for each engine (best of `--repeats`, the two alternating), the
 on/off ratio (goal: <= 0.6 on agentic-search-shaped work), the hit rate and prefill tokens
@@ -19,7 +24,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
 import time
+from pathlib import Path
 
 import torch
 
@@ -58,8 +65,42 @@ async def step(engine: TorchEngine, prompts: list[list[list[int]]], n: int, max_
     return time.perf_counter() - t0
 
 
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples" / "langgraph_apps"
+FITS = {
+    "agentic_search": [f"{EXAMPLES}/agentic_search/app.py:graph", "--data", f"{EXAMPLES}/agentic_search/mixed_train.jsonl",
+                       "rollout.tasks_per_step=8", "rollout.n=4", "rollout.timeout_s=900", "learner.lr=2e-5",
+                       "learner.mini_batch_size=16", "runtime.max_batch_size=32"],
+    "rag_qa": [f"{EXAMPLES}/rag_qa/app.py:graph_answerer", "--data", f"{EXAMPLES}/rag_qa/train.jsonl",
+               "rollout.tasks_per_step=8", "rollout.n=4", "rollout.temperature=0.7", "learner.lr=2e-5",
+               "learner.mini_batch_size=16", "learner.share_prompts=true", "runtime.max_batch_size=32"],
+}
+
+
+def fit_side_by_side(name: str, steps: int, out: Path, cache_mb: float) -> None:
+    """Rollout seconds per step of the same fit with the prefix cache off, then on."""
+    rows = {}
+    for arm, mb in (("off", 0), ("on", cache_mb)):
+        run = out / f"{name}-{arm}"
+        cmd = [str(ROOT / ".venv" / "bin" / "mas-trainer"), "fit", *FITS[name], "--model", "default", "--output", str(run),
+               f"steps={steps}", f"save_every={steps}", "eval_every=1000", "runtime.execution=local", "logger=[console]",
+               f"runtime.prefix_cache_mb={mb}", "seed=0"]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        rows[arm] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"train"' in line]
+    for off, on in zip(rows["off"], rows["on"]):
+        rate = next((v for k, v in on.items() if k.endswith("engine/prefix_hit_rate")), 0.0)
+        print(f"{name} step {off['step']}: rollouts off {off['time/rollout_s']:.1f} s, on {on['time/rollout_s']:.1f} s "
+              f"= {on['time/rollout_s'] / off['time/rollout_s']:.2f}; hit rate {rate:.0%}")
+    total = {arm: sum(r["time/rollout_s"] for r in rs) for arm, rs in rows.items()}
+    print(json.dumps({"fit": name, "steps": steps, "rollout_s_off": total["off"], "rollout_s_on": total["on"],
+                      "ratio": total["on"] / total["off"]}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--fit", choices=sorted(FITS), default=None)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--out", default="runs/prefix")
     ap.add_argument("--model", default="default")
     ap.add_argument("--tasks", type=int, default=4)
     ap.add_argument("--n", type=int, default=4)
@@ -68,6 +109,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--cache-mb", type=float, default=256)
     args = ap.parse_args()
+    if args.fit:
+        return fit_side_by_side(args.fit, args.steps, Path(args.out), args.cache_mb)
     model, tok = load_model(args.model)
     fmt = HFChatFormat(tok)
     prompts = [[fmt.render(m) for m in conv] for conv in conversations(args.tasks, args.turns)]
