@@ -1,0 +1,86 @@
+"""The embedded engine's prefill and decode speed beside this machine's matmul limit.
+
+Measures, in one process: the machine's fp32 matmul FLOP/s (torch.mm on square matrices, the
+best of a few sizes), then the engine's prefill tokens/s (a batch of prompts, one forward) and
+decode tokens/s (a full batch of rows, greedy, end of turn ignored). A token costs about
+2 x (parameters outside the embedding) FLOPs plus the attention's 4 x layers x hidden x
+context; the share of the matmul limit each phase reaches is the roofline share: how far the
+engine is from what the hardware can do (decode is memory-bound at small batches, so its share
+is expected to be low).
+
+    .venv/bin/python bench/bench_roofline.py [--model default|tiny|PATH] [--batch 16] [--prompt 256] [--tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+import torch
+
+from mas_trainer.engines.base import SamplingParams
+from mas_trainer.engines.models import load_model
+from mas_trainer.engines.torch_engine import TorchEngine
+
+
+def matmul_flops(sizes: tuple[int, ...] = (512, 1024, 2048), repeats: int = 5) -> float:
+    """The best fp32 FLOP/s of torch.mm over `sizes` (n x n times n x n: 2 n^3 FLOPs)."""
+    best = 0.0
+    for n in sizes:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        torch.mm(a, b)  # warm-up
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            best = max(best, 2 * n**3 / (time.perf_counter() - t0))
+    return best
+
+
+def flops_per_token(model, context: int, head_share: float = 1.0) -> float:
+    """2 x the parameters a token multiplies (one multiply-add each) plus attention over
+    `context` tokens; the output head counts `head_share` of a token (prefill computes the
+    logits of a prompt's last token only)."""
+    cfg = model.config
+    head = model.get_output_embeddings().weight
+    body = sum(p.numel() for name, p in model.named_parameters() if "embed" not in name and p is not head)
+    return 2 * (body + head_share * head.numel()) + 4 * cfg.num_hidden_layers * cfg.hidden_size * context
+
+
+async def _gather(engine, prompts, params):
+    return await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--tokens", type=int, default=32)
+    args = ap.parse_args()
+    peak = matmul_flops()
+    model, tok = load_model(args.model)
+    vocab = model.config.vocab_size
+    prompts = [[(7 + 13 * i + 31 * j) % (vocab - 10) + 5 for j in range(args.prompt)] for i in range(args.batch)]
+    with TorchEngine(model, tok, model_name=args.model, max_batch_size=args.batch) as engine:
+        asyncio.run(_gather(engine, prompts[:2], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)))  # warm-up
+        t0 = time.perf_counter()
+        asyncio.run(_gather(engine, prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)))
+        prefill_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        asyncio.run(_gather(engine, prompts, SamplingParams(max_tokens=args.tokens + 1, temperature=0.0, ignore_eos=True)))
+        decode_s = max(1e-9, time.perf_counter() - t0 - prefill_s)  # the same prefill again, then the decode steps
+    prefill_tps = args.batch * args.prompt / prefill_s
+    decode_tps = args.batch * args.tokens / decode_s
+    prefill_share = prefill_tps * flops_per_token(model, args.prompt // 2, head_share=1 / args.prompt) / peak
+    decode_share = decode_tps * flops_per_token(model, args.prompt + args.tokens // 2) / peak
+    print(f"matmul fp32: {peak / 1e9:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
+    print(f"prefill: {prefill_tps:.0f} tokens/s ({args.batch} x {args.prompt} tokens) = {prefill_share:.0%} of the matmul limit")
+    print(f"decode: {decode_tps:.1f} tokens/s ({args.batch} rows x {args.tokens} tokens) = {decode_share:.0%} of the matmul limit")
+    print(json.dumps({"model": args.model, "matmul_gflops": peak / 1e9, "prefill_tokens_s": prefill_tps, "prefill_share": prefill_share,
+                      "decode_tokens_s": decode_tps, "decode_share": decode_share}))
+
+
+if __name__ == "__main__":
+    main()
