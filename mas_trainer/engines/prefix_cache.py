@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 import itertools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -71,8 +71,9 @@ class PrefixCache:
             return n, [(k[:, :n], v[:, :n]) for k, v in entry.kv]
         return 0, []
 
-    def store(self, prompt: Sequence[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Keep `prompt`'s K/V (per layer, (heads, len(prompt), dim); copied) unless it is too short or too big."""
+    def store(self, prompt: Sequence[int], read_kv: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """Keep `prompt`'s K/V (`read_kv()`: per layer, (heads, len(prompt), dim); copied) unless it
+        is too short, too big or here already (then `read_kv` is not called)."""
         chain = self._chain(prompt, len(prompt))
         if not chain:
             return
@@ -81,7 +82,7 @@ class PrefixCache:
             self._entries.move_to_end(self._index[chain[-1]])
             return  # its longest block prefix is here already
         n = len(chain) * self.block
-        copied = [(k[:, :n].clone(), v[:, :n].clone()) for k, v in kv]
+        copied = [(k[:, :n].clone(), v[:, :n].clone()) for k, v in read_kv()]
         nbytes = sum(k.nbytes + v.nbytes for k, v in copied)
         if nbytes > self.max_bytes:
             return

@@ -140,7 +140,7 @@ class TorchEngine:
 
         layers = DynamicCache(config=config).layers
         self._continuous = bool(layers) and all(type(l).__name__ == "DynamicLayer" for l in layers)
-        # A hit is prefilled apart and merged into the batch, which needs the same per-layer edits.
+        # Cached prefixes are laid into a batch's K/V per layer, as joining rows is: full attention only.
         self._prefix = PrefixCache(int(prefix_cache_mb * 2**20)) if prefix_cache_mb > 0 and self._continuous else None
         self._thread = threading.Thread(target=self._work, name=f"TorchEngine[{model_name}]", daemon=True)
         self._thread.start()
@@ -408,8 +408,9 @@ class TorchEngine:
             )
         if self._prefix is not None:
             for i, p in enumerate(prompts):
-                real = mask[i].bool()
-                self._prefix.store(p, [(layer.keys[i][:, real], layer.values[i][:, real]) for layer in cache.layers])
+                real = mask[i].bool()  # the row's own tokens: prefix and rest, without the pads
+                self._prefix.store(p, lambda i=i, real=real: [(layer.keys[i][:, real], layer.values[i][:, real])
+                                                               for layer in cache.layers])
         index = torch.tensor(which, device=self.device)
         if len(prompts) != len(rows):
             cache.batch_select_indices(index)
@@ -419,7 +420,18 @@ class TorchEngine:
 
                 row.matcher = xgr.GrammarMatcher(row.req.grammar)
         self.stats["prefills"] += 1
-        self._join(rows, cache, mask[index], out.logits[index, -1])
+        running = (self._rows, self._cache, self._mask, self._pos, self._next)
+        self._rows, self._cache, self._mask, self._next = rows, cache, mask[index], None
+        self._pos = self._mask.sum(-1)
+        first = self._sample(out.logits[index, -1])
+        fresh = (self._rows, self._cache, self._mask, self._pos, first)
+        self._rows, self._cache, self._mask, self._pos, self._next = running
+        if not fresh[0]:
+            return
+        if self._rows:
+            self._merge(*fresh)
+        else:
+            self._rows, self._cache, self._mask, self._pos, self._next = fresh
 
     @staticmethod
     def _cached_prefixes(hits: list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]], width: int
@@ -435,21 +447,6 @@ class TorchEngine:
                     keys[i, :, width - n:], values[i, :, width - n:] = kv[layer]
             out.append((keys, values))
         return out
-
-    def _join(self, rows: list[_Row], cache: Any, mask: torch.Tensor, logits: torch.Tensor) -> None:
-        """Sample the first tokens of freshly prefilled rows and add them to the running batch."""
-        running = (self._rows, self._cache, self._mask, self._pos, self._next)
-        self._rows, self._cache, self._mask, self._next = rows, cache, mask, None
-        self._pos = self._mask.sum(-1)
-        first = self._sample(logits)
-        fresh = (self._rows, self._cache, self._mask, self._pos, first)
-        self._rows, self._cache, self._mask, self._pos, self._next = running
-        if not fresh[0]:
-            return
-        if self._rows:
-            self._merge(*fresh)
-        else:
-            self._rows, self._cache, self._mask, self._pos, self._next = fresh
 
     def _autocast(self) -> Any:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)

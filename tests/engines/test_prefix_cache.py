@@ -110,7 +110,7 @@ def test_the_cache_keeps_under_its_bound_and_evicts_the_oldest():
     k = torch.zeros(2, 64, 8)  # heads, tokens, dim: 4 KiB per tensor, 8 KiB an entry of 64 tokens
     cache = PrefixCache(max_bytes=20_000, block=16)
     for start in range(4):
-        cache.store(list(range(start * 100, start * 100 + 64)), [(k, k)])
+        cache.store(list(range(start * 100, start * 100 + 64)), lambda: [(k, k)])
         assert cache.nbytes <= 20_000
     assert len(cache) == 2  # the two most recent
     assert cache.lookup(list(range(0, 80)))[0] == 0  # evicted
@@ -118,13 +118,13 @@ def test_the_cache_keeps_under_its_bound_and_evicts_the_oldest():
     assert n == 64 and kv[0][0].shape == (2, 64, 8)
     assert cache.lookup(list(range(300, 364)))[0] == 48  # the last token is always prefilled: 3 blocks
     assert cache.lookup(list(range(300, 340)) + [9, 9, 9])[0] == 32  # diverges in the third block
-    cache.store(list(range(1000, 1000 + 4000)), [(torch.zeros(2, 4000, 8),) * 2])  # bigger than the bound: not kept
+    cache.store(list(range(1000, 1000 + 4000)), lambda: [(torch.zeros(2, 4000, 8),) * 2])  # bigger than the bound: not kept
     assert len(cache) == 2 and cache.nbytes <= 20_000
 
 
 def test_a_hash_collision_is_a_miss_not_a_wrong_answer(monkeypatch):
     cache = PrefixCache(max_bytes=1 << 20, block=4)
     k = torch.zeros(1, 8, 2)
-    cache.store([1, 2, 3, 4, 5, 6, 7, 8], [(k, k)])
+    cache.store([1, 2, 3, 4, 5, 6, 7, 8], lambda: [(k, k)])
     monkeypatch.setattr(cache, "_chain", lambda tokens, upto: [h for h in cache._index][: upto // 4])  # every prompt "collides"
     assert cache.lookup([9, 9, 9, 9, 9, 9, 9, 9, 9])[0] == 0
