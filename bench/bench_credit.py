@@ -45,13 +45,10 @@ ARMS = {
 }
 COMMON = ["steps=20", "rollout.tasks_per_step=4", "rollout.n=4", "rollout.max_tokens=8", "learner.lr=3e-2",
           "eval_every=4", "val_n=4", "save_every=100", "runtime.execution=local", "logger=[console]"]
-WORD = re.compile(r"[a-z]+")
 TARGET = 0.9  # held-out reward whose first crossing is reported (step and wall time)
 
-
-def word_fraction(text: str | None) -> float:
-    pieces = (text or "").split()
-    return sum(bool(WORD.fullmatch(p)) for p in pieces) / len(pieces) if pieces else 0.0
+sys.path.insert(0, str(HERE))
+from app import word_fraction  # noqa: E402  (each role's score is the reward's own measure)
 
 
 def command(arm: str, out: Path, seed: int, extra: list[str]) -> list[str]:
