@@ -122,6 +122,7 @@ class Recorder:
                     self._index(path, rec["run_id"], str(rec["call"].get("id")))
         files = _run_files(self.folder)
         self._current = files[-1] if files else self.folder / "runs-0000.jsonl"
+        self._total = sum(p.stat().st_size for p in files)  # kept up to date: no listing per call
 
     def _index(self, path: Path, run_id: str, call_id: str) -> None:
         self._runs.setdefault(run_id, set()).add(call_id)
@@ -144,17 +145,19 @@ class Recorder:
                 number = int(_RUNS.fullmatch(self._current.name).group(1)) + 1  # type: ignore[union-attr]
                 self._current = self.folder / f"runs-{number:04d}.jsonl"
             _fsync_append(self._current, line)
+            self._total += len(line)  # ASCII: json.dumps escapes the rest
             self._index(self._current, run_id, data["id"])
-            self._trim()
+            if self._total > self.max_bytes:
+                self._trim()
         return True
 
     def _trim(self) -> None:
         files = _run_files(self.folder)
-        total = sum(p.stat().st_size for p in files)
+        self._total = sum(p.stat().st_size for p in files)
         for old in files[:-1]:  # the file being written stays
-            if total <= self.max_bytes:
+            if self._total <= self.max_bytes:
                 break
-            total -= old.stat().st_size
+            self._total -= old.stat().st_size
             old.unlink()
             gone = self._by_file.pop(old, set())
             still = set().union(*self._by_file.values()) if self._by_file else set()
@@ -184,11 +187,19 @@ def read_runs(folder: str | Path) -> Iterator[tuple[Trajectory, list[dict[str, A
     calls: dict[str, list[LLMCall]] = {}
     for path in _run_files(folder):
         for rec in _lines(path):
-            calls.setdefault(rec["run_id"], []).append(LLMCall.model_validate(rec["call"]))
+            try:  # a line that is JSON but not a record (a crafted or foreign file) is skipped, like a torn one
+                run_id, call = rec["run_id"], LLMCall.model_validate(rec["call"])
+                if not RUN_ID.fullmatch(run_id):
+                    raise ValueError(f"run id {run_id!r}")
+            except (TypeError, KeyError, ValueError) as exc:
+                log.warning("%s: skipping a record that is not a served call (%s)", path, type(exc).__name__)
+                continue
+            calls.setdefault(run_id, []).append(call)
     feedback: dict[str, list[dict[str, Any]]] = {}
     if (folder / FEEDBACK_FILE).exists():
         for fb in _lines(folder / FEEDBACK_FILE):
-            feedback.setdefault(fb["run_id"], []).append(fb)
+            if isinstance(fb, dict) and isinstance(fb.get("run_id"), str):
+                feedback.setdefault(fb["run_id"], []).append(fb)
     for run_id, run in calls.items():
         nodes: dict[str, NodeCall] = {}
         for c in run:

@@ -77,6 +77,21 @@ def test_a_torn_last_line_is_skipped(tmp_path, caplog):
     assert "torn" in caplog.text
 
 
+def test_lines_that_are_json_but_not_served_calls_are_skipped(tmp_path, caplog):
+    """A crafted or foreign line in a records folder is read past, not trusted and not fatal."""
+    rec = Recorder(tmp_path)
+    rec.record(run_id(1), call(1))
+    crafted = ['[1, 2]', '"text"', '{"call": {}}', '{"run_id": "../../etc/passwd", "call": ' + call(2).model_dump_json() + '}',
+               '{"run_id": "' + run_id(3) + '", "call": {"id": 5}}']
+    with (tmp_path / "runs-0000.jsonl").open("a") as f:
+        f.write("\n".join(crafted) + "\n")
+    (tmp_path / "feedback.jsonl").write_text('[1]\n{"score": 1}\n{"run_id": "' + run_id(1) + '", "score": 0.5}\n')
+    with caplog.at_level(logging.WARNING):
+        runs = list(read_runs(tmp_path))
+    assert [(t.rollout_id, len(t.llm_calls), fb) for t, fb in runs] == [(run_id(1), 1, [{"run_id": run_id(1), "score": 0.5}])]
+    assert caplog.text.count("not a served call") == len(crafted)
+
+
 def test_feedback_wire_schema():
     with pytest.raises(ValueError, match="score or a label"):
         Feedback(run_id=run_id(1))
