@@ -146,10 +146,49 @@ def start_actor_groups(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, 
     return groups
 
 
+_PORT_ATTEMPTS = 3
+
+
+def _verl_group(plan: WorkerPlan, pool: Any, env: dict, cls_with_args: Any, group_cls: Any) -> tuple[WorkerPlan, Any, Any]:
+    import ray
+
+    from mas_trainer.runtime.verl_group import PolicyWorker
+
+    cls = cls_with_args(cls=ray.remote(PolicyWorker), plan=plan)
+    return plan, group_cls(resource_pool=pool, ray_cls_with_init=cls, device_name=plan.device, worker_env=env), pool
+
+
+def _port_lost(started: dict[str, tuple[WorkerPlan, Any, Any]]) -> set[str]:
+    """Wait for every rank of every group to start; the groups whose rank 0 found its master
+    port taken. verl picks the port by binding port 0 and letting it go, so until rank 0 binds
+    it any process on the node (an outgoing connection, another run) can take it. Rank 0 is
+    waited for first: the other ranks would wait for its store until torch's timeout. Any
+    other start-up failure is raised."""
+    import ray
+
+    lost = set()
+    for name, (_plan, group, _pool) in started.items():
+        try:
+            ray.get(group.workers[0].__ray_ready__.remote())
+        except Exception as exc:
+            if "EADDRINUSE" not in str(exc) and "address already in use" not in str(exc):
+                raise
+            lost.add(name)
+            continue
+        ray.get([w.__ray_ready__.remote() for w in group.workers[1:]])
+    return lost
+
+
+def _kill(group: Any) -> None:
+    import ray
+
+    for w in group.workers:
+        ray.kill(w)
+
+
 def start_verl_groups(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, VerlGroup]:
     """One verl worker group per policy, world size `nodes x procs_per_node`: FSDP2 over NCCL
     on GPUs, over gloo on CPU; with `runtime.share_gpus`, all on one pool."""
-    import ray
 
     devices = {p.device for p in plans.values()}
     cpu = devices == {"cpu"}
@@ -158,8 +197,6 @@ def start_verl_groups(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, V
     env = init_ray_for("cpu" if cpu else "cuda", runtime, sum(p.resources.world_size for p in plans.values()) + replicas)
     from verl.single_controller.ray.base import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
-    from mas_trainer.runtime.verl_group import PolicyWorker
-
     def pool(r: Any, colocate: int) -> Any:
         return RayResourcePool(process_on_nodes=[r.procs_per_node] * r.nodes, use_gpu=not cpu,
                                max_colocate_count=colocate, name_prefix=None)
@@ -167,12 +204,9 @@ def start_verl_groups(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, V
     shared = None  # the plan checked that the policies' resources agree
     if any(p.offload_between_phases for p in plans.values()):
         shared = pool(next(iter(plans.values())).resources, len(plans))
-    groups: dict[str, VerlGroup] = {}
+    started: dict[str, tuple[WorkerPlan, Any, Any]] = {}
     first_rank = 0  # replica ranks are unique across policies: verl names servers and sockets by rank alone
     for name, plan in plans.items():
-        # one rank per GPU bundle: NCCL refuses two ranks of one group on one GPU (a share below 1
-        # is refused when the config loads, see config._check_learner)
-        own = None if shared else pool(plan.resources, 1)
         replica_ranks = 0
         if plan.engine != "embedded":
             from mas_trainer.rollout.fleet import replica_count
@@ -180,8 +214,36 @@ def start_verl_groups(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, V
             replica_ranks = replica_count(plan.replica, plan.device, plan.resources.world_size)
         plan = plan.model_copy(update={"replica_first_rank": first_rank})
         first_rank += replica_ranks
-        cls = RayClassWithInitArgs(cls=ray.remote(PolicyWorker), plan=plan)
-        group = RayWorkerGroup(resource_pool=shared or own, ray_cls_with_init=cls, device_name=plan.device, worker_env=env)
-        groups[name] = VerlGroup(plan, group, own)
-        log.info("policy %s: verl worker group of %d rank(s) on %s", name, plan.resources.world_size, plan.device)
+        # one rank per GPU bundle: NCCL refuses two ranks of one group on one GPU (a share below 1
+        # is refused when the config loads, see config._check_learner)
+        started[name] = _verl_group(plan, shared or pool(plan.resources, 1), env, RayClassWithInitArgs, RayWorkerGroup)
+    groups: dict[str, VerlGroup] = {}
+    try:
+        for attempt in range(1, _PORT_ATTEMPTS + 1):
+            lost = _port_lost(started)
+            for name in started.keys() - lost:
+                plan, group, own = started[name]
+                groups[name] = VerlGroup(plan, group, None if shared else own)
+            if not lost:
+                break
+            if attempt == _PORT_ATTEMPTS:
+                raise UserError(f"the verl worker group of {', '.join(sorted(lost))} found its master port taken "
+                                f"{_PORT_ATTEMPTS} times: another process on this node keeps taking free ports; stop it or run again")
+            restarted = {}
+            for name in sorted(lost):  # another process took the port between verl's probe and rank 0's bind
+                plan, group, own = started[name]
+                log.warning("policy %s: its group's master port was taken before rank 0 bound it; "
+                            "starting the group again on a new port (try %d of %d)", name, attempt + 1, _PORT_ATTEMPTS)
+                _kill(group)
+                restarted[name] = _verl_group(plan, own, env, RayClassWithInitArgs, RayWorkerGroup)
+            started = restarted
+    except BaseException:
+        for handle in groups.values():
+            handle.close()
+        for name, (_plan, group, _own) in started.items():
+            if name not in groups:
+                _kill(group)
+        raise
+    for name, group in groups.items():
+        log.info("policy %s: verl worker group of %d rank(s) on %s", name, group.plan.resources.world_size, group.plan.device)
     return groups

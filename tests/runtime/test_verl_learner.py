@@ -206,3 +206,49 @@ def test_gae_critic_is_a_value_model_training_worker(tmp_path):
     assert train["policy/lead/turns"] == 2 and train["policy/crew/turns"] == 4
     assert "policy/crew/critic/vf_loss" in train and "policy/lead/critic/vf_loss" not in train
     assert (tmp_path / "run" / "checkpoint" / "learner" / "crew" / "critic" / "model_world_size_2_rank_1.pt").exists()
+
+
+def test_a_master_port_taken_before_rank_0_binds_it_restarts_the_group(monkeypatch):
+    """verl picks a group's master port by binding port 0 and letting it go; on a busy node another
+    process can take it before rank 0's store binds it (CI saw EADDRINUSE). Each group whose rank 0
+    lost its port is started again on a new one; the other groups are kept."""
+    import socket
+
+    import verl.single_controller.ray.base as verl_ray
+
+    from mas_trainer.runtime.plan import Machine, resolve_plan
+    from mas_trainer.runtime.ray_group import start_verl_groups
+
+    held = socket.socket()
+    held.bind(("", 0))
+    held.listen()
+    port = held.getsockname()[1]
+    picks = []
+    real = verl_ray.get_master_addr_port
+
+    class FirstPickTaken:  # the first group's first pick is a port another process now holds
+        def options(self, **kw):
+            picked = real.options(**kw)
+
+            class Pick:
+                def remote(self, **args):
+                    picks.append(args)
+                    if len(picks) == 1:
+                        return ray.put((ray.util.get_node_ip_address(), str(port)))
+                    return picked.remote(**args)
+
+            return Pick()
+
+    monkeypatch.setattr(verl_ray, "get_master_addr_port", FirstPickTaken())
+    cfg = load_config(overrides=[*VERL, "model=tiny", "runtime.torch_threads=1"])
+    plan = resolve_plan(cfg, {"a": ("tiny", "tiny"), "b": ("tiny", "tiny")}, machine=Machine(gpus=0, cpus=4))
+    groups = start_verl_groups(plan.workers, plan.runtime)
+    try:
+        assert sorted(groups) == ["a", "b"] and len(picks) == 3  # a twice, b once
+        for g in groups.values():
+            assert asyncio.run(g.discard()) == 0  # every rank up: rank 0 answers
+            assert g.group.workers and all(ray.get([w.__ray_ready__.remote() for w in g.group.workers]))
+    finally:
+        held.close()
+        for g in groups.values():
+            g.close()
