@@ -5,9 +5,11 @@ one); a call that carries none is a run of its own. Its id (32 hex characters) g
 the caller as `x-mas-run-id` and `run_id`. Each call is one JSON line in `runs-NNNN.jsonl`,
 written, flushed and fsync'ed before the answer leaves, so a kill -9 loses at most the calls in
 flight. Files rotate at `file_mb`; the oldest go once all of them pass `max_mb`, and their runs
-are forgotten (feedback on them is refused). `redact` (str -> str) sees every text before the
-disk does; when it raises, the call is not recorded at all. Feedback lines go to
-`feedback.jsonl`, append-only. `read_runs(DIR)` gives (Trajectory, [feedback]) per run.
+are forgotten (feedback on them is refused). The app sends a run's graph input and output once
+(`{"run_id": ..., "graph": {...}}` lines, in the same files), so a run can become a task.
+`redact` (str -> str) sees every text before the disk does; when it raises, nothing of that
+call or graph record is written. Feedback lines go to `feedback.jsonl`, append-only.
+`read_runs(DIR)` gives (Trajectory, [feedback]) per run.
 """
 
 from __future__ import annotations
@@ -19,14 +21,14 @@ import os
 import re
 import threading
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mas_trainer.errors import UserError
 from mas_trainer.trace.schema import LLMCall, NodeCall, Trajectory
 
-__all__ = ["Feedback", "Recorder", "read_runs", "load_redactor", "RUN_ID"]
+__all__ = ["Feedback", "GraphRun", "Recorder", "read_runs", "load_redactor", "RUN_ID"]
 
 log = logging.getLogger(__name__)
 RUN_ID = re.compile(r"[0-9a-f]{32}")
@@ -50,6 +52,18 @@ class Feedback(BaseModel):
         if self.score is None and self.label is None:
             raise ValueError("give a score or a label")
         return self
+
+
+class GraphRun(BaseModel):
+    """POST /v1/runs: a recorded run's graph input and output, sent by the app once its graph
+    invocation ends (`@trainable` apps do it themselves); the input becomes the run's task."""
+
+    model_config = ConfigDict(extra="forbid")
+    run_id: str = Field(pattern=r"^[0-9a-f]{32}$")
+    input: Any = None
+    output: Any = None
+    status: Literal["ok", "error"] = "ok"
+    error: str | None = Field(default=None, max_length=2000)
 
 
 def load_redactor(spec: str) -> Redactor:
@@ -116,10 +130,15 @@ class Recorder:
         # run id -> its call ids, and which runs each file holds (to forget them when it goes)
         self._runs: dict[str, set[str]] = {}
         self._by_file: dict[Path, set[str]] = {}
+        self._graphs: set[str] = set()  # runs whose graph record is kept (one each)
         for path in _run_files(self.folder):  # rebuilt at start: runs survive a restart
             for rec in _lines(path):
-                if isinstance(rec, dict) and isinstance(rec.get("run_id"), str) and isinstance(rec.get("call"), dict):
+                if not (isinstance(rec, dict) and isinstance(rec.get("run_id"), str)):
+                    continue
+                if isinstance(rec.get("call"), dict):
                     self._index(path, rec["run_id"], str(rec["call"].get("id")))
+                elif isinstance(rec.get("graph"), dict):
+                    self._graphs.add(rec["run_id"])
         files = _run_files(self.folder)
         self._current = files[-1] if files else self.folder / "runs-0000.jsonl"
         self._total = sum(p.stat().st_size for p in files)  # kept up to date: no listing per call
@@ -131,25 +150,49 @@ class Recorder:
     def record(self, run_id: str, call: LLMCall) -> bool:
         """Persist one call of `run_id`; False (and one log line) when the redaction hook failed."""
         data = call.model_dump(mode="json")
-        if self.redact is not None:
-            try:
-                for key in ("messages", "output_text", "tool_calls"):
-                    data[key] = _scrub(data[key], self.redact)
-            except Exception as exc:  # never written unredacted
-                log.error("run %s: the redaction hook failed (%s: %s); this call is not recorded",
-                          run_id, type(exc).__name__, exc)
-                return False
-        line = json.dumps({"run_id": run_id, "call": data}, separators=(",", ":")) + "\n"
+        if not self._redacted(data, ("messages", "output_text", "tool_calls"), f"run {run_id}: this call"):
+            return False
         with self._lock:
-            if self._current.exists() and self._current.stat().st_size + len(line) > self.file_bytes:
-                number = int(_RUNS.fullmatch(self._current.name).group(1)) + 1  # type: ignore[union-attr]
-                self._current = self.folder / f"runs-{number:04d}.jsonl"
-            _fsync_append(self._current, line)
-            self._total += len(line)  # ASCII: json.dumps escapes the rest
+            self._append({"run_id": run_id, "call": data})
             self._index(self._current, run_id, data["id"])
-            if self._total > self.max_bytes:
-                self._trim()
         return True
+
+    def record_graph(self, run: GraphRun) -> str | None:
+        """Persist a run's graph input and output; why it is refused (unknown run, already
+        sent, redaction failed), or None."""
+        data = run.model_dump(mode="json", exclude={"run_id"})
+        if not self._redacted(data, ("input", "output", "error"), f"run {run.run_id}: its graph record"):
+            return "the server's redaction hook failed on it; it is not recorded"
+        with self._lock:
+            if run.run_id not in self._runs:
+                return f"no recorded run {run.run_id!r} (unknown, or rotated away)"
+            if run.run_id in self._graphs:
+                return f"run {run.run_id} already has its graph record"
+            self._append({"run_id": run.run_id, "graph": data})
+            self._graphs.add(run.run_id)
+        return None
+
+    def _redacted(self, data: dict[str, Any], keys: tuple[str, ...], what: str) -> bool:
+        if self.redact is None:
+            return True
+        try:
+            for key in keys:
+                data[key] = _scrub(data[key], self.redact)
+        except Exception as exc:  # never written unredacted
+            log.error("%s is not recorded: the redaction hook failed (%s: %s)", what, type(exc).__name__, exc)
+            return False
+        return True
+
+    def _append(self, record: dict[str, Any]) -> None:
+        """One line in the current file (the lock held), rotating and trimming as bounded."""
+        line = json.dumps(record, separators=(",", ":")) + "\n"
+        if self._current.exists() and self._current.stat().st_size + len(line) > self.file_bytes:
+            number = int(_RUNS.fullmatch(self._current.name).group(1)) + 1  # type: ignore[union-attr]
+            self._current = self.folder / f"runs-{number:04d}.jsonl"
+        _fsync_append(self._current, line)
+        self._total += len(line)  # ASCII: json.dumps escapes the rest
+        if self._total > self.max_bytes:
+            self._trim()
 
     def _trim(self) -> None:
         files = _run_files(self.folder)
@@ -163,6 +206,7 @@ class Recorder:
             still = set().union(*self._by_file.values()) if self._by_file else set()
             for run_id in gone - still:  # a run split across files lives while any part does
                 self._runs.pop(run_id, None)
+                self._graphs.discard(run_id)
 
     def check(self, run_id: str, turn: str | None) -> str | None:
         """Why feedback on (run_id, turn) is refused, or None."""
@@ -185,12 +229,17 @@ def read_runs(folder: str | Path) -> Iterator[tuple[Trajectory, list[dict[str, A
     the feedback given on it, oldest run first."""
     folder = Path(folder)
     calls: dict[str, list[LLMCall]] = {}
+    graphs: dict[str, GraphRun] = {}
     for path in _run_files(folder):
         for rec in _lines(path):
             try:  # a line that is JSON but not a record (a crafted or foreign file) is skipped, like a torn one
-                run_id, call = rec["run_id"], LLMCall.model_validate(rec["call"])
+                run_id = rec["run_id"]
                 if not RUN_ID.fullmatch(run_id):
                     raise ValueError(f"run id {run_id!r}")
+                if "graph" in rec:
+                    graphs.setdefault(run_id, GraphRun.model_validate({**rec["graph"], "run_id": run_id}))
+                    continue
+                call = LLMCall.model_validate(rec["call"])
             except (TypeError, KeyError, ValueError) as exc:
                 log.warning("%s: skipping a record that is not a served call (%s)", path, type(exc).__name__)
                 continue
@@ -207,6 +256,11 @@ def read_runs(folder: str | Path) -> Iterator[tuple[Trajectory, list[dict[str, A
                 nodes[c.node_id] = NodeCall(id=c.node_id, name=c.node or "", step=None, parent_id=None, status="ok",
                                             start_time=c.start_time, end_time=c.end_time)
         start, end = run[0].start_time, run[-1].end_time
-        traj = Trajectory(rollout_id=run_id, trace_id=run_id, task={}, status="ok", nodes=list(nodes.values()),
-                          llm_calls=run, duration_s=(end - start) if start is not None and end is not None else None)
+        graph = graphs.get(run_id)
+        # a graph input that is not a dict (a bare string, a message list) is kept as the task's "input"
+        task = {} if graph is None else graph.input if isinstance(graph.input, dict) else {"input": graph.input}
+        traj = Trajectory(rollout_id=run_id, trace_id=run_id, task=task, status=graph.status if graph else "ok",
+                          error=graph.error if graph else None, final_state=graph.output if graph else None,
+                          nodes=list(nodes.values()), llm_calls=run,
+                          duration_s=(end - start) if start is not None and end is not None else None)
         yield traj, feedback.get(run_id, [])

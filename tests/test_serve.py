@@ -1,11 +1,13 @@
 """serve: the unedited app, pointed at the endpoint, gets each node's answer from its trained policy."""
 
 import json
+import uuid
 from pathlib import Path
 
 import openai
 import pytest
 
+from mas_trainer.adapters.langgraph.serving import serving_runs
 from mas_trainer.apps import load_object
 from mas_trainer.config import ConfigError, load_config
 from mas_trainer.gateway import GatewayServer
@@ -198,7 +200,21 @@ def test_record_runs_and_feedback_over_http(trained_run, tmp_path, monkeypatch):
         streamed_id = streamed.headers["x-mas-run-id"]
         monkeypatch.setenv("OPENAI_BASE_URL", server.base_url)
         monkeypatch.setenv("OPENAI_API_KEY", "k")
-        load_object(f"{root / 'app.py'}:graph").invoke({"question": "Name a fruit."})
+        graph_run = uuid.uuid4()  # the invocation's LangChain run id names the recorded run
+        load_object(f"{root / 'app.py'}:graph").invoke({"question": "Name a fruit, bob@example.com."},
+                                                       config={"run_id": graph_run})
+        serving_runs().flush()
+        assert not serving_runs()._roots and not serving_runs()._root_of  # nothing kept per finished invocation
+        sent = {"run_id": graph_run.hex, "input": {"question": "again"}}  # the app sent its graph run: once only
+        r = httpx.post(f"{server.base_url}/runs", json=sent, headers=auth)
+        assert r.status_code == 409 and "already" in r.json()["error"]["message"]
+        assert httpx.post(f"{server.base_url}/runs", json=sent).status_code == 401
+        r = httpx.post(f"{server.base_url}/runs", json={**sent, "run_id": "d" * 32}, headers=auth)
+        assert r.status_code == 404 and "no recorded run" in r.json()["error"]["message"]
+        r = httpx.post(f"{server.base_url}/runs", json={**sent, "run_id": run_id, "input": "x" * 2_000_000}, headers=auth)
+        assert r.status_code == 413
+        deep = f'{{"run_id": "{run_id}", "input": ' + "[" * 5000 + "]" * 5000 + "}"
+        assert httpx.post(f"{server.base_url}/runs", content=deep, headers=auth).status_code == 422
         # refused: no key, wrong key, unknown run, unknown turn, neither score nor label, huge, traversal
         fb = {"run_id": run_id, "score": 1.0}
         assert httpx.post(f"{server.base_url}/feedback", json=fb).status_code == 401
@@ -219,9 +235,12 @@ def test_record_runs_and_feedback_over_http(trained_run, tmp_path, monkeypatch):
     runs = {t.rollout_id: (t, f) for t, f in read_runs(tmp_path)}
     assert [f.get("label") for f in runs[run_id][1]] == ["good", None]
     assert runs.pop(streamed_id)[0].llm_calls[0].output_text is not None  # a streamed answer is recorded too
-    graph_runs = [t for t in runs.values() if t[0].rollout_id != run_id]
-    # outside a rollout an @trainable graph's calls do not share one trace id yet: a run per call
-    assert sorted(c.node for t, _ in graph_runs for c in t.llm_calls) == ["planner", "writer"]
+    # outside a rollout an @trainable graph's invocation is one run: its calls, input (redacted) and final state
+    served = runs[graph_run.hex][0]
+    assert [c.node for c in served.llm_calls] == ["planner", "writer"]
+    assert served.task == {"question": "Name a fruit, [email]."} and served.status == "ok"
+    assert served.final_state["answer"] == served.llm_calls[1].output_text
+    assert run_id in runs and runs[run_id][0].task == {}  # a bare call: a run of its own, no graph input
 
 
 def test_recorded_runs_survive_kill_9(trained_run, tmp_path):

@@ -23,6 +23,9 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, StatusCode
 
 from mas_trainer.spec import ResolvedSpec
+
+from .serving import ServingRuns
+from .serving import install as install_serving_runs
 from mas_trainer.trace import attributes as A
 from mas_trainer.trace.instrument import CallContext, register_resolver, span_hex
 from mas_trainer.trace.otel import get_tracer
@@ -289,10 +292,14 @@ def _resolve_from_langchain_context() -> CallContext | None:
         if isinstance(handler, GraphTracer):
             return handler.call_context(ns)
     if ns and _serving_propagation:
-        # Outside a rollout (the app run as usual against `mas-trainer serve`): name the node
-        # only, so the server can route the call to the policy that node was trained as.
+        # Outside a rollout (the app run as usual against `mas-trainer serve`): name the node,
+        # so the server can route the call to the policy that node was trained as, under the
+        # trace of the graph invocation, so a recording server keeps the invocation as one run.
         path = node_path(ns)
-        return CallContext(rollout_id="", node=path, node_call_id="", role=path)
+        runs = next((h for h in handlers if isinstance(h, ServingRuns)), None)
+        found = runs.parent_of(getattr(manager, "parent_run_id", None)) if runs is not None else None
+        parent, on_result = found if found is not None else (None, None)
+        return CallContext(rollout_id="", node=path, node_call_id="", role=path, parent=parent, on_result=on_result)
     return None
 
 
@@ -303,7 +310,8 @@ def enable_serving_propagation() -> None:
     """Let a decorated app's LLM calls name their node when run outside mas-trainer.
 
     Called by `@trainable` unless MAS_TRAINER_PROPAGATE=0. The calls then carry W3C
-    `traceparent` and `baggage` (`mas.node`) headers, which any other endpoint ignores.
+    `traceparent` (one trace per graph invocation, see serving.py) and `baggage`
+    (`mas.node`) headers, which any other endpoint ignores.
     """
     global _serving_propagation
     import os
@@ -313,6 +321,7 @@ def enable_serving_propagation() -> None:
     if os.environ.get("MAS_TRAINER_PROPAGATE", "1") != "0":
         _serving_propagation = True
         instrument_openai()
+        install_serving_runs()
 
 
 register_resolver(_resolve_from_langchain_context)

@@ -45,7 +45,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import baggage, propagate, trace
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from mas_trainer.engines.base import (ChatFormat, Delta, Engine, EngineUnavailable, Generation, SamplingParams, choice_id, max_context,
                                       stream_generation)
@@ -57,13 +57,14 @@ from mas_trainer.gateway.sampling import RolloutSampling
 from mas_trainer.gateway.transport import GatewayServer, ServerLimits
 from mas_trainer.trace import attributes as A
 from mas_trainer.trace.instrument import BAGGAGE_TOKEN, rollout_token_ok
-from mas_trainer.record import Feedback, Recorder
+from mas_trainer.record import Feedback, GraphRun, Recorder
 from mas_trainer.trace.schema import LLMCall
 
 __all__ = ["PolicyBackend", "Gateway", "GatewayServer", "RequestLimits", "ServerLimits", "key_matches", "POLICY_HEADER", "RUN_HEADER"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
 
 # Names the policy that answered, on every completion (streamed or not).
 POLICY_HEADER = "x-mas-policy"
@@ -71,6 +72,7 @@ POLICY_HEADER = "x-mas-policy"
 RUN_HEADER = "x-mas-run-id"
 # A feedback body is a few fields; anything bigger is not feedback.
 _MAX_FEEDBACK_BYTES = 8 * 1024
+_MAX_GRAPH_RUN_BYTES = 1024 * 1024  # a graph's input and output; larger ones are refused, not truncated
 # Bodies up to this size are parsed and validated on the event loop: cheaper than a thread
 # hop, and over in microseconds. Larger ones go to a thread so they delay nobody.
 _INLINE_BODY_BYTES = 64 * 1024
@@ -529,29 +531,53 @@ class Gateway:
                 return unauthorised()
             return await self._feedback(request)
 
+        @app.post("/v1/runs")
+        async def _runs(request: Request) -> Response:
+            if not self._key_ok(request):
+                return unauthorised()
+            return await self._graph_run(request)
+
         return app
 
     async def _feedback(self, request: Request) -> Response:
         """A score or label for a recorded run (or one of its turns); refused for runs it does not hold."""
+        got = await self._recorder_body(request, Feedback, _MAX_FEEDBACK_BYTES, "feedback")
+        if isinstance(got, Response):
+            return got
+        why = self.recorder.check(got.run_id, got.turn)  # type: ignore[union-attr]
+        if why is not None:
+            return _refuse(404, error_body(why, code="run_not_found"), retry=False)
+        await asyncio.to_thread(self.recorder.feedback, got)  # type: ignore[union-attr]
+        return JSONResponse({"status": "recorded", "run_id": got.run_id})
+
+    async def _graph_run(self, request: Request) -> Response:
+        """A recorded run's graph input and output (once per run); refused for runs it does not hold."""
+        got = await self._recorder_body(request, GraphRun, _MAX_GRAPH_RUN_BYTES, "a graph run")
+        if isinstance(got, Response):
+            return got
+        why = await asyncio.to_thread(self.recorder.record_graph, got)  # type: ignore[union-attr]
+        if why is not None:
+            status = 409 if "already" in why else 422 if "redaction" in why else 404
+            return _refuse(status, error_body(why, code="run_not_found" if status == 404 else None), retry=False)
+        return JSONResponse({"status": "recorded", "run_id": got.run_id})
+
+    async def _recorder_body(self, request: Request, model: type[M], limit: int, what: str) -> M | Response:
+        """The body as `model`, read to at most `limit` bytes, or the refusal to send."""
         if self.recorder is None:
             return _refuse(404, error_body("this server records nothing (start it with --record)", code="not_recording"))
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > _MAX_FEEDBACK_BYTES:
-            return _refuse(413, error_body(f"feedback over {_MAX_FEEDBACK_BYTES} bytes", code="request_too_large"))
-        raw = b""
+        too_large = _refuse(413, error_body(f"{what} over {limit} bytes", code="request_too_large"))
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return too_large
+        raw = bytearray()
         async for chunk in request.stream():
             raw += chunk
-            if len(raw) > _MAX_FEEDBACK_BYTES:
-                return _refuse(413, error_body(f"feedback over {_MAX_FEEDBACK_BYTES} bytes", code="request_too_large"))
+            if len(raw) > limit:
+                return too_large
         try:
-            fb = Feedback.model_validate_json(raw)
+            return model.model_validate_json(bytes(raw))
         except ValidationError as exc:
             return _refuse(422, error_body(_describe(exc.errors()), param=_first_loc(exc.errors())), retry=False)
-        why = self.recorder.check(fb.run_id, fb.turn)
-        if why is not None:
-            return _refuse(404, error_body(why, code="run_not_found"), retry=False)
-        await asyncio.to_thread(self.recorder.feedback, fb)
-        return JSONResponse({"status": "recorded", "run_id": fb.run_id})
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -650,6 +676,7 @@ def _llm_call(call: _Call, i: int, gen: Generation, content: str | None, tool_ca
         messages=call.messages,
         output_text=content,
         tool_calls=tool_calls,
+        tools=list(call.tools or []),
         prompt_ids=list(call.prompt_ids),
         response_ids=list(gen.token_ids),
         response_logprobs=list(gen.logprobs),

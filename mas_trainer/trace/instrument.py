@@ -48,6 +48,8 @@ class CallContext:
     node_call_id: str
     role: str
     parent: Context | None = None
+    # sees (the SDK resource, its result) of each call that succeeded: serving learns the run ids a server records
+    on_result: Callable[[Any, Any], None] | None = None
 
 
 Resolver = Callable[[], "CallContext | None"]
@@ -139,14 +141,19 @@ def _finish(span: trace.Span, result: Any) -> None:
     span.end()
 
 
-def _begin(kwargs: dict[str, Any]) -> tuple[trace.Span | None, dict[str, Any]]:
+def _begin(kwargs: dict[str, Any]) -> tuple[trace.Span | None, dict[str, Any], CallContext | None]:
     """The call's span and its kwargs with trace headers; (None, kwargs) outside a graph, or
     when an outer wrapped method (parse calling create) already added them."""
     call = current_call()
     if call is None or "traceparent" in (kwargs.get("extra_headers") or {}):
-        return None, kwargs
+        return None, kwargs, None
     span = _start_span(call, kwargs)
-    return span, _with_headers(kwargs, _headers_for(call, span))
+    return span, _with_headers(kwargs, _headers_for(call, span)), call
+
+
+def _answered(call: CallContext | None, resource: Any, result: Any) -> None:
+    if call is not None and call.on_result is not None:
+        call.on_result(resource, result)
 
 
 def _fail(span: trace.Span, exc: BaseException) -> None:
@@ -158,7 +165,7 @@ def _fail(span: trace.Span, exc: BaseException) -> None:
 def _wrap_sync(method: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(method)
     def create(self: Any, *args: Any, **kwargs: Any) -> Any:
-        span, kwargs = _begin(kwargs)
+        span, kwargs, call = _begin(kwargs)
         if span is None:
             return method(self, *args, **kwargs)
         try:
@@ -167,6 +174,7 @@ def _wrap_sync(method: Callable[..., Any]) -> Callable[..., Any]:
             _fail(span, exc)
             raise
         _finish(span, result)
+        _answered(call, self, result)
         return result
 
     create.__mas_trainer_wrapped__ = method  # type: ignore[attr-defined]
@@ -176,7 +184,7 @@ def _wrap_sync(method: Callable[..., Any]) -> Callable[..., Any]:
 def _wrap_async(method: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(method)
     async def create(self: Any, *args: Any, **kwargs: Any) -> Any:
-        span, kwargs = _begin(kwargs)
+        span, kwargs, call = _begin(kwargs)
         if span is None:
             return await method(self, *args, **kwargs)
         try:
@@ -185,6 +193,7 @@ def _wrap_async(method: Callable[..., Any]) -> Callable[..., Any]:
             _fail(span, exc)
             raise
         _finish(span, result)
+        _answered(call, self, result)
         return result
 
     create.__mas_trainer_wrapped__ = method  # type: ignore[attr-defined]

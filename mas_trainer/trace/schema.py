@@ -48,6 +48,7 @@ class LLMCall(_Record):
     messages: list[dict[str, Any]]
     output_text: str | None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    tools: list[dict[str, Any]] = Field(default_factory=list)  # the request's tool definitions, as the prompt rendered them
     prompt_ids: list[int]
     response_ids: list[int]
     response_logprobs: list[float]
