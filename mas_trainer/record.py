@@ -6,10 +6,11 @@ the caller as `x-mas-run-id` and `run_id`. Each call is one JSON line in `runs-N
 written, flushed and fsync'ed before the answer leaves, so a kill -9 loses at most the calls in
 flight. Files rotate at `file_mb`; the oldest go once all of them pass `max_mb`, and their runs
 are forgotten (feedback on them is refused). The app sends a run's graph input and output once
-(`{"run_id": ..., "graph": {...}}` lines, in the same files), so a run can become a task.
-`redact` (str -> str) sees every text before the disk does; when it raises, nothing of that
-call or graph record is written. Feedback lines go to `feedback.jsonl`, append-only.
-`read_runs(DIR)` gives (Trajectory, [feedback]) per run.
+(`{"run_id": ..., "graph": {...}}` lines), and feedback comes as `{"run_id": ..., "feedback":
+{...}}` lines, in the same files: one bound and one rotation for everything kept, and a run's
+feedback goes when the run does. `redact` (str -> str) sees every text before the disk does;
+when it raises, nothing of that call or graph record is written. `read_runs(DIR)` gives
+(Trajectory, [feedback]) per run (and reads `feedback.jsonl`, where earlier builds kept it).
 """
 
 from __future__ import annotations
@@ -220,8 +221,9 @@ class Recorder:
         return None
 
     def feedback(self, fb: Feedback) -> None:
+        data = fb.model_dump(mode="json", exclude_none=True, exclude={"run_id"})
         with self._lock:
-            _fsync_append(self.folder / FEEDBACK_FILE, fb.model_dump_json(exclude_none=True) + "\n")
+            self._append({"run_id": fb.run_id, "feedback": data})
 
 
 def read_runs(folder: str | Path) -> Iterator[tuple[Trajectory, list[dict[str, Any]]]]:
@@ -230,6 +232,11 @@ def read_runs(folder: str | Path) -> Iterator[tuple[Trajectory, list[dict[str, A
     folder = Path(folder)
     calls: dict[str, list[LLMCall]] = {}
     graphs: dict[str, GraphRun] = {}
+    feedback: dict[str, list[dict[str, Any]]] = {}
+    if (folder / FEEDBACK_FILE).exists():  # where earlier builds kept feedback
+        for fb in _lines(folder / FEEDBACK_FILE):
+            if isinstance(fb, dict) and isinstance(fb.get("run_id"), str):
+                feedback.setdefault(fb["run_id"], []).append(fb)
     for path in _run_files(folder):
         for rec in _lines(path):
             try:  # a line that is JSON but not a record (a crafted or foreign file) is skipped, like a torn one
@@ -239,16 +246,15 @@ def read_runs(folder: str | Path) -> Iterator[tuple[Trajectory, list[dict[str, A
                 if "graph" in rec:
                     graphs.setdefault(run_id, GraphRun.model_validate({**rec["graph"], "run_id": run_id}))
                     continue
+                if "feedback" in rec:
+                    fb = Feedback.model_validate({**rec["feedback"], "run_id": run_id})
+                    feedback.setdefault(run_id, []).append(fb.model_dump(mode="json", exclude_none=True))
+                    continue
                 call = LLMCall.model_validate(rec["call"])
             except (TypeError, KeyError, ValueError) as exc:
                 log.warning("%s: skipping a record that is not a served call (%s)", path, type(exc).__name__)
                 continue
             calls.setdefault(run_id, []).append(call)
-    feedback: dict[str, list[dict[str, Any]]] = {}
-    if (folder / FEEDBACK_FILE).exists():
-        for fb in _lines(folder / FEEDBACK_FILE):
-            if isinstance(fb, dict) and isinstance(fb.get("run_id"), str):
-                feedback.setdefault(fb["run_id"], []).append(fb)
     for run_id, run in calls.items():
         nodes: dict[str, NodeCall] = {}
         for c in run:

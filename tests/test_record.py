@@ -66,6 +66,21 @@ def test_rotation_bounds_the_disk_and_forgets_rotated_runs(tmp_path):
     assert "rotated away" in Recorder(tmp_path, file_mb=1 / 1024, max_mb=3 / 1024).check(run_id(1), None)
 
 
+def test_feedback_is_kept_with_the_runs_and_rotated_with_them(tmp_path):
+    rec = Recorder(tmp_path, file_mb=1 / 1024, max_mb=3 / 1024)
+    rec.record(run_id(1), call(1))
+    rec.feedback(Feedback(run_id=run_id(1), score=1.0, comment="x" * 300))
+    [(_, feedback)] = list(read_runs(tmp_path))
+    assert [fb["score"] for fb in feedback] == [1.0]
+    for i in range(2, 21):  # no feedback file grows without bound: it goes with its run's file
+        rec.record(run_id(i), call(i))
+        rec.feedback(Feedback(run_id=run_id(i), label="good", comment="y" * 300))
+    files = list(tmp_path.iterdir())
+    assert all(p.name.startswith("runs-") for p in files) and sum(p.stat().st_size for p in files) <= 4 * 1024
+    runs = {t.rollout_id: fb for t, fb in read_runs(tmp_path)}
+    assert run_id(1) not in runs and runs[run_id(20)] == [{"label": "good", "comment": "y" * 300, "run_id": run_id(20)}]
+
+
 def test_a_torn_last_line_is_skipped(tmp_path, caplog):
     rec = Recorder(tmp_path)
     rec.record(run_id(1), call(1))
