@@ -293,9 +293,10 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("serve", help="serve a run's trained policies behind one OpenAI-compatible endpoint",
-                       description="Serve RUN_DIR's policies; the unedited @trainable app pointed here (OPENAI_BASE_URL) "
-                                   "gets each node's answer from the policy it was trained as.")
-    p.add_argument("run_dir", metavar="RUN_DIR")
+                       description="Serve RUN_DIR's policies (or APP's base policies, APP being path.py:graph); the unedited "
+                                   "@trainable app pointed here (OPENAI_BASE_URL) gets each node's answer from the policy it "
+                                   "was trained as.")
+    p.add_argument("run_dir", metavar="RUN_DIR|APP")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require this bearer token (401 otherwise); visible to local users in "

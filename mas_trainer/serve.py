@@ -1,4 +1,6 @@
-"""`mas-trainer serve RUN_DIR`: the run's trained policies behind one OpenAI-compatible endpoint.
+"""`mas-trainer serve RUN_DIR`: the run's trained policies behind one OpenAI-compatible endpoint;
+`mas-trainer serve app.py:graph`: the app's base policies (before any training: the first half of
+the loop from served runs back to training, docs/serving.md).
 
 The unedited app, run with OPENAI_BASE_URL pointing here, gets each node's answer from the
 policy that node was trained as: `@trainable` makes the app's OpenAI calls name their node
@@ -64,19 +66,35 @@ def load_run_spec(run_dir: str | Path) -> ResolvedSpec:
 
 def build_gateway(run_dir: str | Path, *, routes: Mapping[str, str] | None = None, api_key: str | None = None,
                   max_tokens: int = 256, engine: str = "embedded") -> Gateway:
-    """`engine`: `embedded` (the torch engine, configured as the run's), or `vllm` / `torch-replica`:
-    rollout replicas on each trained policy's checkpoint (docs/vllm.md); frozen policies keep the
-    embedded engine."""
-    trained = trained_policies(run_dir)
-    spec = load_run_spec(run_dir)
+    """`run_dir`: a `fit` run directory (its trained policies), or an app `path.py:attr` (its base
+    policies, engines configured by the defaults). `engine`: `embedded` (the torch engine,
+    configured as the run's), or `vllm` / `torch-replica`: rollout replicas on each trained
+    policy's checkpoint (docs/vllm.md); frozen policies keep the embedded engine."""
+    if _is_app_ref(run_dir):
+        from mas_trainer.adapters.langgraph.trainable import resolve
+        from mas_trainer.apps import load_object
+        from mas_trainer.config import load_config
+
+        # only the app's spec is read here; an app that builds its OpenAI client at import needs a key to import
+        unset = "OPENAI_API_KEY" not in os.environ
+        os.environ.setdefault("OPENAI_API_KEY", "unused-by-mas-trainer-serve")
+        try:
+            spec, trained, cfg = resolve(load_object(str(run_dir)))[1], {}, load_config()
+        finally:
+            if unset:
+                os.environ.pop("OPENAI_API_KEY", None)
+        if engine != "embedded":
+            raise ConfigError(f"--engine {engine} serves a run's trained checkpoints: serve a run directory, "
+                              "or the app's base policies with --engine embedded")
+    else:
+        trained, spec, cfg = trained_policies(run_dir), load_run_spec(run_dir), run_config(run_dir)
     routes = dict(routes or {})
     unknown = sorted(set(routes.values()) - set(spec.policies))
     if unknown:
         raise ConfigError(f"--route names unknown policy {unknown[0]!r}; policies of this run: {', '.join(sorted(spec.policies))}")
     untrained = sorted(p for p, pol in spec.policies.items() if pol.trainable and p not in trained)
-    if untrained:
+    if untrained and not _is_app_ref(run_dir):
         raise ConfigError(f"policy {untrained[0]!r} has no checkpoint folder in {RunDir(run_dir).checkpoint / 'policies'}")
-    cfg = run_config(run_dir)
     # known_nodes_only: a node the run never saw gets a 404, not the untrained base model
     gateway = Gateway(Router(spec, model_routes=routes, known_nodes_only=True), api_key=api_key, default_max_tokens=max_tokens)
     served = {}
@@ -88,6 +106,12 @@ def build_gateway(run_dir: str | Path, *, routes: Mapping[str, str] | None = Non
                                          served=served).items():
         gateway.add_policy(name, backend)
     return gateway
+
+
+def _is_app_ref(source: str | Path) -> bool:
+    """`path.py:attr` or `package.module:attr`, not a folder (a run directory)."""
+    text = str(source)
+    return not Path(text).is_dir() and ":" in text and not text.endswith(":")
 
 
 def serve(run_dir: str | Path, *, host: str = "127.0.0.1", port: int = 8000, routes: Mapping[str, str] | None = None,

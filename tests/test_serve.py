@@ -6,6 +6,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import torch
 
 from mas_trainer.adapters.langgraph.serving import serving_runs
 from mas_trainer.apps import load_object
@@ -280,3 +281,28 @@ def test_nothing_is_recorded_without_the_switch(trained_run, tmp_path):
     _, run = trained_run
     with pytest.raises(ConfigError, match="--record"):
         run_serve(run, redact="os.path:basename")
+
+
+def test_an_app_is_served_on_its_base_policies(trained_run, monkeypatch):
+    """`serve app.py:graph`: before any training, each node answered by its policy's base model."""
+    import httpx
+
+    root, _ = trained_run
+    gateway = build_gateway(f"{root / 'app.py'}:graph", routes={"gpt-4o-mini": "crew"})
+    assert {"crew", "lead"} <= set(gateway.backends)
+    with GatewayServer(gateway) as server:
+        monkeypatch.setenv("OPENAI_BASE_URL", server.base_url)
+        monkeypatch.setenv("OPENAI_API_KEY", "x")
+        state = load_object(f"{root / 'app.py'}:graph").invoke({"question": "Name a fruit."})
+        assert state["plan"] is not None and state["answer"] is not None
+        from mas_trainer.engines.models import load_model
+
+        base = load_model("tiny", seed=0)[0].state_dict()  # the app's base model, not a checkpoint
+        for policy in ("lead", "crew"):
+            served = gateway.backends[policy].engine._model.state_dict()
+            assert all(torch.equal(served[k].float(), base[k].float()) for k in base)
+        r = httpx.post(f"{server.base_url}/chat/completions",
+                       json={"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 404
+    with pytest.raises(ConfigError, match="--engine vllm serves a run's trained checkpoints"):
+        build_gateway(f"{root / 'app.py'}:graph", engine="vllm")
