@@ -188,8 +188,9 @@ def trace(app: Any, data: str | Path | Iterable[dict[str, Any]], *, n: int = 1, 
 def serve(run: str | Path, *, host: str = "127.0.0.1", port: int = 8000, routes: Mapping[str, str] | None = None,
           api_key: str | None = None, engine: str = "embedded", ready: threading.Event | None = None,
           stop: threading.Event | None = None, record: str | Path | None = None, record_file_mb: float = 64,
-          record_max_mb: float = 1024, redact: str | Callable[[str], str] | None = None) -> None:
-    """Serve the trained policies of `run` behind one OpenAI-compatible endpoint until SIGINT or
+          record_max_mb: float = 1024, redact: str | Callable[[str], str] | None = None, model: str | None = None) -> None:
+    """Serve the trained policies of `run` (a run directory; or an app, "file.py:attr", on its
+    base policies, `model` replacing their base model) behind one OpenAI-compatible endpoint until SIGINT or
     SIGTERM (or until `stop` is set; `ready` is set once it accepts requests). `routes` maps
     a client's model name to a policy; `api_key` is required of every request when given.
     `record`: a folder where each served run is kept (rotated at `record_file_mb`, at most
@@ -198,7 +199,7 @@ def serve(run: str | Path, *, host: str = "127.0.0.1", port: int = 8000, routes:
     from mas_trainer.serve import serve as run_serve
 
     run_serve(run, host=host, port=port, routes=routes, api_key=api_key, engine=engine, ready=ready, stop=stop,
-              record=record, record_file_mb=record_file_mb, record_max_mb=record_max_mb, redact=redact)
+              record=record, record_file_mb=record_file_mb, record_max_mb=record_max_mb, redact=redact, model=model)
 
 
 def view(path: str | Path, *, port: int = 8765, html: str | Path | None = None, steps: str | None = None,

@@ -204,7 +204,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         routes[name] = policy
     serve(args.run_dir, host=args.host, port=args.port, routes=routes, api_key=resolve_api_key(args.api_key, args.api_key_file),
           engine=args.engine, record=args.record, record_file_mb=args.record_file_mb, record_max_mb=args.record_max_mb,
-          redact=args.redact)
+          redact=args.redact, model=args.model)
     return 0
 
 
@@ -297,6 +297,7 @@ def _parser() -> argparse.ArgumentParser:
                                    "@trainable app pointed here (OPENAI_BASE_URL) gets each node's answer from the policy it "
                                    "was trained as.")
     p.add_argument("run_dir", metavar="RUN_DIR|APP")
+    p.add_argument("--model", default=None, help="with APP: every policy's base model (tiny | default | PATH | hub id)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require this bearer token (401 otherwise); visible to local users in "

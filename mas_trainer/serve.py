@@ -65,9 +65,10 @@ def load_run_spec(run_dir: str | Path) -> ResolvedSpec:
 
 
 def build_gateway(run_dir: str | Path, *, routes: Mapping[str, str] | None = None, api_key: str | None = None,
-                  max_tokens: int = 256, engine: str = "embedded") -> Gateway:
+                  max_tokens: int = 256, engine: str = "embedded", model: str | None = None) -> Gateway:
     """`run_dir`: a `fit` run directory (its trained policies), or an app `path.py:attr` (its base
-    policies, engines configured by the defaults). `engine`: `embedded` (the torch engine,
+    policies, engines configured by the defaults; `model` replaces every policy's base model).
+    `engine`: `embedded` (the torch engine,
     configured as the run's), or `vllm` / `torch-replica`: rollout replicas on each trained
     policy's checkpoint (docs/vllm.md); frozen policies keep the embedded engine."""
     if _is_app_ref(run_dir):
@@ -79,7 +80,7 @@ def build_gateway(run_dir: str | Path, *, routes: Mapping[str, str] | None = Non
         unset = "OPENAI_API_KEY" not in os.environ
         os.environ.setdefault("OPENAI_API_KEY", "unused-by-mas-trainer-serve")
         try:
-            spec, trained, cfg = resolve(load_object(str(run_dir)))[1], {}, load_config()
+            spec, trained, cfg = resolve(load_object(str(run_dir)), model)[1], {}, load_config()
         finally:
             if unset:
                 os.environ.pop("OPENAI_API_KEY", None)
@@ -87,6 +88,8 @@ def build_gateway(run_dir: str | Path, *, routes: Mapping[str, str] | None = Non
             raise ConfigError(f"--engine {engine} serves a run's trained checkpoints: serve a run directory, "
                               "or the app's base policies with --engine embedded")
     else:
+        if model is not None:
+            raise ConfigError("--model replaces an app's base model; a run directory serves the models it trained")
         trained, spec, cfg = trained_policies(run_dir), load_run_spec(run_dir), run_config(run_dir)
     routes = dict(routes or {})
     unknown = sorted(set(routes.values()) - set(spec.policies))
@@ -117,7 +120,7 @@ def _is_app_ref(source: str | Path) -> bool:
 def serve(run_dir: str | Path, *, host: str = "127.0.0.1", port: int = 8000, routes: Mapping[str, str] | None = None,
           api_key: str | None = None, ready: threading.Event | None = None, stop: threading.Event | None = None,
           engine: str = "embedded", record: str | Path | None = None, record_file_mb: float = 64,
-          record_max_mb: float = 1024, redact: str | Callable[[str], str] | None = None) -> None:
+          record_max_mb: float = 1024, redact: str | Callable[[str], str] | None = None, model: str | None = None) -> None:
     """Serve until SIGINT/SIGTERM (or `stop` is set); with `record`, keep each served run there."""
     recorder = None
     if record is not None:  # checked before the engines load
@@ -125,7 +128,7 @@ def serve(run_dir: str | Path, *, host: str = "127.0.0.1", port: int = 8000, rou
         recorder = Recorder(record, file_mb=record_file_mb, max_mb=record_max_mb, redact=hook)
     elif redact is not None:
         raise ConfigError("--redact applies to what --record keeps: give --record DIR too")
-    gateway = build_gateway(run_dir, routes=routes, api_key=api_key, engine=engine)
+    gateway = build_gateway(run_dir, routes=routes, api_key=api_key, engine=engine, model=model)
     gateway.recorder = recorder
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():

@@ -306,3 +306,5 @@ def test_an_app_is_served_on_its_base_policies(trained_run, monkeypatch):
         assert r.status_code == 404
     with pytest.raises(ConfigError, match="--engine vllm serves a run's trained checkpoints"):
         build_gateway(f"{root / 'app.py'}:graph", engine="vllm")
+    with pytest.raises(ConfigError, match="--model replaces an app"):
+        build_gateway(root / "run", model="tiny")
