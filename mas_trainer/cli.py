@@ -233,7 +233,8 @@ def cmd_data(args: argparse.Namespace) -> int:
     console = Console()
     for line in (f"read {r.runs_read} runs ({r.calls_read} LLM calls) from {len(r.folders)} folder(s); "
                  f"{r.runs_without_task} without a task, {r.tasks_duplicate} repeating a task",
-                 f"tasks: {r.tasks_train} train, {r.tasks_val} held out (val_fraction {args.val_fraction:g}, seed {args.seed})",
+                 f"tasks: {r.tasks_train} train, {r.tasks_val} held out (val_fraction {args.val_fraction:g}, seed {args.seed})"
+                 + (": none fell on the held-out side; try another --seed" if args.val_fraction and not r.tasks_val else ""),
                  f"sft: {r.sft_lines} lines from {r.sft_runs} runs (by role: {roles}); calls dropped: {dropped}",
                  f"wrote {args.out}: tasks.jsonl, val.jsonl, sft.jsonl, report.json"):
         console.print(line, markup=False, highlight=False, soft_wrap=True)

@@ -220,3 +220,22 @@ def test_crafted_lines_are_counted_not_fatal(tmp_path):
     assert data.tasks == [{"q": 1}] and data.report.calls_dropped == {"task_unusable": 3, "unusable": 1}
     assert sorted(line.completion["content"] for line in data.sft) == ["a", "r5"]
     make_datasets([tmp_path], tmp_path.parent / "out")  # and it writes
+
+
+def test_a_failed_write_leaves_no_dataset(tmp_path, monkeypatch):
+    rec = Recorder(tmp_path / "rec")
+    add_run(rec, 1, {"q": 1}, [call(1)], feedback=[{"score": 1}])
+    (tmp_path / "empty").mkdir()
+    make_datasets([tmp_path / "rec"], tmp_path / "empty", val_fraction=0)  # an empty folder is filled without --force
+    assert lines(tmp_path / "empty" / "tasks.jsonl") == [{"q": 1}]
+
+    def broken(fd):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("mas_trainer.curate.os.fsync", broken)
+    with pytest.raises(OSError, match="disk full"):
+        make_datasets([tmp_path / "rec"], tmp_path / "new")
+    with pytest.raises(OSError, match="disk full"):
+        make_datasets([tmp_path / "rec"], tmp_path / "empty", force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "rec"]  # no half dataset, no temporary folder
+    assert lines(tmp_path / "empty" / "tasks.jsonl") == [{"q": 1}]  # the previous one is untouched
