@@ -220,6 +220,27 @@ def cmd_view(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from mas_trainer.curate import make_datasets
+
+    data = make_datasets(args.folders, args.out, force=args.force, min_score=args.min_score, label=args.label,
+                         val_fraction=args.val_fraction, seed=args.seed, roles=args.role)
+    r = data.report
+    roles = ", ".join(f"{role} {n}" for role, n in sorted(r.sft_by_role.items())) or "none"
+    dropped = ", ".join(f"{why} {n}" for why, n in sorted(r.calls_dropped.items())) or "none"
+    console = Console()
+    for line in (f"read {r.runs_read} runs ({r.calls_read} LLM calls) from {len(r.folders)} folder(s); "
+                 f"{r.runs_without_task} without a task, {r.tasks_duplicate} repeating a task",
+                 f"tasks: {r.tasks_train} train, {r.tasks_val} held out (val_fraction {args.val_fraction:g}, seed {args.seed})"
+                 + (": none fell on the held-out side; try another --seed" if args.val_fraction and not r.tasks_val else ""),
+                 f"sft: {r.sft_lines} lines from {r.sft_runs} runs (by role: {roles}); calls dropped: {dropped}",
+                 f"wrote {args.out}: tasks.jsonl, val.jsonl, sft.jsonl, report.json"):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mas-trainer", description="Train LangGraph multi-agent apps with multi-agent RL.")
     sub = parser.add_subparsers(dest="verb", required=True)
@@ -317,6 +338,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--redact", default=None, metavar="MODULE:FUNCTION",
                    help="a str -> str function applied to every recorded text before it reaches disk")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("data", help="datasets from served runs: tasks for fit, held-out tasks, per-role SFT lines",
+                       description="Read record folders (serve --record) and write OUT/tasks.jsonl (train-side graph inputs), "
+                                   "val.jsonl (held-out ones), sft.jsonl (the LLM calls of well-scored runs) and report.json; "
+                                   "see docs/serving.md.")
+    p.add_argument("folders", nargs="+", metavar="RECORD_DIR", help="folders written by `mas-trainer serve --record`")
+    p.add_argument("--out", required=True, help="output folder (new or empty, unless --force)")
+    p.add_argument("--min-score", type=float, default=None, help="keep calls scored at least this (run score, or the "
+                                                                  "call's own; default 1.0 unless --label is given)")
+    p.add_argument("--label", default=None, help="keep calls labelled this (the call's own labels, else its run's)")
+    p.add_argument("--val-fraction", type=float, default=0.1, help="share of tasks held out in val.jsonl (default 0.1)")
+    p.add_argument("--seed", type=int, default=0, help="which tasks are held out (a hash of seed and task)")
+    p.add_argument("--role", action="append", default=None, help="only these roles' calls in sft.jsonl (repeatable)")
+    p.add_argument("--force", action="store_true", help="replace the datasets in a non-empty --out")
+    p.set_defaults(func=cmd_data)
 
     p = sub.add_parser("view", help="look at a run in the browser: curves, graphs of node calls, tokens, rewards",
                        description="Serve a local page (127.0.0.1 only) showing RUN_DIR's reward and held-out curves and, per step, "

@@ -105,7 +105,7 @@ def _lines(path: Path) -> Iterator[dict[str, Any]]:
         for n, raw in enumerate(f, 1):
             try:
                 yield json.loads(raw)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nested past what json can parse
                 log.warning("%s:%d: skipping a torn or unreadable line", path, n)
 
 
