@@ -208,6 +208,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pairs(items: list[str], flag: str, example: str) -> dict[str, str]:
+    bad = next((i for i in items if "=" not in i or i.startswith("=") or i.endswith("=")), None)
+    if bad is not None:
+        raise UsageError(f"{flag} {bad!r} must look like {example}")
+    return dict(i.split("=", 1) for i in items)
+
+
+def cmd_import_traces(args: argparse.Namespace) -> int:
+    from mas_trainer.otel_import import Unmapped, import_traces
+
+    try:
+        report = import_traces(args.files, args.out, roles=_pairs(args.role, "--role", "NODE=ROLE (e.g. researcher=writer)"),
+                               policies=_pairs(args.policy, "--policy", "ROLE=POLICY"), strict=args.strict)
+    except Unmapped as exc:
+        print("\n".join(["mas-trainer import-traces: --strict: nothing written", *exc.report.lines()[1:]]), file=sys.stderr)
+        return 1
+    print("\n".join(report.lines()))
+    return 0
+
+
 def cmd_view(args: argparse.Namespace) -> int:
     from mas_trainer.api import view
 
@@ -315,6 +335,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--redact", default=None, metavar="MODULE:FUNCTION",
                    help="a str -> str function applied to every recorded text before it reaches disk")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("import-traces", help="OTel GenAI spans of an app traced elsewhere (OTLP JSON) -> a record folder",
+                       description="Read OTLP/JSON trace exports (one request per file, or one per line), map each trace "
+                                   "with LLM spans under LangGraph nodes to a run, and append the runs to DIR in serve "
+                                   "--record's format. What cannot be mapped is reported, never guessed (docs/serving.md).")
+    p.add_argument("files", nargs="+", metavar="FILE", help="OTLP JSON files (.json: one export request; .jsonl: one per line)")
+    p.add_argument("--out", required=True, metavar="DIR", help="record folder to append to (runs already in it are skipped)")
+    p.add_argument("--role", action="append", default=[], metavar="NODE=ROLE", help="the role of a node's calls "
+                                                                                     "(default: the node name; repeatable)")
+    p.add_argument("--policy", action="append", default=[], metavar="ROLE=POLICY", help="the policy of a role's calls "
+                                                                                         "(default: the role; repeatable)")
+    p.add_argument("--strict", action="store_true", help="anything that cannot be imported is an error (exit 1, nothing written)")
+    p.set_defaults(func=cmd_import_traces)
 
     p = sub.add_parser("view", help="look at a run in the browser: curves, graphs of node calls, tokens, rewards",
                        description="Serve a local page (127.0.0.1 only) showing RUN_DIR's reward and held-out curves and, per step, "
