@@ -71,7 +71,8 @@ class ImportReport:
     runs: int = 0
     calls: int = 0
     partial_runs: int = 0  # written with some LLM spans left out
-    duplicates: int = 0  # runs already in DIR (or seen twice), skipped
+    duplicates: int = 0  # runs already in DIR, skipped
+    nested: int = 0  # LLM spans inside another LLM span (one call seen by two instrumentations), counted once
     unmapped: Counter[str] = field(default_factory=Counter)
     examples: dict[str, list[str]] = field(default_factory=dict)
 
@@ -83,7 +84,8 @@ class ImportReport:
 
     def lines(self) -> list[str]:
         out = [f"imported {self.runs} runs ({self.calls} LLM calls); {self.duplicates} duplicate runs skipped"
-               + (f"; {self.partial_runs} runs written without some of their LLM spans" if self.partial_runs else "")]
+               + (f"; {self.partial_runs} runs written without some of their LLM spans" if self.partial_runs else "")
+               + (f"; {self.nested} LLM spans inside another LLM span counted once" if self.nested else "")]
         for reason, n in self.unmapped.most_common():
             out.append(f"  not imported: {n} x {reason} (e.g. {', '.join(self.examples.get(reason, []))})")
         return out
@@ -435,6 +437,18 @@ def _node_of(span: Span, by_id: dict[str, Span]) -> tuple[str, str | None] | Non
     return node, (found.span_id if found is not span else None)
 
 
+def _inside_llm(span: Span, by_id: dict[str, Span]) -> bool:
+    """An LLM span under another (LangChain's chat span over the OpenAI SDK's): the same call twice."""
+    seen = {span.span_id}
+    cur = by_id.get(span.parent_id) if span.parent_id else None
+    while cur is not None and cur.span_id not in seen:
+        if _is_llm(cur):
+            return True
+        seen.add(cur.span_id)
+        cur = by_id.get(cur.parent_id) if cur.parent_id else None
+    return False
+
+
 def _str_list(value: Any) -> list[str]:
     value = _json(value)
     return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
@@ -475,6 +489,9 @@ def map_traces(spans: Iterable[Span], report: ImportReport, roles: dict[str, str
         left_out = 0
         for span in by_id.values():
             if not _is_llm(span):
+                continue
+            if _inside_llm(span, by_id):
+                report.nested += 1
                 continue
             where = f"trace {trace_id} span {span.span_id}"
             node = _node_of(span, by_id)

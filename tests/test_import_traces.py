@@ -174,6 +174,16 @@ def test_reimport_is_idempotent_and_appends(tmp_path: Path) -> None:
     assert [p.name for p in (tmp_path / "rec").iterdir()] == ["runs-0000.jsonl"]
 
 
+def test_llm_span_inside_llm_span_counts_once(tmp_path: Path) -> None:
+    spans = semconv_trace()
+    inner = span(T1, "c100000000000001", "c000000000000001", "openai.chat", 2, **{
+        "gen_ai.operation.name": "chat", "gen_ai.input.messages": msgs(text("user", "capital of France?")),
+        "gen_ai.output.messages": msgs(text("assistant", "dup"))})
+    report = import_traces([write(tmp_path / "t.json", request(*spans, inner))], tmp_path / "rec")
+    assert (report.calls, report.nested, sum(report.unmapped.values())) == (2, 1, 0)
+    assert "1 LLM spans inside another LLM span counted once" in report.lines()[0]
+
+
 def test_trace_split_across_lines_is_one_run(tmp_path: Path) -> None:
     spans = semconv_trace()
     f = write(tmp_path / "t.jsonl", request(*spans[:3]), request(*spans[3:]), request(*spans[:2]), lines=True)
