@@ -216,11 +216,32 @@ def _pairs(items: list[str], flag: str, example: str) -> dict[str, str]:
 
 
 def cmd_import_traces(args: argparse.Namespace) -> int:
-    from mas_trainer.otel_import import Unmapped, import_traces
+    from mas_trainer.otel_import import Receiver, Unmapped, import_traces
 
+    roles = _pairs(args.role, "--role", "NODE=ROLE (e.g. researcher=writer)")
+    policies = _pairs(args.policy, "--policy", "ROLE=POLICY")
+    if bool(args.files) == bool(args.listen):
+        raise UsageError("give FILE... or --listen HOST:PORT (one of them)")
+    if args.listen:
+        host, _, port = args.listen.rpartition(":")
+        if not host or not port.isdigit() or args.strict:
+            raise UsageError(f"--listen {args.listen!r}: give HOST:PORT, e.g. 127.0.0.1:4318 (and no --strict)")
+        receiver = Receiver(args.out, roles=roles, policies=policies)
+        try:
+            server = receiver.server(host, int(port))
+        except OSError as exc:
+            raise UsageError(f"--listen {args.listen}: {exc.strerror}; choose another port") from None
+        print(f"receiving OTLP/HTTP JSON traces at http://{args.listen}/v1/traces into {args.out}; Ctrl-C to stop", file=sys.stderr)
+        try:
+            server.serve_forever()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            server.server_close()
+        print("\n".join(receiver.close().lines()))
+        return 0
     try:
-        report = import_traces(args.files, args.out, roles=_pairs(args.role, "--role", "NODE=ROLE (e.g. researcher=writer)"),
-                               policies=_pairs(args.policy, "--policy", "ROLE=POLICY"), strict=args.strict)
+        report = import_traces(args.files, args.out, roles=roles, policies=policies, strict=args.strict)
     except Unmapped as exc:
         print("\n".join(["mas-trainer import-traces: --strict: nothing written", *exc.report.lines()[1:]]), file=sys.stderr)
         return 1
@@ -340,7 +361,9 @@ def _parser() -> argparse.ArgumentParser:
                        description="Read OTLP/JSON trace exports (one request per file, or one per line), map each trace "
                                    "with LLM spans under LangGraph nodes to a run, and append the runs to DIR in serve "
                                    "--record's format. What cannot be mapped is reported, never guessed (docs/serving.md).")
-    p.add_argument("files", nargs="+", metavar="FILE", help="OTLP JSON files (.json: one export request; .jsonl: one per line)")
+    p.add_argument("files", nargs="*", metavar="FILE", help="OTLP JSON files (one export request, or one per line)")
+    p.add_argument("--listen", default=None, metavar="HOST:PORT", help="instead of files, receive OTLP/HTTP JSON at "
+                                                                       "POST /v1/traces (e.g. 127.0.0.1:4318) until Ctrl-C")
     p.add_argument("--out", required=True, metavar="DIR", help="record folder to append to (runs already in it are skipped)")
     p.add_argument("--role", action="append", default=[], metavar="NODE=ROLE", help="the role of a node's calls "
                                                                                      "(default: the node name; repeatable)")

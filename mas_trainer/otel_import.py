@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,7 @@ from mas_trainer.errors import UserError
 from mas_trainer.record import Recorder
 from mas_trainer.trace.schema import LLMCall
 
-__all__ = ["MAX_FILE_BYTES", "MAX_DEPTH", "ImportReport", "Unmapped", "Span", "load_spans", "map_traces", "import_traces"]
+__all__ = ["MAX_FILE_BYTES", "MAX_BODY_BYTES", "MAX_DEPTH", "ImportReport", "Unmapped", "Span", "Receiver", "load_spans", "map_traces", "import_traces"]
 
 MAX_FILE_BYTES = 512 * 2**20  # one input file
 MAX_DEPTH = 64  # nesting of an attribute value (AnyValue arrays / kvlists, JSON inside strings)
@@ -535,3 +536,116 @@ def import_traces(files: Iterable[str | Path], out: str | Path, *, roles: dict[s
         report.runs += 1
         report.calls += len(calls)
     return report
+
+
+# ---- OTLP/HTTP receiver (JSON only) -------------------------------------------------------------
+
+MAX_BODY_BYTES = 64 * 2**20
+
+
+class Receiver:
+    """`import-traces --listen`: POST /v1/traces (OTLP/HTTP, JSON encoding) into the record folder
+    `out`. Spans are held per trace until its root span (no parent) arrives, or `idle_s` passes
+    without new spans of it (a root in another service), then mapped and written like a file import;
+    `close()` writes what is left. Protobuf bodies get 415."""
+
+    def __init__(self, out: str | Path, *, roles: dict[str, str] | None = None, policies: dict[str, str] | None = None,
+                 idle_s: float = 30.0, max_spans: int = 200_000) -> None:
+        import threading
+
+        self.out, self.roles, self.policies, self.idle_s, self.max_spans = Path(out), roles, policies, idle_s, max_spans
+        self.report = ImportReport()
+        self._spans: dict[str, list[Span]] = {}
+        self._seen: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def accept(self, body: bytes, content_type: str) -> tuple[int, dict[str, Any]]:
+        """(HTTP status, JSON answer) for one POST /v1/traces body."""
+        import time
+
+        if "protobuf" in content_type:
+            return 415, {"error": "OTLP protobuf is not read here: set the exporter to JSON "
+                                  "(OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/json)"}
+        try:
+            req = json.loads(body)
+        except (ValueError, RecursionError):
+            return 400, {"error": "the body is not JSON"}
+        if not _is_request(req):
+            return 400, {"error": "not an OTLP trace export (no resourceSpans list)"}
+        with self._lock:
+            before = sum(self.report.unmapped.values())
+            now = time.monotonic()
+            for s in _request_spans(req, "POST /v1/traces", self.report):
+                self._spans.setdefault(s.trace_id, []).append(s)
+                self._seen[s.trace_id] = now
+            rejected = sum(self.report.unmapped.values()) - before
+            done = [t for t, spans in self._spans.items()
+                    if any(s.parent_id is None for s in spans) or now - self._seen[t] > self.idle_s]
+            while sum(map(len, self._spans.values())) - sum(len(self._spans[t]) for t in done) > self.max_spans:
+                done.append(min((t for t in self._spans if t not in done), key=self._seen.__getitem__))
+            self._write(done)
+        return 200, ({"partialSuccess": {"rejectedSpans": str(rejected), "errorMessage": "malformed spans"}}
+                     if rejected else {})
+
+    def _write(self, trace_ids: list[str]) -> None:
+        spans = [s for t in trace_ids for s in self._spans.pop(t, [])]
+        for t in trace_ids:
+            self._seen.pop(t, None)
+        if not spans:
+            return
+        recorder = Recorder(self.out, max_mb=2**30)
+        for run_id, calls in map_traces(spans, self.report, self.roles, self.policies).items():
+            if recorder.check(run_id, None) is None:
+                self.report.duplicates += 1
+                continue
+            for call in calls:
+                recorder.record(run_id, call)
+            self.report.runs += 1
+            self.report.calls += len(calls)
+
+    def close(self) -> ImportReport:
+        with self._lock:
+            self._write(list(self._spans))
+        return self.report
+
+    def server(self, host: str, port: int) -> Any:
+        """A stdlib HTTP server answering POST /v1/traces; `serve_forever()` it, `close()` after."""
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self, status: int, body: dict[str, Any]) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
+                if self.path.split("?")[0] != "/v1/traces":
+                    return self._answer(404, {"error": "POST OTLP JSON traces to /v1/traces"})
+                try:
+                    size = int(self.headers.get("content-length", ""))
+                except ValueError:
+                    return self._answer(411, {"error": "send a content-length"})
+                if size > MAX_BODY_BYTES or size < 0:
+                    return self._answer(413, {"error": f"over {MAX_BODY_BYTES >> 20} MB; export smaller batches"})
+                body = self.rfile.read(size)
+                encoding = self.headers.get("content-encoding", "").strip().lower()
+                if encoding == "gzip":  # the collector's otlphttp exporter compresses by default
+                    try:
+                        body = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(body, MAX_BODY_BYTES + 1)
+                    except zlib.error:
+                        return self._answer(400, {"error": "the gzip body is damaged"})
+                    if len(body) > MAX_BODY_BYTES:
+                        return self._answer(413, {"error": f"over {MAX_BODY_BYTES >> 20} MB unpacked; export smaller batches"})
+                elif encoding not in ("", "identity"):
+                    return self._answer(415, {"error": f"content-encoding {encoding[:20]!r}: send gzip or none"})
+                self._answer(*receiver.accept(body, self.headers.get("content-type", "")))
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet
+                pass
+
+        return ThreadingHTTPServer((host, port), Handler)

@@ -232,6 +232,9 @@ def test_bad_input_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str
         assert words in err and err.count("\n") == 1, err
     assert main(["import-traces", str(tmp_path / "other.json"), "--out", str(tmp_path / "rec"), "--role", "x"]) == 2
     assert "NODE=ROLE" in capsys.readouterr().err
+    assert main(["import-traces", "--out", str(tmp_path / "rec")]) == 2
+    assert main(["import-traces", "--out", str(tmp_path / "rec"), "--listen", "4318"]) == 2
+    assert capsys.readouterr().err.count("\n") == 2
 
 
 def test_size_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -285,3 +288,44 @@ def test_hostile_input(tmp_path: Path) -> None:
     (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(UserError, match="nested too deep"):
         load_spans(tmp_path / "deep.json", ImportReport())
+
+
+def test_receiver_over_http(tmp_path: Path) -> None:
+    import gzip
+    import threading
+    import urllib.error
+    import urllib.request
+
+    from mas_trainer.otel_import import Receiver
+
+    receiver = Receiver(tmp_path / "rec")
+    server = receiver.server("127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1/traces"
+
+    def post(body: bytes, ctype: str = "application/json", **headers: str) -> tuple[int, dict[str, Any]]:
+        req = urllib.request.Request(url, data=body, headers={"content-type": ctype, **headers}, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    try:
+        spans = semconv_trace()
+        # children first, as a batch span processor sends them; the root closes the trace
+        assert post(json.dumps(request(*spans[1:])).encode()) == (200, {})
+        assert not (tmp_path / "rec").exists()
+        status, body = post(gzip.compress(json.dumps(request(spans[0], "junk")).encode()), **{"content-encoding": "gzip"})
+        assert status == 200 and body["partialSuccess"]["rejectedSpans"] == "1"
+        assert [len(t.llm_calls) for t, _ in read_runs(tmp_path / "rec")] == [2]
+        status, body = post(b"\x0a\x00", "application/x-protobuf")
+        assert status == 415 and "http/json" in body["error"]
+        assert post(b"{nope")[0] == 400 and post(b'{"a": 1}')[0] == 400
+        assert post(json.dumps(request(*openllmetry_trace()[1:])).encode())[0] == 200  # no root yet: held
+    finally:
+        server.shutdown()
+        server.server_close()
+    report = receiver.close()  # what is held is written at the end
+    assert (report.runs, report.calls) == (2, 3)
+    assert [t.rollout_id for t, _ in read_runs(tmp_path / "rec")] == [T1, T2]
