@@ -163,6 +163,29 @@ def test_events_form_and_base64_ids(tmp_path: Path) -> None:
     assert (traj.llm_calls[0].output_text, traj.llm_calls[0].finish_reason, traj.llm_calls[0].node) == ("4", "stop", "solver")
 
 
+def test_openinference_form(tmp_path: Path) -> None:
+    m = "llm.input_messages."
+    node = span(T1, "2000000000000001", None, "critic", 1, metadata=json.dumps({"langgraph_node": "critic"}),
+                **{"openinference.span.kind": "CHAIN"})
+    llm = span(T1, "2000000000000002", "2000000000000001", "ChatOpenAI", 2, metadata=json.dumps({"langgraph_node": "critic"}), **{
+        "openinference.span.kind": "LLM", "llm.model_name": "gpt-4o",
+        m + "0.message.role": "user", m + "0.message.content": "rate it",
+        m + "1.message.role": "assistant", m + "1.message.tool_calls.0.tool_call.id": "t1",
+        m + "1.message.tool_calls.0.tool_call.function.name": "score",
+        m + "1.message.tool_calls.0.tool_call.function.arguments": "{}",
+        m + "2.message.role": "tool", m + "2.message.tool_call_id": "t1", m + "2.message.content": "7",
+        "llm.output_messages.0.message.role": "assistant", "llm.output_messages.0.message.content": "7/10"})
+    assert import_traces([write(tmp_path / "t.json", request(node, llm))], tmp_path / "rec").calls == 1
+    ((traj, _),) = list(read_runs(tmp_path / "rec"))
+    (call,) = traj.llm_calls
+    assert (call.node, call.node_id, call.output_text, call.model) == ("critic", "2000000000000001", "7/10", "gpt-4o")
+    assert call.messages == [
+        {"role": "user", "content": "rate it"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "t1", "type": "function",
+                                                               "function": {"name": "score", "arguments": "{}"}}]},
+        {"role": "tool", "content": "7", "tool_call_id": "t1"}]
+
+
 def test_reimport_is_idempotent_and_appends(tmp_path: Path) -> None:
     f = write(tmp_path / "t.json", request(*semconv_trace()))
     assert import_traces([f], tmp_path / "rec").runs == 1
