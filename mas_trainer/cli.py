@@ -208,6 +208,47 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pairs(items: list[str], flag: str, example: str) -> dict[str, str]:
+    bad = next((i for i in items if "=" not in i or i.startswith("=") or i.endswith("=")), None)
+    if bad is not None:
+        raise UsageError(f"{flag} {bad!r} must look like {example}")
+    return dict(i.split("=", 1) for i in items)
+
+
+def cmd_import_traces(args: argparse.Namespace) -> int:
+    from mas_trainer.otel_import import Receiver, Unmapped, import_traces
+
+    roles = _pairs(args.role, "--role", "NODE=ROLE (e.g. researcher=writer)")
+    policies = _pairs(args.policy, "--policy", "ROLE=POLICY")
+    if bool(args.files) == bool(args.listen):
+        raise UsageError("give FILE... or --listen HOST:PORT (one of them)")
+    if args.listen:
+        host, _, port = args.listen.rpartition(":")
+        if not host or not port.isdigit() or args.strict:
+            raise UsageError(f"--listen {args.listen!r}: give HOST:PORT, e.g. 127.0.0.1:4318 (and no --strict)")
+        receiver = Receiver(args.out, roles=roles, policies=policies)
+        try:
+            server = receiver.server(host, int(port))
+        except OSError as exc:
+            raise UsageError(f"--listen {args.listen}: {exc.strerror}; choose another port") from None
+        print(f"receiving OTLP/HTTP JSON traces at http://{args.listen}/v1/traces into {args.out}; Ctrl-C to stop", file=sys.stderr)
+        try:
+            server.serve_forever()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            server.server_close()
+        print("\n".join(receiver.close().lines()))
+        return 0
+    try:
+        report = import_traces(args.files, args.out, roles=roles, policies=policies, strict=args.strict)
+    except Unmapped as exc:
+        print("\n".join(["mas-trainer import-traces: --strict: nothing written", *exc.report.lines()[1:]]), file=sys.stderr)
+        return 1
+    print("\n".join(report.lines()))
+    return 0
+
+
 def cmd_view(args: argparse.Namespace) -> int:
     from mas_trainer.api import view
 
@@ -353,6 +394,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--role", action="append", default=None, help="only these roles' calls in sft.jsonl (repeatable)")
     p.add_argument("--force", action="store_true", help="replace the datasets in a non-empty --out")
     p.set_defaults(func=cmd_data)
+
+    p = sub.add_parser("import-traces", help="OTel GenAI spans of an app traced elsewhere (OTLP JSON) -> a record folder",
+                       description="Read OTLP/JSON trace exports (one request per file, or one per line), map each trace "
+                                   "with LLM spans under LangGraph nodes to a run, and append the runs to DIR in serve "
+                                   "--record's format. What cannot be mapped is reported, never guessed (docs/serving.md).")
+    p.add_argument("files", nargs="*", metavar="FILE", help="OTLP JSON files (one export request, or one per line)")
+    p.add_argument("--listen", default=None, metavar="HOST:PORT", help="instead of files, receive OTLP/HTTP JSON at "
+                                                                       "POST /v1/traces (e.g. 127.0.0.1:4318) until Ctrl-C")
+    p.add_argument("--out", required=True, metavar="DIR", help="record folder to append to (runs already in it are skipped)")
+    p.add_argument("--role", action="append", default=[], metavar="NODE=ROLE", help="the role of a node's calls "
+                                                                                     "(default: the node name; repeatable)")
+    p.add_argument("--policy", action="append", default=[], metavar="ROLE=POLICY", help="the policy of a role's calls "
+                                                                                         "(default: the role; repeatable)")
+    p.add_argument("--strict", action="store_true", help="anything that cannot be imported is an error (exit 1, nothing written)")
+    p.set_defaults(func=cmd_import_traces)
 
     p = sub.add_parser("view", help="look at a run in the browser: curves, graphs of node calls, tokens, rewards",
                        description="Serve a local page (127.0.0.1 only) showing RUN_DIR's reward and held-out curves and, per step, "
