@@ -114,7 +114,11 @@ class _SinceLaunch(ProgressColumn):
 def warm_start_lines(row: dict[str, Any]) -> list[str]:
     """One line per policy of a warm-start row: its steps, turns and loss, first step -> last."""
     policies = sorted({k.split("/")[1] for k in row if k.startswith("policy/") and k.endswith("/sft_loss")})
-    return [f"warm start {p}: {row[f'policy/{p}/sft_steps']:.0f} steps on {row[f'policy/{p}/sft_examples']:.0f} turns, "
+    def n(p: str, key: str, word: str) -> str:
+        value = int(row[f"policy/{p}/{key}"])
+        return f"{value} {word}{'s' * (value != 1)}"
+
+    return [f"warm start {p}: {n(p, 'sft_steps', 'step')} on {n(p, 'sft_examples', 'turn')}, "
             f"sft_loss {row[f'policy/{p}/sft_loss_first']:.3f} -> {row[f'policy/{p}/sft_loss']:.3f}" for p in policies]
 
 

@@ -266,7 +266,7 @@ class _Fit:
         t0 = time.perf_counter()
         for p, ex in examples.items():
             ws = self.cfg.warm_start_for(p)
-            self.say(f"warm start of {p}: {ws.steps} steps on {len(ex)} supervised turns (lr {ws.lr:g})")
+            self.say(f"warm start of {p}: {ws.steps} steps on {len(ex)} supervised turn{'s' * (len(ex) != 1)} (lr {ws.lr:g})")
         results = await asyncio.gather(*(self.handles[p].warm_start(ex, self.cfg.warm_start_for(p)) for p, ex in examples.items()))
         row: dict[str, Any] = {"kind": "warm_start", "step": 0}
         for p, m in zip(examples, results):
@@ -430,7 +430,8 @@ class _Fit:
                 for p, backend in policy_backends(spec.policies, rt, seed=c.seed, served=served).items():
                     session.attach(p, backend)
                 first = (state["step"] if state else 0) + 1
-                self.say(("held-out evaluation at step 0, then " if state is None and self.val_tasks else "")
+                self.say(("the warm start, then " if state is None and self.warm_examples else "")
+                         + ("held-out evaluation at step 0, then " if state is None and self.val_tasks else "")
                          + f"step {first}/{c.steps}: rollouts, then the update")
                 with self.watch(state) as progress:
                     session.loop.run_until_complete(self.loop(session, state, progress))
