@@ -97,6 +97,8 @@ def cmd_fit(args: argparse.Namespace) -> int:
     from mas_trainer import api
 
     cfg = api.fit_config(args.config, args.overrides, model=args.model)
+    if args.warm_start is not None:  # a path as given, not read as YAML (as a key=value override would be)
+        cfg = cfg.model_copy(update={"warm_start": cfg.warm_start.model_copy(update={"data": args.warm_start})})
     _check_model(cfg.model)
     console = Console()
     # the Session says where its gateway listens and whom it answers, at INFO
@@ -322,6 +324,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="base model of every policy: tiny | default | PATH")
     p.add_argument("--output", default="runs/fit", help="run directory")
     p.add_argument("--resume", action="store_true", help="continue the run in --output from its last checkpoint")
+    p.add_argument("--warm-start", default=None, metavar="FILE", help="supervised turns (JSONL, `mas-trainer data`) each "
+                   "policy trains on before RL, in a fresh run (sets warm_start.data; docs/training.md)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. learner.lr=1e-5 rollout.n=8")
     p.set_defaults(func=cmd_fit)
 

@@ -26,7 +26,7 @@ from mas_trainer.rewards.config import CounterfactualConfig
 from mas_trainer.rollout.config import ENGINES, ReplicaConfig
 
 __all__ = [
-    "FitConfig", "PolicyConfig", "RuntimeConfig", "Resources", "load_config", "describe_keys", "check_torch_only", "check_policy_names",
+    "FitConfig", "PolicyConfig", "WarmStartConfig", "RuntimeConfig", "Resources", "load_config", "describe_keys", "check_torch_only", "check_policy_names",
     "check_trackers", "check_runtime", "resolve_learner", "TRACKERS", "ConfigError", "RENAMED",
 ]
 
@@ -133,6 +133,21 @@ class RewardConfig(_Strict):
         "forked continuations, K, the budget per step, boundaries_only (docs/rewards.md)")
 
 
+class WarmStartConfig(_Strict):
+    """The supervised warm start (config: `warm_start`, per policy `policies.NAME.warm_start`):
+    before the first RL step of a fresh run, each trainable policy takes `steps` optimizer steps
+    on the mean token NLL of good turns (docs/training.md, "Warm start")."""
+
+    data: str | None = Field(None, description="JSONL of supervised turns (one per line: policy, messages, completion; "
+                             "`mas-trainer data` writes it from well-scored runs); None: no warm start")
+    steps: int = Field(20, ge=0, description="optimizer steps per policy (0: no warm start for it)")
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate of the warm start (a fresh optimizer; the learner's "
+                      "betas, eps, weight decay and max_grad_norm)")
+    batch_size: int = Field(8, ge=1, description="turns per optimizer step (at most the policy's turns)")
+    min_score: float | None = Field(None, description="only lines whose score is at least this (lines without a score "
+                                    "are then left out)")
+
+
 class PolicyConfig(_Strict):
     """Per-policy overrides of the shared learner and advantage settings."""
 
@@ -141,6 +156,8 @@ class PolicyConfig(_Strict):
     critic: dict[str, Any] = Field(default_factory=dict, description="CriticConfig fields for this policy (GAE only)")
     resources: dict[str, Any] = Field(default_factory=dict, description="Resources fields for this policy's worker group (verl learner)")
     engine: Literal[ENGINES] | None = Field(None, description="this policy's engine (default: runtime.engine)")  # type: ignore[valid-type]
+    warm_start: dict[str, Any] = Field(default_factory=dict, description="WarmStartConfig fields for this policy "
+                                       "(steps, lr, batch_size, min_score; the data file is shared)")
 
 
 class RuntimeConfig(_Strict):
@@ -188,6 +205,7 @@ class FitConfig(_Strict):
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
+    warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
     policies: dict[str, PolicyConfig] = Field(default_factory=dict, description="per-policy overrides: policies.NAME.learner.lr=...")
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
 
@@ -218,6 +236,10 @@ class FitConfig(_Strict):
     def critic_for(self, policy: str) -> CriticConfig:
         over = self.policies.get(policy)
         return CriticConfig.model_validate({**self.critic.model_dump(), **(over.critic if over else {})})
+
+    def warm_start_for(self, policy: str) -> WarmStartConfig:
+        over = self.policies.get(policy)
+        return WarmStartConfig.model_validate({**self.warm_start.model_dump(), **(over.warm_start if over else {})})
 
 
 RENAMED = {"runtime.backend": "runtime.execution"}
@@ -313,7 +335,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), b
         raise ConfigError(_describe_error(exc)) from exc
     for name in cfg.policies:  # per-policy sections must be valid too
         for part, build, model in (("learner", cfg.learner_for, LearnerConfig), ("advantage", cfg.advantage_for, AdvantageConfig),
-                                   ("critic", cfg.critic_for, CriticConfig), ("resources", cfg.resources_for, Resources)):
+                                   ("critic", cfg.critic_for, CriticConfig), ("resources", cfg.resources_for, Resources),
+                                   ("warm_start", cfg.warm_start_for, WarmStartConfig)):
             try:
                 build(name)
             except ValidationError as exc:
@@ -323,6 +346,10 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), b
     device = None if rt.device == "auto" else rt.device  # else decided by the run plan, against the machine
     check_runtime(cfg, resolve_learner(cfg, device), device)
     _check_filter_groups(cfg)
+    for name, over in cfg.policies.items():
+        if "data" in over.warm_start:  # one file holds every policy's lines
+            raise ConfigError(f"policies.{name}.warm_start.data: the warm-start file is shared (each line names its policy); "
+                              "set warm_start.data, and policies.NAME.warm_start.steps=0 to leave a policy out")
     try:
         check_trackers(cfg.logger)  # a missing tracker package: one line, before anything starts
     except UserError as exc:

@@ -227,6 +227,27 @@ class HFChatFormat:
         text = self.render_text(messages, tools)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def render_turn(self, messages: list[dict[str, Any]], completion: dict[str, Any],
+                    tools: list[dict[str, Any]] | None = None) -> tuple[list[int], list[int]]:
+        """(prompt ids, completion ids) of one turn, for supervised training: the prompt exactly as
+        `render` gives it to the engine; the completion as the tokens the template puts for that
+        assistant message (tool calls included), up to and with its end-of-turn token, which is
+        where the engine stops generating."""
+        prompt = self.render_text(messages, tools)
+        turn = [*messages, {**completion, "role": "assistant"}]
+        if self.native_tools:
+            full = self.tokenizer.apply_chat_template(_native_messages(turn), tools=tools or None, tokenize=False)
+        else:
+            full = self.tokenizer.apply_chat_template(normalize_messages(turn, tools), tokenize=False)
+        if not full.startswith(prompt):  # a template that rewrites earlier turns (e.g. drops reasoning): the content alone
+            content, calls = _text_of(completion.get("content")), completion.get("tool_calls") or []
+            full = prompt + "\n".join([content] * bool(content) + [render_tool_call(c) for c in calls]) + (self.tokenizer.eos_token or "")
+        ids = list(self.tokenizer(full[len(prompt):], add_special_tokens=False)["input_ids"])
+        eos = self.tokenizer.eos_token_id
+        if eos in ids:  # what the template writes after the end of turn (a newline) is not the model's to say
+            ids = ids[: len(ids) - ids[::-1].index(eos)]
+        return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"]), ids
+
     def parse(self, text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str | None, list[dict[str, Any]]]:
         """(content, tool_calls) from generated text; see `parse_tool_calls`."""
         return parse_tool_calls(text, tools)

@@ -434,6 +434,51 @@ class TorchLearner:
         parts["loss"] = loss.item()
         return loss, parts, token_stats
 
+    # ---------------------------------------------------------------- warm start
+
+    def supervised(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]], *, steps: int, lr: float,
+                   batch_size: int, seed: int) -> dict[str, float]:
+        """The supervised warm start: `steps` AdamW steps on the mean NLL of the examples'
+        completion tokens (`learners/sft.py`; prompt masked); returns `sft_metrics`.
+
+        A fresh AdamW (the learner's betas, eps, weight decay, max_grad_norm; `lr` of its own)
+        rather than the RL optimizer: supervised gradients are larger and steadier than policy
+        gradients, and their moments would set RL's first step sizes; the RL optimizer starts
+        untouched, as in a run without a warm start. With LoRA only the adapter trains."""
+        from mas_trainer.learners.sft import sft_batches, sft_metrics
+
+        cfg = self.config
+        optimizer = torch.optim.AdamW(self._params, lr=lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        turns = [Turn(f"sft{i}", p, r, [0.0] * len(r), 0.0) for i, (p, r) in enumerate(examples)]
+        losses: list[float] = []
+        norms: list[float] = []
+        tokens = 0
+        max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
+        self._unmerge()
+        try:
+            for batch in sft_batches(len(turns), steps, batch_size, seed):
+                step = [turns[i] for i in batch]
+                total = sum(len(t.response_ids) for t in step)
+                loss_sum = 0.0
+                for micro in self._micro_batches(step):
+                    packed = self._pack(micro)
+                    s = packed.response_start
+                    log_prob, _ = self._forward(self.model, packed, entropy=False)
+                    loss = -(log_prob * packed.response_mask[:, s:]).sum() / total  # token mean over the whole batch
+                    loss.backward()
+                    loss_sum += loss.item()
+                losses.append(loss_sum)
+                tokens += total
+                norm = float(torch.nn.utils.clip_grad_norm_(self._params, max_norm))
+                if math.isfinite(norm):  # as in RL: a non-finite gradient is no step
+                    optimizer.step()
+                    norms.append(norm)
+                optimizer.zero_grad(set_to_none=True)
+        finally:
+            optimizer.zero_grad(set_to_none=True)
+            self._merge()
+        return sft_metrics(losses, tokens, len(turns), norms)
+
     @staticmethod
     def _add(sums: dict[str, float], weights: dict[str, float], key: str, value: Any, weight: float) -> None:
         if isinstance(value, torch.Tensor):

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TextColumn
 from rich.text import Text
 
-__all__ = ["FitProgress", "duration", "eta_seconds", "number", "step_line", "val_line"]
+__all__ = ["FitProgress", "duration", "eta_seconds", "number", "step_line", "val_line", "warm_start_lines"]
 
 
 def number(value: float | None) -> str:
@@ -111,6 +111,17 @@ class _SinceLaunch(ProgressColumn):
         return Text(duration(time.perf_counter() - task.fields["launched"]))
 
 
+def warm_start_lines(row: dict[str, Any]) -> list[str]:
+    """One line per policy of a warm-start row: its steps, turns and loss, first step -> last."""
+    policies = sorted({k.split("/")[1] for k in row if k.startswith("policy/") and k.endswith("/sft_loss")})
+    def n(p: str, key: str, word: str) -> str:
+        value = int(row[f"policy/{p}/{key}"])
+        return f"{value} {word}{'s' * (value != 1)}"
+
+    return [f"warm start {p}: {n(p, 'sft_steps', 'step')} on {n(p, 'sft_examples', 'turn')}, "
+            f"sft_loss {row[f'policy/{p}/sft_loss_first']:.3f} -> {row[f'policy/{p}/sft_loss']:.3f}" for p in policies]
+
+
 class FitProgress:
     """The step lines (when `lines`) and, on a terminal, a live bar; `show(row)` for each
     metrics row `fit` records. `launched`: the `time.perf_counter()` of the launch, where the
@@ -140,6 +151,11 @@ class FitProgress:
         self._bar.console.print(line, markup=False, highlight=False, soft_wrap=True)
 
     def show(self, row: dict[str, Any]) -> None:
+        if row.get("kind") == "warm_start":
+            if self.lines:
+                for line in warm_start_lines(row):
+                    self.print(line)
+            return
         if row.get("kind") == "val":
             if self.lines:
                 self.print(val_line(row))

@@ -69,6 +69,9 @@ class ActorGroup:
     async def train(self, records: Sequence[Any]) -> dict[str, float]:
         return await self._call("train", records)
 
+    async def warm_start(self, examples: Sequence[Any], config: Any) -> dict[str, float]:
+        return await self._call("warm_start", list(examples), config)
+
     async def save(self, folder: str, learner_dir: str) -> None:
         await self._call("save", folder, learner_dir)
 
@@ -109,6 +112,9 @@ class VerlGroup:
     async def train(self, records: Sequence[Any], turns: dict[str, BufferedTurn] | None = None) -> dict[str, float]:
         """`turns`: the records' turns, when rollout replicas generated them (`ReplicaGroupHandle`)."""
         return await self._call("train", records, turns)
+
+    async def warm_start(self, examples: Sequence[Any], config: Any) -> dict[str, float]:
+        return await self._call("warm_start", list(examples), config)
 
     async def save(self, folder: str, learner_dir: str) -> None:
         await self._call("save", folder, learner_dir)

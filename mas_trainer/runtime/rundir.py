@@ -4,11 +4,12 @@
 RUN_DIR/config.yaml               resolved config
 RUN_DIR/app.json                  the policy map the run trained (`AppRecord`)
 RUN_DIR/plan.json                 the run plan `fit` resolved at its last launch (`RunPlan`; informative, resume does not need it)
-RUN_DIR/metrics.jsonl             one row per training step (kind "train") and evaluation (kind "val")
+RUN_DIR/metrics.jsonl             one row per training step (kind "train") and evaluation (kind "val"); the warm
+                                  start's row (kind "warm_start", step 0) first, when there is one
 RUN_DIR/trajectories/step_000001.jsonl
 RUN_DIR/checkpoint/policies/NAME/ Hugging Face folder per policy (transformers / vllm serve)
 RUN_DIR/checkpoint/learner/NAME/  the learner's resume state (optimizer, RNG; verl: sharded model too)
-RUN_DIR/checkpoint/state.json     step, data position, seeds
+RUN_DIR/checkpoint/state.json     step, data position, seeds, the policies warm-started
 RUN_DIR/rewards.png               reward per role over steps
 RUN_DIR/.lock                     held by the live `fit` (pid inside)
 ```
@@ -128,6 +129,7 @@ class CheckpointState(BaseModel):
     position: int = Field(ge=0)
     seed: int
     policies: list[str]
+    warm_start: list[str] = []  # the policies whose supervised warm start ran before step 1 (never again on resume)
 
     @field_validator("policies")
     @classmethod

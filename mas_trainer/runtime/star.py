@@ -37,7 +37,9 @@ class WorkerGroupHandle(Protocol):
     """What the trainer and the gateway need of a policy's worker group, whichever learner
     and wherever it runs: `generate` (with a `turn_id` the choices' tokens stay in the group),
     `discard` (forget them; how many), `train` (one update from the controller's thin
-    `TurnRecord`s; its metrics, with the engine keys of `engines.base.ENGINE_METRICS`), `save`
+    `TurnRecord`s; its metrics, with the engine keys of `engines.base.ENGINE_METRICS`),
+    `warm_start` (the supervised phase before RL, on (prompt ids, completion ids) examples with
+    a `WarmStartConfig`; its `sft_*` metrics; afterwards the engines serve the new weights), `save`
     (Hugging Face folder, learner state), `load` (learner state; verl: its update count)."""
 
     policy: str
@@ -47,6 +49,8 @@ class WorkerGroupHandle(Protocol):
     async def discard(self) -> int: ...
 
     async def train(self, records: Sequence[Any]) -> dict[str, float]: ...
+
+    async def warm_start(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]], config: Any) -> dict[str, float]: ...
 
     async def save(self, folder: str, learner_dir: str) -> None: ...
 
@@ -99,6 +103,16 @@ class ReplicaGroupHandle:
             raise self.engine.fail(f"weight sync: {type(exc).__name__}: {str(exc).strip()[:200]}") from exc
         metrics["replica/stale_turns"] = float(stale)
         return {**metrics, **self.meter.read()}
+
+    async def warm_start(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]], config: Any) -> dict[str, float]:
+        """The learner's warm start, then verl's weight sync to the replicas (no rollout has run yet)."""
+        await self.fleet.sleep(self.learner.group)
+        metrics = await self.learner.warm_start(examples, config)
+        try:
+            await self.fleet.sync_weights(self.learner.group, self.fleet.version)
+        except Exception as exc:
+            raise self.engine.fail(f"weight sync: {type(exc).__name__}: {str(exc).strip()[:200]}") from exc
+        return metrics
 
     async def save(self, folder: str, learner_dir: str) -> None:
         await self.learner.save(folder, learner_dir)

@@ -140,6 +140,8 @@ class _Fit:
         self.progress: FitProgress | None = None
         self.reward_cost: dict[str, float] = {}  # judge/* metrics of the rollouts since the last row
         self.plan: RunPlan | None = None
+        self.warm_examples: dict[str, list[tuple[list[int], list[int]]]] = {}
+        self.warm_started: list[str] = []  # recorded in every checkpoint's state
 
     # --- one step ------------------------------------------------------------------------
     async def rollouts(self, session: Session, tasks: list[dict], n: int, ids: list[str], seed: int,
@@ -255,7 +257,23 @@ class _Fit:
             self.handles[p].save(str(self.rundir.policy_dir(p, staging)), str(self.rundir.learner_dir(p, staging)))
             for p in self.handles
         ))
-        self.rundir.commit({"step": step, "position": position, "seed": self.cfg.seed, "policies": sorted(self.handles)})
+        self.rundir.commit({"step": step, "position": position, "seed": self.cfg.seed, "policies": sorted(self.handles),
+                            "warm_start": self.warm_started})
+
+    async def warm_start(self, examples: dict[str, list[tuple[list[int], list[int]]]]) -> dict[str, Any]:
+        """The supervised phase, every policy's at once, through the learner that does RL; its
+        weights are the engines' when it returns (runtime/warm_start.py, docs/training.md)."""
+        t0 = time.perf_counter()
+        for p, ex in examples.items():
+            ws = self.cfg.warm_start_for(p)
+            self.say(f"warm start of {p}: {ws.steps} steps on {len(ex)} supervised turn{'s' * (len(ex) != 1)} (lr {ws.lr:g})")
+        results = await asyncio.gather(*(self.handles[p].warm_start(ex, self.cfg.warm_start_for(p)) for p, ex in examples.items()))
+        row: dict[str, Any] = {"kind": "warm_start", "step": 0}
+        for p, m in zip(examples, results):
+            row.update({f"policy/{p}/{k}": v for k, v in m.items()})
+        row["time/warm_start_s"] = time.perf_counter() - t0
+        self.warm_started = sorted(examples)
+        return row
 
     def record(self, row: dict[str, Any] | None) -> None:
         if row is None:
@@ -286,6 +304,8 @@ class _Fit:
                                 f"{state['step']} cannot be loaded ({type(exc).__name__}: {why}); nothing was deleted: restore "
                                 "the run's own checkpoint folder from a backup, or train into a new --output") from exc
         step, position = (state["step"], state["position"]) if state else (0, 0)
+        if state is None and self.warm_examples:  # a fresh run only: a checkpoint's weights have it already
+            self.record(await self.warm_start(self.warm_examples))
         if state is None:
             self.record(await self.held_out(session, 0))
         while step < c.steps:
@@ -381,6 +401,17 @@ class _Fit:
 
                 check_forkable(app, self.reward_spec, c.reward.counterfactual.roles, self.tasks)
             (run.root / "plan.json").write_text(plan.model_dump_json(indent=1))
+            if state is None:  # read, checked and tokenized here, before any worker group starts
+                from mas_trainer.runtime.warm_start import warm_start_examples
+
+                self.warm_examples = warm_start_examples(
+                    c, {p: pol.trainable for p, pol in spec.policies.items()},
+                    lambda p: HFChatFormat(load_tokenizer(spec.policies[p].base_model)))
+            else:
+                self.warm_started = list(state.get("warm_start", []))
+                if c.warm_start.data is not None:
+                    log.info("warm_start.data: a resumed run does not warm-start again (it ran before step 1: %s)",
+                             ", ".join(self.warm_started) or "none")
             saved = list(state["policies"]) if state else []
             missing = sorted(set(plans) - set(saved)) if state else []
             if missing:
@@ -399,7 +430,8 @@ class _Fit:
                 for p, backend in policy_backends(spec.policies, rt, seed=c.seed, served=served).items():
                     session.attach(p, backend)
                 first = (state["step"] if state else 0) + 1
-                self.say(("held-out evaluation at step 0, then " if state is None and self.val_tasks else "")
+                self.say(("the warm start, then " if state is None and self.warm_examples else "")
+                         + ("held-out evaluation at step 0, then " if state is None and self.val_tasks else "")
                          + f"step {first}/{c.steps}: rollouts, then the update")
                 with self.watch(state) as progress:
                     session.loop.run_until_complete(self.loop(session, state, progress))

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+from tensordict import NonTensorData
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 
@@ -261,6 +262,59 @@ class PolicyWorker(Worker):
         metrics.update(adv_mean=float(all_adv.mean()), adv_abs_mean=float(all_adv.abs().mean()))
         return metrics
 
+    # --- the supervised warm start (every rank) ----------------------------------------------
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def warm_start(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]], config: Any) -> dict[str, float] | None:
+        """`config.steps` optimizer steps of verl's `sft_loss` on (prompt ids, completion ids)
+        examples (`learners/sft.py` batches, each cut over the ranks), then `ppo_loss` again and
+        the weights into rank 0's engine; returns `sft_metrics` on rank 0.
+
+        The learner's own optimizer, at `config.lr` for the phase, and its moments cleared
+        afterwards: at a fresh run it holds no state yet, so this is a fresh AdamW for the warm
+        start and again for RL (see `TorchLearner.supervised` for why). `train_batch`, not
+        `train_mini_batch`, so verl's LR scheduler does not advance."""
+        from verl.utils import tensordict_utils as tu
+        from verl.workers.utils.losses import ppo_loss, sft_loss
+
+        from mas_trainer.learners.batch import Turn
+        from mas_trainer.learners.sft import sft_batches, sft_metrics
+
+        turns = [Turn(f"sft{i}", p, r, [0.0] * len(r), 0.0) for i, (p, r) in enumerate(examples)]
+        optimizer = self.actor.engine.optimizer
+        lrs = [group["lr"] for group in optimizer.param_groups]
+        losses: list[float] = []
+        norms: list[float] = []
+        tokens = 0
+        self.actor.set_loss_fn(partial(sft_loss, config=None))  # sft_loss reads no config
+        try:
+            with self._on_device():
+                for group in optimizer.param_groups:
+                    group["lr"] = config.lr
+                for batch in sft_batches(len(turns), config.steps, config.batch_size, self.plan.seed):
+                    rows = [turns[i] for i in batch]
+                    per = -(-len(rows) // self.world_size)  # rows a rank; rows past the batch carry no loss tokens
+                    mine = rows[self.rank * per:(self.rank + 1) * per]
+                    td = _sft_batch(mine, pad_id=self.pad_id, size=per, filler=rows[0])
+                    tu.assign_non_tensor(td, global_token_num=NonTensorData(td["input_ids"].offsets().diff().tolist()),
+                                         update_lr_scheduler=False)
+                    out = self.actor.train_batch(td)
+                    tokens += sum(len(t.response_ids) for t in rows)
+                    if out is not None:
+                        metrics = tu.get(out, "metrics")
+                        losses.append(float(metrics["loss"]))
+                        if metrics.get("grad_norm") is not None and math.isfinite(float(metrics["grad_norm"])):
+                            norms.append(float(metrics["grad_norm"]))
+                for group, lr in zip(optimizer.param_groups, lrs):
+                    group["lr"] = lr
+                optimizer.state.clear()
+                if self.plan.engine == "embedded":
+                    self._sync_engine()
+        finally:
+            self.actor.set_loss_fn(partial(ppo_loss, config=self.actor_config))
+        if self.rank != 0:
+            return None
+        return sft_metrics(losses, tokens, len(turns), norms)
+
     # --- weights to the rollout replicas: verl's actor side of CheckpointEngineManager ----
     @register(dispatch_mode=Dispatch.DP_COMPUTE, blocking=False)
     def execute_checkpoint_engine(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -347,6 +401,21 @@ class PolicyWorker(Worker):
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
+
+
+def _sft_batch(turns: list[Any], *, pad_id: int, size: int, filler: Any) -> Any:
+    """The PPO batch layout of `turns` (`turns_batch`) with the `loss_mask` verl's `sft_loss`
+    reads in its no-padding mode: over each row's whole sequence, 1 on the completion tokens
+    (sft_loss shifts it by one to line it up with the log-probs); rows past `turns` all 0."""
+    from mas_trainer.learners.verl_learner import turns_batch
+
+    td = turns_batch(turns, pad_id=pad_id, size=size, filler=filler)
+    offsets = td["input_ids"].offsets()
+    mask = torch.zeros(int(offsets[-1]), dtype=torch.float32)
+    for b, t in enumerate(turns):
+        mask[int(offsets[b + 1]) - len(t.response_ids):int(offsets[b + 1])] = 1
+    td["loss_mask"] = torch.nested.nested_tensor_from_jagged(mask, offsets=offsets)
+    return td
 
 
 def _server_adapter(rcfg: Any, model_dir: str, replica_rank: int) -> Any:

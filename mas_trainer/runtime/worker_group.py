@@ -35,7 +35,7 @@ class WorkerGroup:
 
         if plan.torch_threads:
             torch.set_num_threads(plan.torch_threads)
-        self.policy = plan.policy
+        self.policy, self.seed = plan.policy, plan.seed
         learner = plan.learner
         # resuming a LoRA policy: the base again, and its saved adapter trains on (not merged into a new base)
         adapter = plan.model if learner.lora_rank and is_adapter(plan.model) else None
@@ -97,6 +97,16 @@ class WorkerGroup:
 
         metrics = await asyncio.wrap_future(self.engine.run_exclusive(update))
         return {**metrics, **self.meter.read()}
+
+    async def warm_start(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]], config: Any) -> dict[str, float]:
+        """The supervised warm start (`TorchLearner.supervised`, a `WarmStartConfig`) on the
+        engine's thread, like an update: the next request is served by the warm-started weights."""
+        learner, seed = self.learner, self.seed
+
+        def run(_model: Any) -> dict[str, float]:
+            return learner.supervised(examples, steps=config.steps, lr=config.lr, batch_size=config.batch_size, seed=seed)
+
+        return await asyncio.wrap_future(self.engine.run_exclusive(run))
 
     # --- checkpoints -----------------------------------------------------------------------
     async def save(self, folder: str, learner_dir: str) -> None:

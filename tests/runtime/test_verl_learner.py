@@ -252,3 +252,51 @@ def test_a_master_port_taken_before_rank_0_binds_it_restarts_the_group(monkeypat
         held.close()
         for g in groups.values():
             g.close()
+
+
+def test_verl_warm_start_moves_the_weights_and_matches_the_torch_learner(tmp_path):
+    """The supervised warm start on verl's TrainingWorker (2 ranks, verl's sft_loss): the same
+    batches and losses as the torch learner's, the weights move, and rank 0's engine (which
+    writes the Hugging Face folder) holds them."""
+    from verl.plugin.platform.platform_manager import set_platform
+    from verl.single_controller.ray.base import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+
+    from mas_trainer.config import WarmStartConfig
+    from mas_trainer.engines.models import load_model
+    from mas_trainer.learners.config import LearnerConfig
+    from mas_trainer.learners.torch_learner import TorchLearner
+    from mas_trainer.learners.verl_cpu import PlatformCPU, worker_env
+    from mas_trainer.runtime.plan import WorkerPlan
+    from mas_trainer.runtime.verl_group import PolicyWorker
+
+    learner = {"lr": 1e-3, "mini_batch_size": 4, "micro_batch_size": 2, "bf16": False}
+    ws = WarmStartConfig(steps=3, lr=1e-3, batch_size=3)  # 3 turns a step: one rank gets a row of no loss tokens
+    examples = [([1, 17, 300 + i, 42][: 2 + i % 3], [50 + i, 60, 70, 2][: 2 + i % 2]) for i in range(5)]
+    set_platform(PlatformCPU())
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": worker_env()})
+    plan = WorkerPlan(policy="p", model="tiny", learner=learner, advantage={}, critic={}, seed=4)
+    group = RayWorkerGroup(resource_pool=RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1),
+                           ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(PolicyWorker), plan=plan),
+                           device_name="cpu", worker_env=worker_env())
+    [verl_metrics, _] = ray.get(group.warm_start(examples, ws))
+    ray.get(group.save(str(tmp_path / "hf"), str(tmp_path / "learner")))
+    # RL goes on with verl's ppo_loss again
+    from mas_trainer.algo.advantages import TurnRecord
+    from mas_trainer.engines.base import SamplingParams
+
+    gens = [ray.get(group.workers[0].generate.remote([1, 17, 42], SamplingParams(max_tokens=4, seed=i), f"t{i}")) for i in range(4)]
+    records = [TurnRecord(f"t{i}", f"r{i}", 0, "a", "p", len(g[0].token_ids), float(i)) for i, g in enumerate(gens)]
+    [ppo, _] = ray.get(group.train(records))
+    assert "pg_loss" in ppo and ppo["turns"] == 4
+    ray.get(group.close())
+
+    model, _ = load_model("tiny", seed=4)
+    torch_metrics = TorchLearner(model, LearnerConfig.model_validate(learner)).supervised(
+        examples, steps=ws.steps, lr=ws.lr, batch_size=ws.batch_size, seed=4)
+    assert verl_metrics["sft_loss_first"] == pytest.approx(torch_metrics["sft_loss_first"], abs=1e-4)
+    assert verl_metrics["sft_loss"] == pytest.approx(torch_metrics["sft_loss"], abs=1e-3)
+    assert verl_metrics["sft_loss"] < verl_metrics["sft_loss_first"]
+    assert verl_metrics["sft_tokens"] == torch_metrics["sft_tokens"] and verl_metrics["sft_examples"] == 5
+    base = load_model("tiny", seed=4)[0].state_dict()
+    after = _params(tmp_path / "hf")
+    assert max((after[k] - base[k]).abs().max().item() for k in base if k in after) > ws.lr / 2

@@ -14,7 +14,7 @@ from mas_trainer.runtime.ray_group import ActorGroup, VerlGroup
 from mas_trainer.runtime.star import ReplicaGroupHandle, WorkerGroupHandle
 from mas_trainer.runtime.turns import BufferedTurn, TurnStore
 
-METHODS = ("generate", "discard", "train", "save", "load", "close")
+METHODS = ("generate", "discard", "train", "warm_start", "save", "load", "close")
 
 
 def _groups():
