@@ -77,6 +77,7 @@ def play(graph: Any, rows: list[dict[str, Any]], base_url: str, key: str, *, fee
     with `feedback`, the F1 sent back as the run's score)."""
     from rag_qa.metrics import exact_match, f1  # type: ignore[import-not-found]
 
+    from mas_trainer.adapters.langgraph.serving import serving_runs
     from mas_trainer.client import feedback as send_feedback
 
     scores = []
@@ -87,6 +88,7 @@ def play(graph: Any, rows: list[dict[str, Any]], base_url: str, key: str, *, fee
         if feedback:
             send_feedback(base_url, run.hex, score=score, api_key=key)
         scores.append((em, score))
+    serving_runs().flush()  # the graph inputs are sent in the background: before the server stops
     return scores
 
 
