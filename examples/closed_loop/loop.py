@@ -39,6 +39,10 @@ ROOT = Path(__file__).resolve().parents[2]
 RAG = ROOT / "examples" / "langgraph_apps" / "rag_qa"
 APP = f"{RAG / 'app.py'}:graph_answerer"  # answer trained, rewrite frozen (the README's demo)
 CLI = [sys.executable, "-m", "mas_trainer.cli"]
+# the RL options of the RAG QA demo (scripts/demo.sh, docs/results/rag_qa.md: each measured there)
+DEMO = ["rollout.tasks_per_step=8", "rollout.n=4", "rollout.temperature=0.7", "rollout.filter_groups=true",
+        "rollout.min_groups=4", "learner.lr=2e-5", "learner.mini_batch_size=16", "learner.share_prompts=true",
+        "learner.skip_zero_advantage=true", "runtime.execution=local", "runtime.max_batch_size=32"]
 
 
 def _rows(name: str) -> list[dict[str, Any]]:
@@ -102,8 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="default", help="every policy's base model (default: the bundled SmolLM2-135M)")
     ap.add_argument("--users", type=int, default=96, help="training questions the users ask the base graph")
     ap.add_argument("--heldout", type=int, default=52, help="held-out questions scored before and after")
-    ap.add_argument("--steps", type=int, default=5, help="RL steps after the warm start")
-    ap.add_argument("--min-score", type=float, default=0.8, help="runs scored at least this become supervised data")
+    ap.add_argument("--steps", type=int, default=10, help="RL steps after the warm start")
+    ap.add_argument("--min-score", type=float, default=0.5,
+                    help="calls of runs the users scored at least this become supervised data (a short, partly right "
+                         "answer teaches the format the base model lacks)")
     ap.add_argument("--out", default="runs/closed_loop")
     ap.add_argument("fit_overrides", nargs="*", help="more key=value for fit")
     args = ap.parse_args(argv)
@@ -134,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     t1 = time.perf_counter()
     subprocess.run([*CLI, "fit", APP, "--data", str(data / "tasks.jsonl"), "--output", str(out / "run"),
                     "--warm-start", str(data / "sft.jsonl"), "--model", args.model,
-                    f"steps={args.steps}", f"seed={args.seed}", "rollout.tasks_per_step=8", "rollout.n=4",
-                    "learner.lr=1e-5", "eval_every=1000", "save_every=1000", "logger=[console]", *args.fit_overrides],
+                    f"steps={args.steps}", f"seed={args.seed}", *DEMO, "eval_every=1000", "save_every=1000",
+                    "logger=[console]", *args.fit_overrides],
                    check=True, env=env)
     timings["fit_s"] = time.perf_counter() - t1
     with served(str(out / "run"), port, key, env) as url:  # the trained run, served: held-out score after

@@ -13,7 +13,7 @@ def test_the_loop_records_each_user_run_with_its_task_and_feedback_then_trains_a
     out = tmp_path / "loop"
     done = subprocess.run([sys.executable, str(ROOT / "examples" / "closed_loop" / "loop.py"), "--seed", "3", "--model", "tiny",
                            "--users", "6", "--heldout", "3", "--steps", "1", "--out", str(out),
-                           "rollout.tasks_per_step=2", "rollout.n=2"],
+                           "rollout.tasks_per_step=2", "rollout.n=2", "rollout.min_groups=1"],
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((out / "seed_3" / "result.json").read_text())
