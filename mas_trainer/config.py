@@ -433,6 +433,13 @@ def _check_learner(cfg: FitConfig, learner: str | None) -> None:
         if old in ("recompute", "rollout_correction") and learner == "torch":
             where = f"policies.{name}.learner.old_logprobs" if name else "learner.old_logprobs"
             raise ConfigError(f"{where}={old} needs runtime.learner=verl; the torch learner always uses the engine's (bypass)")
+        # a threshold other than the default, and nothing reads it (compared with the default, not "was it set":
+        # a run's config.yaml sets every key, and old run directories must keep loading)
+        threshold = (cfg.learner_for(name) if name else cfg.learner).rollout_is_threshold
+        if threshold != LearnerConfig.model_fields["rollout_is_threshold"].default and old != "rollout_correction":
+            where = f"policies.{name}.learner" if name else "learner"
+            raise ConfigError(f"{where}.rollout_is_threshold truncates the importance weights of rollout correction, which "
+                              f"is off ({where}.old_logprobs={old}): set learner.old_logprobs=rollout_correction, or drop it")
     if learner == "verl" and rt.execution == "local":
         raise ConfigError("runtime.learner=verl runs worker groups on Ray; drop runtime.execution=local (or use runtime.learner=torch)")
     if learner == "verl":

@@ -109,3 +109,13 @@ def test_a_policy_override_must_name_a_policy_of_the_app():
     with pytest.raises(ConfigError, match=r"^policies.frontt: the app has no policy 'frontt'; did you mean 'front'\? its policies: back, front$"):
         check_policy_names(cfg, ["front", "back"])
     check_policy_names(load_config(overrides=["policies.front.learner.lr=1e-5"]), ["front", "back"])
+
+
+def test_a_rollout_correction_threshold_without_rollout_correction_is_refused():
+    """Set and ignored would be a silent no-op: refused in one line naming the key to set."""
+    with pytest.raises(ConfigError, match=r"learner.rollout_is_threshold .* set learner.old_logprobs=rollout_correction"):
+        load_config(overrides=["learner.rollout_is_threshold=3"])
+    with pytest.raises(ConfigError, match=r"policies.crew.learner.rollout_is_threshold"):
+        load_config(overrides=["runtime.learner=verl", "policies.crew.learner.rollout_is_threshold=3"])
+    cfg = load_config(overrides=["runtime.learner=verl", "learner.old_logprobs=rollout_correction", "learner.rollout_is_threshold=3"])
+    assert cfg.learner.rollout_is_threshold == 3
