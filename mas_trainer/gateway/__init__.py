@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from mas_trainer._lazy import lazy_exports
 
 if TYPE_CHECKING:  # pragma: no cover
     from mas_trainer.gateway.ledger import Ledger
@@ -13,21 +14,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["Ledger", "Router", "RolloutSampling", "Gateway", "GatewayServer", "PolicyBackend", "RequestLimits", "ServerLimits"]
 
-# imported on first use: `import mas_trainer.config` (every CLI command) must not pay for
-# FastAPI, OpenTelemetry or Ray through a package's __init__
-_LAZY = {
-    "Ledger": "mas_trainer.gateway.ledger",
-    "Router": "mas_trainer.gateway.router",
-    "RolloutSampling": "mas_trainer.gateway.sampling",
-    "Gateway": "mas_trainer.gateway.server",
-    "GatewayServer": "mas_trainer.gateway.server",
-    "PolicyBackend": "mas_trainer.gateway.server",
-    "RequestLimits": "mas_trainer.gateway.server",
-    "ServerLimits": "mas_trainer.gateway.server",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, {
+    "mas_trainer.gateway.ledger": ["Ledger"],
+    "mas_trainer.gateway.router": ["Router"],
+    "mas_trainer.gateway.sampling": ["RolloutSampling"],
+    "mas_trainer.gateway.server": ["Gateway", "GatewayServer", "PolicyBackend", "RequestLimits", "ServerLimits"],
+})

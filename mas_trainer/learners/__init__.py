@@ -7,8 +7,9 @@ load only when the learner or the batch helpers are first used.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from mas_trainer._lazy import lazy_exports
 from mas_trainer.learners.config import LearnerConfig
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -17,18 +18,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["LearnerConfig", "PackedTurns", "TorchLearner", "Turn", "build_actor_config", "pack_turns"]
 
-_LAZY = {
-    "PackedTurns": "mas_trainer.learners.batch",
-    "Turn": "mas_trainer.learners.batch",
-    "pack_turns": "mas_trainer.learners.batch",
-    "TorchLearner": "mas_trainer.learners.torch_learner",
-    "build_actor_config": "mas_trainer.learners.torch_learner",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, {
+    "mas_trainer.learners.batch": ["PackedTurns", "Turn", "pack_turns"],
+    "mas_trainer.learners.torch_learner": ["TorchLearner", "build_actor_config"],
+})

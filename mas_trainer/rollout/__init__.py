@@ -7,8 +7,9 @@ Torch-free here: `ReplicaEngine`, `ReplicaConfig`. `mas_trainer.rollout.fleet` (
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from mas_trainer._lazy import lazy_exports
 
 if TYPE_CHECKING:  # pragma: no cover
     from mas_trainer.rollout.config import ENGINES, ReplicaConfig
@@ -16,18 +17,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["ENGINES", "ReplicaConfig", "ReplicaEngine", "ReplicaError", "vllm_sampling"]
 
-# imported on first use: `import mas_trainer.config` (every CLI command) must not pay for
-# FastAPI, OpenTelemetry or Ray through a package's __init__
-_LAZY = {
-    "ENGINES": "mas_trainer.rollout.config",
-    "ReplicaConfig": "mas_trainer.rollout.config",
-    "ReplicaEngine": "mas_trainer.rollout.engine",
-    "ReplicaError": "mas_trainer.rollout.engine",
-    "vllm_sampling": "mas_trainer.rollout.engine",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, {
+    "mas_trainer.rollout.config": ["ENGINES", "ReplicaConfig"],
+    "mas_trainer.rollout.engine": ["ReplicaEngine", "ReplicaError", "vllm_sampling"],
+})

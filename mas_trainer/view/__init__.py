@@ -7,8 +7,9 @@ same page as one self-contained file (:mod:`mas_trainer.view.server`).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from mas_trainer._lazy import lazy_exports
 
 if TYPE_CHECKING:  # pragma: no cover
     from mas_trainer.view.data import ViewSource, build_charts, token_pieces
@@ -16,19 +17,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["ViewSource", "build_charts", "token_pieces", "ViewServer", "serve_view", "write_html"]
 
-# imported on first use: `import mas_trainer.config` (every CLI command) must not pay for
-# FastAPI, OpenTelemetry or Ray through a package's __init__
-_LAZY = {
-    "ViewSource": "mas_trainer.view.data",
-    "build_charts": "mas_trainer.view.data",
-    "token_pieces": "mas_trainer.view.data",
-    "ViewServer": "mas_trainer.view.server",
-    "serve_view": "mas_trainer.view.server",
-    "write_html": "mas_trainer.view.server",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, {
+    "mas_trainer.view.data": ["ViewSource", "build_charts", "token_pieces"],
+    "mas_trainer.view.server": ["ViewServer", "serve_view", "write_html"],
+})
