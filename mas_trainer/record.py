@@ -158,17 +158,17 @@ class Recorder:
             self._index(self._current, run_id, data["id"])
         return True
 
-    def record_graph(self, run: GraphRun) -> str | None:
+    def record_graph(self, run: GraphRun) -> tuple[Literal["unknown", "duplicate", "redaction"], str] | None:
         """Persist a run's graph input and output; why it is refused (unknown run, already
-        sent, redaction failed), or None."""
+        sent, redaction failed: a kind and a sentence), or None."""
         data = run.model_dump(mode="json", exclude={"run_id"})
         if not self._redacted(data, ("input", "output", "error"), f"run {run.run_id}: its graph record"):
-            return "the server's redaction hook failed on it; it is not recorded"
+            return "redaction", "the server's redaction hook failed on it; it is not recorded"
         with self._lock:
             if run.run_id not in self._runs:
-                return f"no recorded run {run.run_id!r} (unknown, or rotated away)"
+                return "unknown", f"no recorded run {run.run_id!r} (unknown, or rotated away)"
             if run.run_id in self._graphs:
-                return f"run {run.run_id} already has its graph record"
+                return "duplicate", f"run {run.run_id} already has its graph record"
             self._append({"run_id": run.run_id, "graph": data})
             self._graphs.add(run.run_id)
         return None

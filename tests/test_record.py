@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from mas_trainer.record import Feedback, Recorder, read_runs
+from mas_trainer.record import Feedback, GraphRun, Recorder, read_runs
 from mas_trainer.trace.schema import LLMCall
 
 SECRET = "alice@example.com"
@@ -119,3 +119,23 @@ def test_feedback_wire_schema():
         Feedback(run_id=run_id(1), score=float("nan"))
     assert json.loads(Feedback(run_id=run_id(1), label="good").model_dump_json(exclude_none=True)) == {
         "run_id": run_id(1), "label": "good"}
+
+
+def test_a_runs_graph_record_is_kept_once_redacted_and_only_for_a_recorded_run(tmp_path):
+    rec = Recorder(tmp_path, redact=lambda s: s.replace(SECRET, "[email]"))
+    assert rec.record_graph(GraphRun(run_id=run_id(1), input={"q": "x"}))[0] == "unknown"
+    rec.record(run_id(1), call(1))
+    assert rec.record_graph(GraphRun(run_id=run_id(1), input={"q": f"mail {SECRET}"}, output={"a": 1})) is None
+    assert rec.record_graph(GraphRun(run_id=run_id(1), input={"q": "again"}))[0] == "duplicate"
+    assert Recorder(tmp_path).record_graph(GraphRun(run_id=run_id(1), input={}))[0] == "duplicate"  # after a restart too
+    [(traj, _)] = list(read_runs(tmp_path))
+    assert traj.task == {"q": "mail [email]"} and traj.final_state == {"a": 1} and traj.status == "ok"
+
+    def broken(s):
+        raise RuntimeError("no")
+
+    rec = Recorder(tmp_path / "b")
+    rec.record(run_id(2), call(2))
+    rec.redact = broken
+    assert rec.record_graph(GraphRun(run_id=run_id(2), input={"q": "x"}))[0] == "redaction"
+    assert [t.task for t, _ in read_runs(tmp_path / "b")] == [{}]

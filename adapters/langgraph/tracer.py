@@ -23,13 +23,13 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, StatusCode
 
 from mas_trainer.spec import ResolvedSpec
-
-from .serving import ServingRuns
-from .serving import install as install_serving_runs
 from mas_trainer.trace import attributes as A
 from mas_trainer.trace.instrument import CallContext, register_resolver, span_hex
 from mas_trainer.trace.otel import get_tracer
 from mas_trainer.trace.schema import NodeCall, ToolCall
+
+from .serving import ServingRuns
+from .serving import install as install_serving_runs
 
 __all__ = ["GraphTracer", "node_path"]
 

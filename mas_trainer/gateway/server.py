@@ -555,10 +555,12 @@ class Gateway:
         got = await self._recorder_body(request, GraphRun, _MAX_GRAPH_RUN_BYTES, "a graph run")
         if isinstance(got, Response):
             return got
-        why = await asyncio.to_thread(self.recorder.record_graph, got)  # type: ignore[union-attr]
-        if why is not None:
-            status = 409 if "already" in why else 422 if "redaction" in why else 404
-            return _refuse(status, error_body(why, code="run_not_found" if status == 404 else None), retry=False)
+        refused = await asyncio.to_thread(self.recorder.record_graph, got)  # type: ignore[union-attr]
+        if refused is not None:
+            kind, why = refused
+            status, code = {"unknown": (404, "run_not_found"), "duplicate": (409, "run_already_recorded"),
+                            "redaction": (422, "redaction_failed")}[kind]
+            return _refuse(status, error_body(why, code=code), retry=False)
         return JSONResponse({"status": "recorded", "run_id": got.run_id})
 
     async def _recorder_body(self, request: Request, model: type[M], limit: int, what: str) -> M | Response:
