@@ -38,7 +38,7 @@ from typing import Any, Iterable, Sequence
 from pydantic import BaseModel, Field
 
 from mas_trainer.errors import UserError
-from mas_trainer.record import _run_files, read_runs
+from mas_trainer.record import run_files, read_runs
 from mas_trainer.trace.schema import LLMCall, Trajectory
 
 __all__ = ["SFTLine", "Report", "Datasets", "DEFAULT_MIN_SCORE", "MAX_TASK_BYTES", "MAX_DEPTH", "task_key", "is_val",
@@ -225,7 +225,7 @@ def check_folders(folders: Sequence[str | Path]) -> list[Path]:
         if not folder.is_dir():
             raise UserError(f"record folder {folder} {'is not a folder' if folder.exists() else 'not found'}: "
                             "give a folder written by `mas-trainer serve --record DIR`")
-        if not _run_files(folder):
+        if not run_files(folder):
             raise UserError(f"{folder} holds no runs-NNNN.jsonl files: give a folder written by `mas-trainer serve --record DIR`")
         if folder.resolve() not in {p.resolve() for p in out}:
             out.append(folder)

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from mas_trainer.errors import UserError
 from mas_trainer.trace.schema import LLMCall, NodeCall, Trajectory
 
-__all__ = ["Feedback", "GraphRun", "Recorder", "read_runs", "load_redactor", "RUN_ID"]
+__all__ = ["Feedback", "GraphRun", "Recorder", "read_runs", "run_files", "load_redactor", "RUN_ID"]
 
 log = logging.getLogger(__name__)
 RUN_ID = re.compile(r"[0-9a-f]{32}")
@@ -94,7 +94,8 @@ def _scrub(value: Any, redact: Redactor) -> Any:
     return value
 
 
-def _run_files(folder: Path) -> list[Path]:
+def run_files(folder: Path) -> list[Path]:
+    """The record files of `folder`, oldest first."""
     found = [(int(m.group(1)), p) for p in folder.glob("runs-*.jsonl") if (m := _RUNS.fullmatch(p.name))]
     return [p for _, p in sorted(found)]
 
@@ -132,7 +133,7 @@ class Recorder:
         self._runs: dict[str, set[str]] = {}
         self._by_file: dict[Path, set[str]] = {}
         self._graphs: set[str] = set()  # runs whose graph record is kept (one each)
-        for path in _run_files(self.folder):  # rebuilt at start: runs survive a restart
+        for path in run_files(self.folder):  # rebuilt at start: runs survive a restart
             for rec in _lines(path):
                 if not (isinstance(rec, dict) and isinstance(rec.get("run_id"), str)):
                     continue
@@ -140,7 +141,7 @@ class Recorder:
                     self._index(path, rec["run_id"], str(rec["call"].get("id")))
                 elif isinstance(rec.get("graph"), dict):
                     self._graphs.add(rec["run_id"])
-        files = _run_files(self.folder)
+        files = run_files(self.folder)
         self._current = files[-1] if files else self.folder / "runs-0000.jsonl"
         self._total = sum(p.stat().st_size for p in files)  # kept up to date: no listing per call
 
@@ -196,7 +197,7 @@ class Recorder:
             self._trim()
 
     def _trim(self) -> None:
-        files = _run_files(self.folder)
+        files = run_files(self.folder)
         self._total = sum(p.stat().st_size for p in files)
         for old in files[:-1]:  # the file being written stays
             if self._total <= self.max_bytes:
@@ -237,7 +238,7 @@ def read_runs(folder: str | Path) -> Iterator[tuple[Trajectory, list[dict[str, A
         for fb in _lines(folder / FEEDBACK_FILE):
             if isinstance(fb, dict) and isinstance(fb.get("run_id"), str):
                 feedback.setdefault(fb["run_id"], []).append(fb)
-    for path in _run_files(folder):
+    for path in run_files(folder):
         for rec in _lines(path):
             try:  # a line that is JSON but not a record (a crafted or foreign file) is skipped, like a torn one
                 run_id = rec["run_id"]
