@@ -25,7 +25,8 @@ checkpoints are the ones a run can be forked from.
 **The record** the adapter leaves on ``Trajectory.forks`` (and the allocator reads)::
 
     {"k": K, "segments": [{"role", "before", "after", "calls": [llm_call_id, ...]}, ...],
-     "values": {"<step>": {"checkpoint_id", "value", "returns": {fork_rollout_id: float | None}}},
+     "values": {"<step>": {"checkpoint_id", "value", "returns": {fork_rollout_id: float | None},
+                           "failed": {fork_rollout_id: status}}},   # "failed": the continuations not ok
      "skipped": {llm_call_id: why}}
 """
 

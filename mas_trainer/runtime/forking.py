@@ -100,6 +100,7 @@ async def fork_rollouts(session: Session, tasks: list[dict[str, Any]], n: int, i
         forks = await controller.run([by_id[origin[f][0]].task for f in fork_ids], ids=fork_ids, on_done=done)
         await asyncio.to_thread(score_groups, spec, forks)  # an LLM judge ranks the continuations of one task together
         returns: dict[str, dict[int, dict[str, float | None]]] = {}
+        failed: dict[str, dict[int, dict[str, str]]] = {}  # a failed one's return is on_failure's, so say it failed
         for fork in forks:
             rid, step = origin[fork.rollout_id]
             try:
@@ -107,9 +108,12 @@ async def fork_rollouts(session: Session, tasks: list[dict[str, Any]], n: int, i
             except RewardError as exc:
                 raise UserError(f"counterfactual credit: continuation {fork.rollout_id} of rollout {rid}: {exc}") from exc
             returns.setdefault(rid, {}).setdefault(step, {})[fork.rollout_id] = value
+            if fork.status != "ok":
+                failed.setdefault(rid, {}).setdefault(step, {})[fork.rollout_id] = fork.status
         for rid, (segments, skipped, ckpts) in plans.items():
             values = {str(step): {"checkpoint_id": ckpts.get(step, {}).get("checkpoint_id"),
-                                  "value": mean_return(rets.values()), "returns": rets}
+                                  "value": mean_return(rets.values()), "returns": rets,
+                                  "failed": failed.get(rid, {}).get(step, {})}
                       for step, rets in sorted(returns.get(rid, {}).items())}
             by_id[rid].forks = {"k": k, "segments": [s.as_json() for s in segments], "values": values, "skipped": skipped}
         seconds = time.perf_counter() - t0

@@ -73,6 +73,7 @@ def test_counterfactual_credit_ranks_a_good_pick_above_a_rescued_bad_one_where_b
     assert part["after"] == values["1"]["value"] == 1.0 and part["before"] == values["0"]["value"]
     assert part["value"] == pytest.approx(part["after"] - part["before"])
     assert all(len(v["returns"]) == 8 for v in values.values())  # K continuations per checkpoint
+    assert all(v["failed"] == {} for v in values.values())  # none failed: the viewer marks those that did
     # cost: 3 checkpoints a rollout (before the picker, between, after the solver), K each
     assert cost["forks/points"] == 3 * N and cost["forks/runs"] == 3 * N * 8 and cost["time/fork_s"] > 0
 
