@@ -694,7 +694,8 @@ _MAX_SEGMENTS, _MAX_RETURNS, _MAX_TEXT = 64, 64, 200  # a page, not a dump: what
 def fork_tree(record: Any) -> dict[str, Any] | None:
     """A rollout's counterfactual record (`Trajectory.forks`) as the fork tree the page draws:
     per credited segment (one role's turns between two checkpoints) the checkpoint before and
-    after it, each with its continuations' returns (None: failed, left out) and V (their mean,
+    after it, each with its continuations' returns (None: failed and dropped; a failed one's status
+    in `failed`, its return reward.on_failure's) and V (their mean,
     as the allocator used it), and the credit V(after) - V(before). Anything of the wrong type
     is left out, long lists are cut and counted; None when the rollout was not forked."""
     record = _dict(record)
@@ -708,9 +709,11 @@ def fork_tree(record: Any) -> dict[str, Any] | None:
             return None
         v = _dict(values.get(str(step)))
         rets = list(_dict(v.get("returns")).items())
+        failed = _dict(v.get("failed"))  # a failed continuation's return is reward.on_failure's (or None: dropped)
         return {"step": step, "value": _num(v.get("value")), "cut": max(0, len(rets) - _MAX_RETURNS),
                 "checkpoint_id": str(v["checkpoint_id"])[:_MAX_TEXT] if v.get("checkpoint_id") is not None else None,
-                "returns": [{"id": str(k)[:_MAX_TEXT], "value": _num(r)} for k, r in rets[:_MAX_RETURNS]]}
+                "returns": [{"id": str(k)[:_MAX_TEXT], "value": _num(r),
+                             "failed": str(failed[k])[:_MAX_TEXT] if k in failed else None} for k, r in rets[:_MAX_RETURNS]]}
 
     out = []
     for seg in segments[:_MAX_SEGMENTS]:

@@ -452,8 +452,9 @@
     function branch(label, p) {
       const rets = el('span', { class: 'returns' });
       for (const x of p.returns) {
-        rets.appendChild(x.value === null ? badge('failed', 'error', 'continuation ' + x.id + ': no return (failed, left out of V)')
-          : badge(fmt(x.value, 3), 'ret', 'continuation ' + x.id));
+        if (x.value === null) rets.appendChild(badge('failed', 'error', 'continuation ' + x.id + ': no return (' + (x.failed || 'failed') + ', left out of V)'));
+        else if (x.failed) rets.appendChild(badge(fmt(x.value, 3) + ' failed', 'error', 'continuation ' + x.id + ': ' + x.failed + '; counted as reward.on_failure = ' + fmt(x.value, 3)));
+        else rets.appendChild(badge(fmt(x.value, 3), 'ret', 'continuation ' + x.id));
       }
       if (p.cut) rets.appendChild(el('span', { class: 'muted', text: ' +' + p.cut + ' more' }));
       return el('li', { class: 'branch' }, [el('span', { class: 'blabel', text: label + ' (checkpoint of step ' + p.step + ')',

@@ -28,8 +28,9 @@ def _record(role: str = "picker") -> dict[str, Any]:
             "segments": [{"role": role, "before": 0, "after": 1, "calls": ["c0"]},
                          {"role": "solver", "before": 1, "after": 2, "calls": ["c1"]}],
             "values": {"0": {"checkpoint_id": "ck0", "value": 0.5, "returns": {"f0": 1.0, "f1": 0.0}},
-                       "1": {"checkpoint_id": "ck1", "value": 1.0, "returns": {"f2": 1.0, "f3": None}},
-                       "2": {"checkpoint_id": "ck2", "value": 0.75, "returns": {"f4": 1.0, "f5": 0.5}}},
+                       "1": {"checkpoint_id": "ck1", "value": 1.0, "returns": {"f2": 1.0, "f3": None}, "failed": {"f3": "error"}},
+                       # f5 timed out and counts as reward.on_failure (0.5 here)
+                       "2": {"checkpoint_id": "ck2", "value": 0.75, "returns": {"f4": 1.0, "f5": 0.5}, "failed": {"f5": "timeout"}}},
             "skipped": {"c9": "its node's superstep is unknown"}}
 
 
@@ -39,7 +40,9 @@ def test_the_tree_has_each_turns_checkpoints_returns_values_and_credit():
     picker, solver = tree["segments"]
     assert (picker["role"], picker["calls"], picker["before"]["step"], picker["after"]["step"]) == ("picker", ["c0"], 0, 1)
     assert [r["value"] for r in picker["before"]["returns"]] == [1.0, 0.0] and picker["before"]["value"] == 0.5
-    assert [r["value"] for r in picker["after"]["returns"]] == [1.0, None]  # a failed continuation: no return
+    assert [r["value"] for r in picker["after"]["returns"]] == [1.0, None]  # a failed continuation, dropped: no return
+    assert [r["failed"] for r in picker["after"]["returns"]] == [None, "error"]
+    assert [(r["value"], r["failed"]) for r in solver["after"]["returns"]] == [(1.0, None), (0.5, "timeout")]  # counted, marked
     assert picker["credit"] == pytest.approx(0.5) and solver["credit"] == pytest.approx(-0.25)
     assert picker["after"]["checkpoint_id"] == "ck1"
 
@@ -137,3 +140,4 @@ def test_the_page_draws_the_fork_tree_as_text(tmp_path, monkeypatch):
     before, after = picker["branches"]
     assert before == {"label": "before (checkpoint of step 0)", "v": "V = 0.5", "returns": ["1", "0"]}
     assert after == {"label": "after (checkpoint of step 1)", "v": "V = 1", "returns": ["1", "failed"]}
+    assert solver["branches"][1]["returns"] == ["1", "0.5 failed"]  # a failed continuation counted at on_failure's return
