@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mas_trainer.errors import UserError
 
-__all__ = ["ReplicaConfig", "ENGINES", "VLLM_INSTALL", "require_vllm"]
+__all__ = ["ReplicaConfig", "ENGINES", "VLLM_INSTALL", "require_vllm", "replica_count", "first_replica_ranks"]
 
 # embedded: the torch engine inside the policy's worker group (rank 0); vllm: verl's vLLM
 # replicas; torch-replica: the embedded engine behind verl's replica interface (CPU CI runs the
@@ -47,3 +47,23 @@ def require_vllm() -> None:
     run plan asks before anything starts, and importing vLLM takes seconds)."""
     if importlib.util.find_spec("vllm") is None:
         raise UserError(f"engine vllm needs vLLM, which is not installed here: {VLLM_INSTALL}")
+
+
+def replica_count(cfg: ReplicaConfig, device: str, learner_world: int) -> int:
+    """Replicas of one policy. Colocated on GPUs, verl gives every `tensor_parallel_size`
+    learner ranks one replica (`LLMServerManager`: world size // rollout world size)."""
+    if device == "cuda" and cfg.placement == "colocated":
+        return learner_world // cfg.tensor_parallel_size
+    return cfg.replicas
+
+
+def first_replica_ranks(counts: dict[str, int]) -> dict[str, int]:
+    """Each policy's first rollout replica rank, from its replica count (0: embedded engine), in
+    order. verl names a replica's server actor (`vllm_server_{rank}_{node}`) and its weight
+    transfer socket (job id + replica rank + local rank) by rank alone, so ranks continue
+    across the policies of a run rather than start again at 0 for each."""
+    first, out = 0, {}
+    for policy, n in counts.items():
+        out[policy] = first
+        first += n
+    return out

@@ -27,10 +27,10 @@ import types
 from typing import Any, Coroutine
 
 from mas_trainer.errors import UserError
-from mas_trainer.rollout.config import ReplicaConfig, require_vllm
+from mas_trainer.rollout.config import ReplicaConfig, replica_count, require_vllm
 from mas_trainer.rollout.engine import ReplicaEngine
 
-__all__ = ["RolloutFleet", "rollout_config", "weight_sync_method", "replica_count",
+__all__ = ["RolloutFleet", "rollout_config", "weight_sync_method",
            "sync_group_name", "learner_checkpoint_engine"]
 
 log = logging.getLogger(__name__)
@@ -61,14 +61,6 @@ def weight_sync_method(cfg: ReplicaConfig, device: str) -> str:
     if device != "cuda":
         return "mas-gloo"
     return "naive" if cfg.placement == "colocated" else "nccl"
-
-
-def replica_count(cfg: ReplicaConfig, device: str, learner_world: int) -> int:
-    """Replicas of one policy. Colocated on GPUs, verl gives every `tensor_parallel_size`
-    learner ranks one replica (`LLMServerManager`: world size // rollout world size)."""
-    if device == "cuda" and cfg.placement == "colocated":
-        return learner_world // cfg.tensor_parallel_size
-    return cfg.replicas
 
 
 def rollout_config(policy: str, kind: str, cfg: ReplicaConfig, *, device: str, torch_opts: dict[str, Any] | None = None,

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from mas_trainer.algo.config import AdvantageConfig
 from mas_trainer.config import ConfigError, FitConfig, Resources, RuntimeConfig, check_runtime, resolve_learner
 from mas_trainer.learners.config import CriticConfig, LearnerConfig
-from mas_trainer.rollout.config import ReplicaConfig, require_vllm
+from mas_trainer.rollout.config import ReplicaConfig, first_replica_ranks, replica_count, require_vllm
 
 __all__ = ["WorkerPlan", "RunPlan", "Machine", "probe_machine", "resolve_plan"]
 
@@ -116,12 +116,15 @@ def resolve_plan(cfg: FitConfig, models: Mapping[str, tuple[str, str]], *, machi
         raise ConfigError("runtime.share_gpus puts every policy on one pool, so every policy needs the same resources: "
                           "set runtime.resources only, not policies.NAME.resources")
     ranks = sum(w.resources.world_size for w in workers.values())
+    first = first_replica_ranks({p: 0 if w.engine == "embedded" else replica_count(w.replica, device, w.resources.world_size)
+                                 for p, w in workers.items()})
     for name, w in workers.items():  # torch threads per process: configured, else the cores shared out
         threads = rt.torch_threads
         if threads is None and rt.execution == "ray" and (learner == "torch" or device == "cpu"):
             threads = max(1, machine.cpus // max(1, ranks if learner == "verl" else len(workers)))
         workers[name] = w.model_copy(update={"torch_threads": threads if rt.execution == "ray" else None,
-                                             "offload_between_phases": shared})
+                                             "offload_between_phases": shared,
+                                             "replica_first_rank": first[name]})
     needed = _gpus_needed(workers, learner, shared, rt.execution) if device == "cuda" else 0.0
     if device == "cuda" and rt.ray_address is None and needed > machine.gpus:
         fix = ("lower runtime.resources.gpus_per_proc (0.5: two policies a GPU)" if learner == "torch" else

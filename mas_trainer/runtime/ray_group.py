@@ -211,15 +211,7 @@ def start_verl_groups(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, V
     if any(p.offload_between_phases for p in plans.values()):
         shared = pool(next(iter(plans.values())).resources, len(plans))
     started: dict[str, tuple[WorkerPlan, Any, Any]] = {}
-    first_rank = 0  # replica ranks are unique across policies: verl names servers and sockets by rank alone
-    for name, plan in plans.items():
-        replica_ranks = 0
-        if plan.engine != "embedded":
-            from mas_trainer.rollout.fleet import replica_count
-
-            replica_ranks = replica_count(plan.replica, plan.device, plan.resources.world_size)
-        plan = plan.model_copy(update={"replica_first_rank": first_rank})
-        first_rank += replica_ranks
+    for name, plan in plans.items():  # each plan has its own replica ranks (resolve_plan)
         # one rank per GPU bundle: NCCL refuses two ranks of one group on one GPU (a share below 1
         # is refused when the config loads, see config._check_learner)
         started[name] = _verl_group(plan, shared or pool(plan.resources, 1), env, RayClassWithInitArgs, RayWorkerGroup)

@@ -207,7 +207,7 @@ def serving_backends(checkpoints: dict[str, Any], kind: str, runtime: Any) -> di
     from mas_trainer.engines.chat import HFChatFormat
     from mas_trainer.engines.models import load_tokenizer
     from mas_trainer.gateway import PolicyBackend
-    from mas_trainer.rollout.config import ReplicaConfig, require_vllm
+    from mas_trainer.rollout.config import ReplicaConfig, first_replica_ranks, require_vllm
     from mas_trainer.rollout.fleet import RolloutFleet
 
     if kind == "vllm":
@@ -220,9 +220,10 @@ def serving_backends(checkpoints: dict[str, Any], kind: str, runtime: Any) -> di
     backends: dict[str, Any] = {}
     fleets: list[RolloutFleet] = []
     try:
-        for i, (name, folder) in enumerate(checkpoints.items()):
+        first = first_replica_ranks({name: cfg.replicas for name in checkpoints})
+        for name, folder in checkpoints.items():
             fleet = RolloutFleet(name, str(folder), kind, cfg, device=device, torch_opts=opts,
-                                 first_rank=i * cfg.replicas).start()
+                                 first_rank=first[name]).start()
             fleets.append(fleet)
             tokenizer = load_tokenizer(str(folder))
             backends[name] = PolicyBackend(fleet.engine(tokenizer, owned=True), HFChatFormat(tokenizer))

@@ -101,13 +101,20 @@ def tiny_dir() -> str:
 
 
 def _fleets(tiny_dir: str, placement: str = "separate", tp: int = 1, replicas: int = 2, world: int = 1):
-    """Two vLLM policies as runtime/star.py starts them: replica ranks continue across policies."""
-    cfg = ReplicaConfig(replicas=replicas, placement=placement, tensor_parallel_size=tp)
-    fleets, first = [], 0
-    for policy in ("planner", "coder"):
-        fleet = RolloutFleet(policy, tiny_dir, "vllm", cfg, device="cuda", first_rank=first)
+    """Two vLLM policies as `fit` starts them: the run plan numbers their replicas (ranks continue
+    across policies), each fleet starts from its plan's first rank as runtime/star.py does."""
+    from mas_trainer.runtime.plan import Machine, resolve_plan
+
+    count = [] if placement == "colocated" else [f"runtime.replica.replicas={replicas}"]  # colocated: one per TP ranks
+    cfg = load_config(overrides=["runtime.learner=verl", "runtime.device=cuda", "runtime.engine=vllm", *count,
+                                 f"runtime.replica.placement={placement}", f"runtime.replica.tensor_parallel_size={tp}",
+                                 f"runtime.resources.procs_per_node={world}", f"learner.mini_batch_size={4 * world}"])
+    with patch("mas_trainer.runtime.plan.require_vllm", lambda: None):  # vLLM cannot be installed here
+        plan = resolve_plan(cfg, {"planner": (tiny_dir, tiny_dir), "coder": (tiny_dir, tiny_dir)}, machine=Machine(gpus=64, cpus=8))
+    fleets = []
+    for policy, w in plan.workers.items():
+        fleet = RolloutFleet(policy, tiny_dir, "vllm", w.replica, device="cuda", first_rank=w.replica_first_rank)
         fleet.build_replicas(_Replica, world)
-        first += len(fleet.replicas)
         fleets.append(fleet)
     return fleets
 
