@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from mas_trainer.engines.base import choice_id
 from mas_trainer.errors import UserError
 from mas_trainer.record import Recorder
 from mas_trainer.trace.schema import LLMCall
@@ -471,7 +472,7 @@ def _calls(span: Span, node: str, node_id: str | None, roles: dict[str, str], po
         text = content if isinstance(content, str) else (
             "".join(p["text"] for p in content) if isinstance(content, list) else None)
         calls.append(LLMCall(
-            id=span.span_id if len(outputs) <= 1 else f"{span.span_id}-{i}", node_id=node_id, node=node, role=role,
+            id=choice_id(span.span_id, i), node_id=node_id, node=node, role=role,
             policy=policies.get(role, role), messages=[{k: v for k, v in m.items() if k != "finish_reason"} for m in inputs],
             output_text=text, tool_calls=out.get("tool_calls", []), prompt_ids=[], response_ids=[], response_logprobs=[],
             finish_reason=finish, model=model, start_time=span.start, end_time=span.end))

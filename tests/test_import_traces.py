@@ -133,6 +133,20 @@ def test_semconv_two_nodes(tmp_path: Path) -> None:
     assert (plan.start_time, write_.end_time) == (2.0, 4.5) and traj.duration_s == 2.5
 
 
+def test_a_span_with_two_choices_is_two_calls_with_the_gateways_choice_ids(tmp_path: Path) -> None:
+    """n=2: the first choice keeps the span's id, the second is `{id}-1`, as the gateway names choices."""
+    trace = semconv_trace()
+    outputs = [{"key": "gen_ai.output.messages", "value": _v(msgs(
+        {"role": "assistant", "finish_reason": "stop", "parts": [{"type": "text", "content": "one"}]},
+        {"role": "assistant", "finish_reason": "length", "parts": [{"type": "text", "content": "two"}]}))}]
+    writer = trace[-1]
+    writer["attributes"] = [a for a in writer["attributes"] if a["key"] != "gen_ai.output.messages"] + outputs
+    import_traces([write(tmp_path / "t.json", request(*trace))], tmp_path / "rec")
+    ((traj, _),) = list(read_runs(tmp_path / "rec"))
+    assert [(c.id, c.output_text, c.finish_reason) for c in traj.llm_calls[1:]] == [
+        ("c000000000000002", "one", "stop"), ("c000000000000002-1", "two", "length")]
+
+
 def test_openllmetry_indexed_and_orphan(tmp_path: Path) -> None:
     f = write(tmp_path / "t.jsonl", request(*openllmetry_trace()), request(*orphan_trace()), lines=True)
     report = import_traces([f], tmp_path / "rec")
