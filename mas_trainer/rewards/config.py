@@ -22,3 +22,7 @@ class CounterfactualConfig(BaseModel):
     boundaries_only: bool = Field(
         False, description="fork only where the acting role changes: consecutive supersteps of one role share one "
         "credit (before its first turn, after its last), fewer checkpoints for a coarser estimate")
+    train_forks: bool = Field(
+        False, description="also train on the continuations' own LLM calls: the K continuations of one checkpoint are "
+        "one group (same state, returns compared within it); off: they are recorded (trajectories/step_N_forks.jsonl) "
+        "and scored, never trained")

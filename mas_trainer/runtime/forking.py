@@ -7,12 +7,13 @@ K continuations of the unchanged app from it through the same gateway and engine
 with the app's trajectory reward, writes the fork record on the rollout (`Trajectory.forks`,
 which the `counterfactual` allocator reads) and lets the adapter drop the threads.
 
-**Not trained.** Each continuation has its own rollout id (``<rollout>-cf<step>-k<j>``): the
-gateway files its LLM calls under that id, the controller gathers them into the
-continuation's trajectory, and no turn record is made from it (only the batch's own rollouts
-are sent to the worker groups, whose buffers are cleared at each update), just as an LLM
-judge's calls are never trained. The continuations are scored and summarised into the record
-(their returns by fork id), not written out themselves.
+**Recorded, not trained unless asked.** Each continuation has its own rollout id
+(``<rollout>-cf<step>-k<j>``): the gateway files its LLM calls under that id and the
+controller gathers them into the continuation's trajectory, which `fit` writes to
+``trajectories/step_N_forks.jsonl``. By default no turn record is made from it (the worker
+groups' buffers are cleared at each update), just as an LLM judge's calls are never trained;
+with ``reward.counterfactual.train_forks`` the K continuations of one checkpoint are trained
+as one group (`fork_group`).
 
 **Cost.** Each rollout needs one checkpoint before its first credited turn plus one after each
 (fewer with ``boundaries_only``), K continuations each, and a continuation costs what the rest
@@ -44,7 +45,7 @@ from mas_trainer.runtime.controller import Controller
 from mas_trainer.runtime.session import Session
 from mas_trainer.trace.schema import Trajectory
 
-__all__ = ["fork_rollouts"]
+__all__ = ["fork_rollouts", "fork_group"]
 
 
 def _return(spec: RewardSpec, fork: Trajectory, on_failure: float | str) -> float | None:
@@ -54,12 +55,21 @@ def _return(spec: RewardSpec, fork: Trajectory, on_failure: float | str) -> floa
     return evaluate_levels(RewardSpec(spec.trajectory), fork).trajectory
 
 
+def fork_group(fork_id: str) -> tuple[str, int]:
+    """(rollout id, checkpoint step) of a continuation, from its id ``<rollout>-cf<step>-k<j>``:
+    the continuations of one checkpoint share it (one group when they are trained)."""
+    head, _, _ = fork_id.rpartition("-k")
+    rid, _, step = head.rpartition("-cf")
+    return rid, int(step)
+
+
 async def fork_rollouts(session: Session, tasks: list[dict[str, Any]], n: int, ids: list[str] | None, spec: RewardSpec,
-                        reward: RewardConfig) -> tuple[list[Trajectory], dict[str, float]]:
+                        reward: RewardConfig) -> tuple[list[Trajectory], list[Trajectory], dict[str, float]]:
     """Run the rollouts, fork each one's trained turns' checkpoints, record the forks on them.
 
-    Returns the rollouts (``forks`` set on each one forked) and the cost as metrics:
-    ``forks/points`` (checkpoints forked), ``forks/runs`` (continuations: K each, see ``forks["k"]``) and
+    Returns the rollouts (``forks`` set on each one forked), the continuations (their own
+    trajectories, ids ``<rollout>-cf<step>-k<j>``) and the cost as metrics: ``forks/points``
+    (checkpoints forked), ``forks/runs`` (continuations: K each, see ``forks["k"]``) and
     ``time/fork_s`` (seconds from the rollouts' end to the last continuation scored)."""
     app = session.app
     if not isinstance(app, LangGraphApp):
@@ -117,4 +127,4 @@ async def fork_rollouts(session: Session, tasks: list[dict[str, Any]], n: int, i
                       for step, rets in sorted(returns.get(rid, {}).items())}
             by_id[rid].forks = {"k": k, "segments": [s.as_json() for s in segments], "values": values, "skipped": skipped}
         seconds = time.perf_counter() - t0
-    return trajs, {"forks/points": float(len(points)), "forks/runs": float(len(forks)), "time/fork_s": seconds}
+    return trajs, forks, {"forks/points": float(len(points)), "forks/runs": float(len(forks)), "time/fork_s": seconds}

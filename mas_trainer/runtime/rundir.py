@@ -65,7 +65,8 @@ __all__ = ["RunDir", "AppRecord", "CheckpointState", "PolicyRecord", "fsync_path
 
 log = logging.getLogger(__name__)
 
-_STEP_FILE = re.compile(r"step_(\d{1,9})(_val)?")  # a trajectory file's stem: step_000012, step_000010_val
+_STEP_FILE = re.compile(r"step_(\d{1,9})(_val|_forks)?")  # a trajectory file's stem: step_000012, step_000010_val,
+# step_000012_forks (counterfactual credit's continuations of a training step)
 _DEFAULT_SAVE_EVERY, _DEFAULT_STEPS = 10, 20  # FitConfig's defaults, for a config.yaml that leaves them out
 _RESTORE = "restore the run's own checkpoint folder from a backup, or train into a new --output"
 
@@ -149,9 +150,10 @@ def _row_step(row: Any) -> int | None:
 
 
 def file_step(path: Path) -> tuple[int, bool] | None:
-    """(step, held-out) of a trajectory file of `fit` (`step_000012.jsonl`, `step_000010_val.jsonl`)."""
+    """(step, held-out) of a trajectory file of `fit` (`step_000012.jsonl`, `step_000010_val.jsonl`,
+    `step_000012_forks.jsonl`)."""
     m = _STEP_FILE.fullmatch(path.stem)
-    return (int(m.group(1)), m.group(2) is not None) if m else None
+    return (int(m.group(1)), m.group(2) == "_val") if m else None
 
 
 def _damage(path: Path) -> str | None:

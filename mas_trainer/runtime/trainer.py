@@ -142,6 +142,7 @@ class _Fit:
         self.plan: RunPlan | None = None
         self.warm_examples: dict[str, list[tuple[list[int], list[int]]]] = {}
         self.warm_started: list[str] = []  # recorded in every checkpoint's state
+        self.forks: list[Trajectory] = []  # the last training draw's forked continuations (counterfactual credit)
 
     # --- one step ------------------------------------------------------------------------
     async def rollouts(self, session: Session, tasks: list[dict], n: int, ids: list[str], seed: int,
@@ -151,9 +152,12 @@ class _Fit:
         if fork and r.allocator == "counterfactual":  # training rollouts: forked continuations measure each turn's credit
             from mas_trainer.runtime.forking import fork_rollouts
 
-            trajs, fork_cost = await fork_rollouts(session, tasks, n, ids, self.reward_spec, r)
+            trajs, self.forks, fork_cost = await fork_rollouts(session, tasks, n, ids, self.reward_spec, r)
             for key, value in fork_cost.items():  # forks/*, time/fork_s: summed over the step's draws, as judge/*
                 self.reward_cost[key] = self.reward_cost.get(key, 0) + value
+            for f in self.forks:  # a continuation's own rewards (no forks of its own: the broadcast part), as recorded
+                assign_rewards(f, self.reward_spec, allocator=r.allocator, weights=r.weights, on_failure=r.on_failure,
+                               options=r.options)
         else:
             trajs = await session.rollouts(tasks, n=n, ids=ids)
         # rewards that rank a group (an LLM judge) see the whole batch first; their cost goes in the row
@@ -176,7 +180,9 @@ class _Fit:
         t0 = time.perf_counter()
         temperature = c.rollout.temperature_at(step)
         trajs: list[Trajectory] = []
+        forks: list[Trajectory] = []
         records: list = []
+        fork_records: list = []
         groups = kept = 0
         filtering = c.rollout.filter_groups and bool(self.handles)  # with nothing to train, more draws buy nothing
         for draw in range(c.rollout.max_draws if filtering else 1):
@@ -193,6 +199,10 @@ class _Fit:
             recs = turn_records(batch, task_indices=keys)
             position, groups = position + len(idx), groups + len(idx)
             trajs.extend(batch)
+            drawn, self.forks = self.forks, []
+            forks.extend(drawn)
+            if drawn and c.reward.counterfactual.train_forks:
+                fork_records.extend(self.fork_records(batch, keys, drawn, filtering))
             if not filtering:
                 records = recs
                 break
@@ -214,7 +224,7 @@ class _Fit:
                     raise engine_failure
             raise failure
         by_policy: dict[str, list] = defaultdict(list)
-        for rec in records:
+        for rec in records + fork_records:
             by_policy[rec.policy].append(rec)
         trainable = list(self.handles)  # worker groups exist for trainable policies only
         # every worker group is called (an empty list clears its buffer), all at once
@@ -223,6 +233,8 @@ class _Fit:
         row: dict[str, Any] = {"kind": "train", "step": step, **summarize(trajs), **self.take_reward_cost()}
         if temperature is not None:
             row["rollout/temperature"] = temperature
+        if c.reward.counterfactual.train_forks and forks:
+            row["forks/trained_turns"] = len(fork_records)
         if filtering:
             row.update({"rollout/groups": groups, "rollout/groups_kept": kept})
         for p, m in zip(trainable, results):
@@ -235,7 +247,25 @@ class _Fit:
         if row.get("time/fork_s"):  # counterfactual credit: the forks' share of time/rollout_s
             row["perf/fork_rollouts_per_s"] = row["forks/runs"] / row["time/fork_s"]
         self.rundir.write_trajectories(step, (t.to_json() for t in trajs))
+        if forks:  # counterfactual credit's continuations, recorded beside the step's rollouts
+            self.rundir.write_trajectories(step, (f.to_json() for f in forks), name=f"step_{step:06d}_forks")
         return row, position
+
+    @staticmethod
+    def fork_records(batch: list[Trajectory], keys: list[int], forks: list[Trajectory], filtering: bool) -> list:
+        """`reward.counterfactual.train_forks`: the continuations' turn records, the K of one
+        checkpoint one group (same state: their returns are compared with each other), kept by
+        dynamic sampling's rule when it is on."""
+        from mas_trainer.algo.advantages import tasks_with_spread, turn_records
+        from mas_trainer.runtime.forking import fork_group
+
+        key_of = {t.rollout_id: key for t, key in zip(batch, keys)}
+        groups = [fork_group(f.rollout_id) for f in forks]
+        recs = turn_records(forks, task_indices=[(key_of[rid], "cf", point) for rid, point in groups])
+        if not filtering:
+            return recs
+        spread = tasks_with_spread(recs)
+        return [r for r in recs if r.task_index in spread]
 
     async def held_out(self, session: Session, step: int) -> dict[str, Any] | None:
         if not self.val_tasks:

@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 STEP_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,199}$")  # what a step name (a file stem) may look like
 _TRAIN_FILE = re.compile(r"^step_(\d+)$")
 _VAL_FILE = re.compile(r"^step_(\d+)_val$")
+_FORKS_FILE = re.compile(r"^step_(\d+)_forks$")  # counterfactual credit's continuations of a training step
 # fit's ids: s000001-t00005-r0, and s000001d1-t00005-r0 for a later draw of rollout.filter_groups
 _ROLLOUT_ID = re.compile(r"^(?P<group>[sv]\d+(?:d\d+)?-t(?P<task>\d+))-r(?P<k>\d+)$")
 # far deeper than anything fit writes, far shallower than what the recursive code downstream
@@ -335,12 +336,13 @@ class ViewSource:
             real = self.inside(f, warnings=warnings)
             if real is None:
                 continue
-            m, v = _TRAIN_FILE.match(stem), _VAL_FILE.match(stem)
-            step = int(m.group(1)) if m else int(v.group(1)) if v else None
-            kind = "train" if m else "val" if v else "trace"
+            m, v, fk = _TRAIN_FILE.match(stem), _VAL_FILE.match(stem), _FORKS_FILE.match(stem)
+            found = m or v or fk
+            step = int(found.group(1)) if found else None
+            kind = "train" if m else "val" if v else "forks" if fk else "trace"
             label = f"trajectories/{f.name}" if self.single is None else f.name
             out.append(_StepFile(stem, real, label, step, kind))
-        order = {"val": 0, "train": 1, "trace": 2}
+        order = {"val": 0, "train": 1, "forks": 2, "trace": 3}
         out.sort(key=lambda s: (s.step if s.step is not None else -1, order[s.kind], s.name))
         return out
 
@@ -515,6 +517,7 @@ class ViewSource:
             return {"status": "recorded", "note": "advantages as recorded in the trajectories"}, recorded
         if s.kind != "train" or self.root is None:
             why = ("held-out rollouts are not trained on" if s.kind == "val"
+                   else "forked continuations are scored for counterfactual credit, not recomputed here" if s.kind == "forks"
                    else "a trajectories file outside a run directory has no training settings")
             return {"status": "none", "note": f"no advantages: {why}; colours show each call's allocated reward"}, {}
         if not self.advantages_enabled:

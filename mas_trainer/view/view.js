@@ -206,7 +206,7 @@
 
   // --- rollouts ------------------------------------------------------------------------------------
   function stepLabel(s) {
-    const kind = s.kind === 'val' ? 'held-out' : s.kind === 'train' ? 'training' : 'trajectories';
+    const kind = s.kind === 'val' ? 'held-out' : s.kind === 'train' ? 'training' : s.kind === 'forks' ? 'forked continuations' : 'trajectories';
     const at = s.step === null || s.step === undefined ? s.name : 'step ' + s.step;
     return at + ' · ' + kind + ' · ' + s.rollouts + ' rollouts' + (s.mean_reward !== null && s.mean_reward !== undefined ? ' · reward ' + fmt(s.mean_reward) : '') +
       (s.errors ? ' · ' + s.errors + ' failed' : '');

@@ -39,7 +39,7 @@ def forked(keywords=None, reward=None, n=N, seed=7, checkpointer=None, builder="
         session.reseed(seed)
         ids = [f"s1-t0-r{k}" for k in range(n)]
         reward = reward or RewardConfig(allocator="counterfactual", counterfactual={"k": 8})
-        trajs, cost = session.loop.run_until_complete(
+        trajs, _forks, cost = session.loop.run_until_complete(
             fork_rollouts(session, [{"question": "q"}], n, ids, spec, reward))
         for t in trajs:
             assign_rewards(t, spec, allocator="counterfactual")
@@ -145,6 +145,31 @@ def test_fit_with_counterfactual_credit_on_the_tiny_model(tmp_path):
     assert all(t["rewards"]["detail"]["allocator"] == "counterfactual" for t in step)
     val = (tmp_path / "run" / "trajectories" / "step_000001_val.jsonl").read_text().splitlines()
     assert all(json.loads(line)["forks"] is None for line in val)  # held-out rollouts are scored, not forked
+    # the continuations are recorded beside the step, each with its own calls and rewards, and not trained
+    forks = [json.loads(line) for line in (tmp_path / "run" / "trajectories" / "step_000001_forks.jsonl").read_text().splitlines()]
+    assert len(forks) == 24 and all("-cf" in f["rollout_id"] and f["rewards"]["trajectory"] is not None for f in forks)
+    assert sum(len(f["llm_calls"]) for f in forks) == 4 * 2 * 2 + 4 * 2  # from before the picker: both roles; between: the solver
+    assert (train["policy/lead/turns"], train["policy/crew/turns"]) == (4, 4) and "forks/trained_turns" not in train
+
+
+def test_train_forks_trains_the_continuations_calls_too(tmp_path):
+    from mas_trainer.config import load_config
+    from mas_trainer.runtime.trainer import fit
+
+    cfg = load_config(overrides=["runtime.execution=local", "rollout.tasks_per_step=2", "rollout.n=2", "rollout.max_tokens=6",
+                                 "seed=3", "steps=1", "reward.allocator=counterfactual", "reward.counterfactual.k=2",
+                                 "reward.counterfactual.train_forks=true"])
+    rows = fit(f"{APP}:graph", [{"question": "q"}, {"question": "r"}], cfg, tmp_path / "run")
+    train = next(r for r in rows if r["kind"] == "train")
+    # 4 rollouts' own turns, plus 8 continuations from before the picker (picker + solver) and 8 from between (solver)
+    assert train["forks/trained_turns"] == 24
+    assert (train["policy/lead/turns"], train["policy/crew/turns"]) == (4 + 8, 4 + 16)
+
+
+def test_a_continuations_group_is_its_checkpoint():
+    from mas_trainer.runtime.forking import fork_group
+
+    assert fork_group("s000001d1-t00003-r2-cf12-k3") == ("s000001d1-t00003-r2", 12)
 
 
 def test_fit_refuses_an_unforkable_app_before_any_rollout(tmp_path):

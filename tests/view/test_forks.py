@@ -96,6 +96,16 @@ def test_the_step_data_carries_the_tree_of_forked_rollouts_only(tmp_path):
     assert forked["forks"]["segments"][0]["role"] == HOSTILE and plain["forks"] is None
 
 
+def test_a_steps_continuations_file_is_listed_as_its_forks(tmp_path):
+    run = _run(tmp_path)
+    cont = _rollout("s000001-t00000-r0-cf0-k0", "picker", None)
+    (run / "trajectories" / "step_000001_forks.jsonl").write_text(json.dumps(cont) + "\n")
+    steps = {s.name: (s.step, s.kind) for s in ViewSource(run).step_files()}
+    assert steps == {"step_000001": (1, "train"), "step_000001_forks": (1, "forks")}
+    forks = ViewSource(run).step("step_000001_forks")
+    assert forks is not None and [r["rollout_id"] for r in forks["rollouts"]] == ["s000001-t00000-r0-cf0-k0"]
+
+
 # Runs after the viewer's script: reads every fork tree the page drew.
 PROBE = r"""
 ;(function () {
