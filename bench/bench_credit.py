@@ -1,8 +1,8 @@
 """Turn credit where the upstream role gates the outcome: broadcast, turn_delta and counterfactual.
 
-    .venv/bin/python bench/bench_credit.py [--arms broadcast turn_delta counterfactual cf_k1] \
+    python bench/bench_credit.py [--arms broadcast turn_delta counterfactual cf_k1 cf_rpp cf_train] \
         [--seeds 0 1 2] [--out runs/credit] [steps=20 ...]
-    .venv/bin/python bench/bench_credit.py --analyze runs/credit/*-*
+    python bench/bench_credit.py --analyze runs/credit/*-*
 
 Runs `mas-trainer fit` on `bench/credit/app.py` (a planner and a writer, two policies; the
 trajectory reward is the product of the two outputs' shares of plain words, so a bad plan
@@ -12,7 +12,11 @@ scores 0 whatever the writer does) with each arm's allocator and the same everyt
 - ``turn_delta``: the rule-based split (each turn gets what the reward gained since the turn before);
 - ``counterfactual``: K=4 continuations forked from LangGraph's checkpoints before and after
   each turn, credit = V(after) - V(before);
-- ``cf_k1``: the same with one continuation per checkpoint (the cheap end of the budget knob).
+- ``cf_k1``: the same with one continuation per checkpoint (the cheap end of the budget knob);
+- ``cf_rpp``: K=4 with ``advantage.estimator=reinforce_plus_plus`` (the credit whitened over the
+  batch, not re-centred per group as ``grpo`` does for every other arm);
+- ``cf_train``: K=4 with ``reward.counterfactual.train_forks=true`` (the continuations' turns
+  are trained too, the K of one checkpoint as one group).
 
 Arms alternate within each seed, so a drift of the machine hits every arm. For each run it
 reads the held-out evaluations (``--val-data``, ``val_n`` rollouts a task): the held-out reward
@@ -20,7 +24,7 @@ and each role's own score (the share of plain words in that role's output, read 
 held-out trajectories: what each policy learned, apart from the product), against steps and
 against wall time, with the forks' seconds counted (``time/fork_s`` is part of the rollout
 time). Prints a line per run and per arm (mean and range over seeds); writes OUT/credit.json
-and OUT/credit.png (held-out reward over wall time, every run).
+and OUT/credit.png (held-out reward and each role's own score over wall time, every run).
 """
 
 from __future__ import annotations
@@ -42,7 +46,10 @@ ARMS = {
     "turn_delta": ["reward.allocator=turn_delta"],
     "counterfactual": ["reward.allocator=counterfactual", "reward.counterfactual.k=4"],
     "cf_k1": ["reward.allocator=counterfactual", "reward.counterfactual.k=1"],
+    "cf_rpp": ["reward.allocator=counterfactual", "reward.counterfactual.k=4", "advantage.estimator=reinforce_plus_plus"],
+    "cf_train": ["reward.allocator=counterfactual", "reward.counterfactual.k=4", "reward.counterfactual.train_forks=true"],
 }
+ESTIMATOR = "grpo"  # every arm's, unless its overrides name another (the config's default)
 COMMON = ["steps=20", "rollout.tasks_per_step=4", "rollout.n=4", "rollout.max_tokens=8", "learner.lr=3e-2",
           "eval_every=4", "val_n=4", "save_every=100", "runtime.execution=local", "logger=[console]"]
 TARGET = 0.9  # held-out reward whose first crossing is reported (step and wall time)
@@ -52,7 +59,7 @@ from app import word_fraction  # noqa: E402  (each role's score is the reward's 
 
 
 def command(arm: str, out: Path, seed: int, extra: list[str]) -> list[str]:
-    return [str(ROOT / ".venv" / "bin" / "mas-trainer"), "fit", f"{HERE / 'app.py'}:graph", "--data", str(HERE / "tasks.jsonl"),
+    return [sys.executable, "-m", "mas_trainer", "fit", f"{HERE / 'app.py'}:graph", "--data", str(HERE / "tasks.jsonl"),
             "--val-data", str(HERE / "val.jsonl"), "--output", str(out), *COMMON, *ARMS[arm], f"seed={seed}", *extra]
 
 
@@ -77,11 +84,17 @@ def analyze(run_dir: Path) -> dict:
     hit = next((c for c in curve if c["reward"] >= TARGET), None)
     fork_s = sum(r.get("time/fork_s", 0.0) for r in train)
     rollout_s = sum(r.get("time/rollout_s", 0.0) for r in train)
-    return {"run": str(run_dir), "arm": run_dir.name.rsplit("-", 1)[0], "curve": curve,
+    arm = run_dir.name.rsplit("-", 1)[0]
+    estimator = next((o.split("=", 1)[1] for o in ARMS.get(arm, []) if o.startswith("advantage.estimator=")), ESTIMATOR)
+    return {"run": str(run_dir), "arm": arm, "estimator": estimator, "curve": curve,
             "before": curve[0]["reward"], "final": curve[-1]["reward"], "final_roles": curve[-1]["roles"],
             "train_s": sum(r.get("time/step_s", 0.0) for r in train), "rollout_s": rollout_s, "fork_s": fork_s,
             "forks": sum(r.get("forks/runs", 0.0) for r in train), "wall_s": train[-1].get("time/elapsed_s", 0.0),
             "target_step": hit["step"] if hit else None, "target_wall_s": hit["wall_s"] if hit else None}
+
+
+def _estimator(results: list[dict], arm: str) -> str:
+    return next((r.get("estimator", ESTIMATOR) for r in results if r["arm"] == arm), ESTIMATOR)
 
 
 def _reach(r: dict) -> str:
@@ -112,18 +125,23 @@ def plot(results: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colours = {"broadcast": "tab:grey", "turn_delta": "tab:blue", "counterfactual": "tab:orange", "cf_k1": "tab:green"}
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
-    seen = set()
-    for r in results:
-        ax.plot([c["wall_s"] for c in r["curve"]], [c["reward"] for c in r["curve"]], marker="o", ms=3, alpha=0.8,
-                color=colours.get(r["arm"], "black"), label=None if r["arm"] in seen else r["arm"])
-        seen.add(r["arm"])
-    ax.set_xlabel("wall time since launch (s; forks included)")
-    ax.set_ylabel("held-out reward")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
-    ax.set_title("Planner -> writer relay: turn credit allocators")
+    colours = {"broadcast": "tab:grey", "turn_delta": "tab:blue", "counterfactual": "tab:orange", "cf_k1": "tab:green",
+               "cf_rpp": "tab:red", "cf_train": "tab:purple"}
+    panels = [("held-out reward", lambda c: c["reward"]), ("planner's own score", lambda c: c["roles"].get("planner")),
+              ("writer's own score", lambda c: c["roles"].get("writer"))]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4), dpi=110, sharex=True)
+    for ax, (title, value) in zip(axes, panels):
+        seen = set()
+        for r in results:
+            ax.plot([c["wall_s"] for c in r["curve"]], [value(c) for c in r["curve"]], marker="o", ms=3, alpha=0.75,
+                    color=colours.get(r["arm"], "black"), label=None if r["arm"] in seen else r["arm"])
+            seen.add(r["arm"])
+        ax.set_xlabel("wall time since launch (s; forks included)")
+        ax.set_title(title, fontsize=10)
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0].legend(loc="lower right", fontsize=8)
+    fig.suptitle("Planner -> writer relay: turn credit allocators, held-out, every run")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -169,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise(results)
     for arm, s in summary.items():
         roles = ", ".join(f"{k} {v:.3f}" for k, v in s["roles_mean"].items())
-        print(f"{arm}: held-out {s['before_mean']:.3f} -> {s['final_mean']:.3f} (range {s['final_min']:.3f}-{s['final_max']:.3f}, "
+        print(f"{arm} ({_estimator(results, arm)}): held-out {s['before_mean']:.3f} -> {s['final_mean']:.3f} (range {s['final_min']:.3f}-{s['final_max']:.3f}, "
               f"{s['runs']} runs; {roles}), training {s['train_s_mean']:.0f} s, forks {100 * s['fork_share']:.0f}% of it; "
               f"held-out {TARGET} reached in {s['reached']}/{s['runs']} runs")
     out.mkdir(parents=True, exist_ok=True)
