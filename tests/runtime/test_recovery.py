@@ -408,7 +408,7 @@ _RAYLET = """
 import subprocess, sys, time
 agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], env={})
 print(agent.pid, flush=True)
-time.sleep(2.5)
+time.sleep(6)  # the watchdog scans every second while the driver lives: it sees the agent as this one's child
 """
 
 
@@ -417,6 +417,13 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def test_the_watchdog_ends_an_orphan_of_the_instance_whose_environment_hides_the_mark():
@@ -428,12 +435,16 @@ def test_the_watchdog_ends_an_orphan_of_the_instance_whose_environment_hides_the
     driver = subprocess.Popen([sys.executable, "-c", _DRIVER, _RAYLET], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     agent = int(driver.stdout.readline())
     try:
-        time.sleep(4)  # the raylet has died; the agent is an orphan with no mark to find
+        raylet = _parent(agent)
+        deadline = time.monotonic() + 120  # hang guards: the conditions end the waits
+        while _parent(agent) == raylet and time.monotonic() < deadline:  # the raylet has died: the agent is
+            time.sleep(0.1)  # an orphan with no mark to find
+        assert _parent(agent) not in (None, raylet)
         assert _alive(agent) and b"MAS_TRAINER_RAY_OWNER" not in Path(f"/proc/{agent}/environ").read_bytes()
         driver.kill()
         driver.wait()
-        deadline = time.time() + 10
-        while _alive(agent) and time.time() < deadline:
+        deadline = time.monotonic() + 120
+        while _alive(agent) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not _alive(agent)
     finally:
