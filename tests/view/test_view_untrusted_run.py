@@ -124,6 +124,30 @@ def test_a_policy_name_cannot_climb_out_of_the_checkpoint_folder(tmp_path):
     assert step["tokenizers"] == {"../../../outside/tok": "no tokenizer found (pass --tokenizer): token ids shown"}
 
 
+@pytest.mark.parametrize("linked", ["tokenizer.json", "chat_template.jinja", "extra"])
+def test_a_policy_folder_with_any_file_linked_out_is_not_used_for_its_tokenizer(tmp_path, caplog, linked):
+    """The tokenizer loader reads files of its own choosing in the folder: each must be inside
+    the run (was: only one of tokenizer_config.json / tokenizer.json was checked)."""
+    folder = tmp_path / "run" / "checkpoint" / "policies" / "p"
+    load_tokenizer("tiny").save_pretrained(folder)
+    run = _run(tmp_path)
+    call = {"id": "c0", "policy": "p", "response_ids": [72, 105], "response_logprobs": [-0.1, -0.2]}
+    (run / "trajectories" / "step_000001.jsonl").write_text(_lines(_traj("s000001-t00000-r0", llm_calls=[call])))
+    assert ViewSource(run).step("step_000001")["tokenizers"] == {"p": "checkpoint/policies/p"}  # all inside: used
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    if linked == "extra":  # a folder of the policy's that links out
+        (folder / "extra").symlink_to(outside, target_is_directory=True)
+    else:
+        (folder / linked).rename(outside / linked)
+        (folder / linked).symlink_to(outside / linked)
+    with caplog.at_level(logging.WARNING, logger="mas_trainer.view"):
+        step = ViewSource(run).step("step_000001")
+    assert step["tokenizers"] == {"p": "no tokenizer found (pass --tokenizer): token ids shown"}
+    assert step["rollouts"][0]["llm_calls"][0]["pieces"] is None
+    assert f"{linked}: leads out of the run directory; skipped" in caplog.text
+
+
 # --- lines nobody can read ----------------------------------------------------------------------------
 @pytest.fixture
 def deep_run(tmp_path):
