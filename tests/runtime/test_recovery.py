@@ -347,6 +347,9 @@ def test_commit_makes_records_and_checkpoint_durable_before_the_rename(tmp_path,
     staged = {real(p) for p in (staging / "state.json", staging, policy / "model.safetensors", policy, staging / "policies")}
     assert {real(traj), real(run.traj_dir), real(run.metrics_path), real(run.root / "config.yaml")} | staged <= before
     assert ("fsync", real(run.root)) in events[i + 1:]
+    # the commit's own record (checkpoints.jsonl) is durable only after the rename is
+    j = events.index(("fsync", real(run.root)), i + 1)
+    assert ("fsync", real(run.commits_path)) in events[j + 1:] and ("fsync", real(run.commits_path)) not in events[:j]
     # cheap: the next checkpoint fsyncs only what was written since this one
     events.clear()
     run.write_trajectories(2, ['{"rollout_id": "b"}'])
@@ -354,7 +357,7 @@ def test_commit_makes_records_and_checkpoint_durable_before_the_rename(tmp_path,
     run.commit({"step": 2})
     folders = {real(p) for p in (run.root, run.traj_dir, staging, staging / "policies")}
     files = {e[1] for e in events if e[0] == "fsync"} - folders
-    assert files == {real(run.traj_dir / "step_000002.jsonl"), real(staging / "state.json")}
+    assert files == {real(run.traj_dir / "step_000002.jsonl"), real(staging / "state.json"), real(run.commits_path)}
 
 
 def test_a_live_run_directory_is_refused_and_its_lock_dies_with_its_holder(tmp_path):
