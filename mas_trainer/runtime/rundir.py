@@ -10,6 +10,7 @@ RUN_DIR/trajectories/step_000001.jsonl
 RUN_DIR/checkpoint/policies/NAME/ Hugging Face folder per policy (transformers / vllm serve)
 RUN_DIR/checkpoint/learner/NAME/  the learner's resume state (optimizer, RNG; verl: sharded model too)
 RUN_DIR/checkpoint/state.json     step, data position, seeds, the policies warm-started
+RUN_DIR/checkpoints.jsonl         one line per committed checkpoint ({"step": S}), appended after its rename
 RUN_DIR/rewards.png               reward per role over steps
 RUN_DIR/.lock                     held by the live `fit` (pid inside)
 ```
@@ -25,15 +26,20 @@ before anything is deleted. The records must reach the checkpoint's step (else t
 not this data's), and none may lie past the step where the run would have committed its next
 checkpoint (`save_every`, `steps` of config.yaml, the config of the attempt that wrote them):
 such a record proves a later checkpoint was committed, so the state is stale and acting on it
-would delete committed steps. The checkpoint's files are checked for truncation (safetensors
-headers against their size, torch zip archives, JSON). A damaged line of metrics.jsonl is
-skipped with a warning, the rows after it kept.
+would delete committed steps. And every commit leaves its own record, a line of
+`checkpoints.jsonl` appended once the rename is durable: a line past state.json's step proves
+that a later checkpoint was committed, so a state even one save interval behind is refused
+(a state ahead of the log is fine: killed between the rename and the line). A run without a
+checkpoint whose log names one is not started over either. The checkpoint's files are checked
+for truncation (safetensors headers against their size, torch zip archives, JSON). A damaged
+line of metrics.jsonl is skipped with a warning, the rows after it kept.
 
 Durability (power loss, not only kill -9): records are flushed as they are written and
 fsynced once per checkpoint, just before it is committed (`commit`): the trajectory files,
 `metrics.jsonl`, every file and folder of the staged checkpoint, `state.json`; then the
-rename, then the run directory itself. So a committed checkpoint never points at steps whose
-rows or trajectories are not on disk, and the cost is a few fsyncs every `save_every` steps.
+rename, then the run directory itself, then the line of checkpoints.jsonl. So a committed
+checkpoint never points at steps whose rows or trajectories are not on disk, its line never
+names a checkpoint whose rename was lost, and the cost is a few fsyncs every `save_every` steps.
 
 One `fit` at a time: `locked()` holds a POSIX lock on `RUN_DIR/.lock` for the whole run
 (released by the kernel when the process dies, kill -9 included), so a second `fit` on the
@@ -208,6 +214,7 @@ class RunDir:
         self.checkpoint = self.root / "checkpoint"
         self._staging = self.root / ".checkpoint-staging"
         self._old = self.root / ".checkpoint-old"
+        self.commits_path = self.root / "checkpoints.jsonl"
         self._unsynced: set[Path] = set()  # written since the last checkpoint, fsynced by `commit`
 
     @contextlib.contextmanager
@@ -258,7 +265,8 @@ class RunDir:
 
     def holds_run(self) -> bool:
         """A run went past its start here: it logged a row, wrote trajectories or a checkpoint."""
-        return bool(self.metrics()) or bool(self.trajectory_files()) or self.checkpoint.exists() or self._old.exists()
+        return (bool(self.metrics()) or bool(self.trajectory_files()) or self.checkpoint.exists() or self._old.exists()
+                or self.commits_path.exists())
 
     def start_over(self) -> tuple[int, int]:
         """Clear a run that has no complete checkpoint (killed before its first one), so it
@@ -267,6 +275,7 @@ class RunDir:
         rows, files = len(self.metrics()), len(self.trajectory_files())
         for folder in (self._staging, self._old, self.checkpoint):
             shutil.rmtree(folder, ignore_errors=True)
+        self.commits_path.unlink(missing_ok=True)
         self.truncate_to(-1)
         return rows, files
 
@@ -363,6 +372,26 @@ class RunDir:
                 last, where = step, f"{self.traj_dir.name}/{path.name}"
         return train, last, where
 
+    def committed(self) -> int:
+        """The highest step `checkpoints.jsonl` says a checkpoint was committed at, 0 if none.
+        A line that is not a whole step >= 1 is skipped (a damaged log proves less, never more)."""
+        try:
+            data = self.commits_path.read_bytes()
+        except FileNotFoundError:
+            return 0
+        except OSError as exc:
+            raise UserError(f"{self.commits_path} cannot be read ({exc.strerror or exc}), so the checkpoint cannot be "
+                            "checked against it and nothing was deleted; make it a readable file") from None
+        last = 0
+        for raw in data.split(b"\n"):
+            try:
+                step = _row_step(json.loads(raw)) if raw.strip() else None
+            except (ValueError, RecursionError):
+                step = None
+            if step is not None and step > last:
+                last = step
+        return last
+
     def _schedule(self) -> tuple[int, int]:
         """(save_every, steps) of config.yaml: the config of the `fit` that wrote the records
         after the checkpoint (each `fit` writes it once it has removed the previous one's)."""
@@ -403,6 +432,11 @@ class RunDir:
             raise UserError(f"{self.root} has no checkpoint, but its {where} holds step {last}, past step {bound} where the run "
                             f"committed its first checkpoint (save_every={save_every}): the checkpoint folder was removed, and "
                             f"starting over would delete the committed steps, so nothing was deleted; {_RESTORE}")
+        committed = self.committed()
+        if committed:
+            raise UserError(f"{self.root} has no checkpoint, but its {self.commits_path.name} says one was committed at step "
+                            f"{committed}: the checkpoint folder was removed, and starting over would delete the committed "
+                            f"steps, so nothing was deleted; {_RESTORE}")
 
     def check_resume(self, state: dict[str, Any]) -> None:
         """Refuse, before anything is deleted, a checkpoint that does not match the records
@@ -411,6 +445,11 @@ class RunDir:
         if state["position"] < step:
             raise UserError(f"{path}: position {state['position']} is less than step {step} (each step draws at least one "
                             f"task): not a state `mas-trainer fit` wrote, so nothing was deleted; {_RESTORE}")
+        committed = self.committed()
+        if committed > step:
+            raise UserError(f"{path} says step {step}, but {self.commits_path.name} says a checkpoint was committed at step "
+                            f"{committed}: the state is older than the run's last checkpoint and resuming from it would "
+                            f"delete committed steps, so nothing was deleted; {_RESTORE}")
         train, last, where = self._records()
         reached = max(train, default=0)
         if step > reached:
@@ -448,7 +487,8 @@ class RunDir:
     def commit(self, state: dict[str, Any]) -> None:
         """Make the staged folder the checkpoint. Everything it covers is on disk first (the
         steps' records, the staged files, state.json last), then one rename, then the run
-        directory is fsynced so the rename itself survives a power loss."""
+        directory is fsynced so the rename itself survives a power loss; then the commit's own
+        record, a line of checkpoints.jsonl (never on disk before the rename it records)."""
         self.sync()
         fsync_tree(self._staging)
         with (self._staging / "state.json").open("w") as f:
@@ -461,6 +501,15 @@ class RunDir:
             os.replace(self.checkpoint, self._old)
         os.replace(self._staging, self.checkpoint)
         fsync_path(self.root)
+        new = not self.commits_path.exists()
+        with self.commits_path.open("a+b") as f:
+            f.seek(0, os.SEEK_END)
+            cut = f.tell() > 0 and os.pread(f.fileno(), 1, f.tell() - 1) != b"\n"  # a line cut by a kill: end it
+            f.write(b"\n" * cut + json.dumps({"step": state["step"]}).encode() + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+        if new:
+            fsync_path(self.root)
         shutil.rmtree(self._old, ignore_errors=True)
 
     def load_state(self) -> dict[str, Any] | None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import re
 import statistics
 import threading
@@ -320,6 +321,22 @@ class ViewSource:
             return None
         return real
 
+    def _all_inside(self, folder: Path) -> bool:
+        """Whether everything under `folder` (links followed) passes `inside`: the tokenizer
+        loader reads files of its choosing there (vocabulary, merges, templates, config.json), so
+        one file that links out of the run, is not a regular file (a FIFO would stall the load),
+        or is a broken link refuses the whole folder, with the warning `inside` gives."""
+        seen = 0
+        for dirpath, dirs, files in os.walk(folder, followlinks=True):
+            for name in [*dirs, *files]:
+                seen += 1
+                if seen > _MAX_FOLDER_ENTRIES:  # links in a loop, or not a policy folder
+                    self._warn(f"{self._label(folder)}: over {_MAX_FOLDER_ENTRIES} files; its tokenizer is not used", None)
+                    return False
+                if self.inside(Path(dirpath) / name, folder=name in dirs) is None:
+                    return False
+        return True
+
     # --- files ---------------------------------------------------------------------------------
     def step_files(self, warnings: list[str] | None = None) -> list[_StepFile]:
         if self.single is not None:
@@ -571,7 +588,8 @@ class ViewSource:
         elif self.root is not None:
             # the policy name comes from the trajectory: a plain name, a folder inside the run
             folder = self.inside(self.root / "checkpoint" / "policies" / policy, folder=True) if STEP_NAME.match(policy) else None
-            if folder is not None and any(self.inside(folder / f) for f in ("tokenizer_config.json", "tokenizer.json")):
+            if (folder is not None and any((folder / f).is_file() for f in ("tokenizer_config.json", "tokenizer.json"))
+                    and self._all_inside(folder)):
                 candidates.append((str(folder), f"checkpoint/policies/{policy}"))
             base = _dict(_dict(_dict(self.app()).get("policies")).get(policy)).get("base_model")
             if isinstance(base, str) and base:
@@ -670,6 +688,7 @@ class ViewSource:
 
 
 # --- helpers -----------------------------------------------------------------------------------
+_MAX_FOLDER_ENTRIES = 10_000  # files and folders checked in a policy folder before its tokenizer is loaded
 _TOKENIZERS: dict[tuple[str, int], Any] = {}
 _TOKENIZERS_LOCK = threading.Lock()
 

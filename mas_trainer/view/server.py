@@ -15,8 +15,13 @@ file goes through :meth:`ViewSource.inside`, for the API and the static file ali
 ``Host`` header other than the server's own address is refused (DNS rebinding).
 
 A connection that sends nothing, or stops mid-request, is dropped after `idle_timeout`
-seconds; at most `max_connections` are handled at once, more get a 503 at once, so idle or
-slow clients cannot pile up threads.
+seconds; at most `max_connections` are open at once (a thread each). When a new connection
+finds them all open, the one idle the longest with no request under way (waiting for its next
+request, or still sending one) is closed to make room, so idle or slow clients cannot keep a
+new one out; only when every open connection has a request being answered is the new one
+refused with a 503. (The gateway's `transport.Connections` does the same on an event loop, for
+uvicorn's protocols, and tells keyed clients from anonymous ones; the viewer has no keys and a
+thread per connection, so it keeps its own table here.)
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ log = logging.getLogger(__name__)
 HOST = "127.0.0.1"
 IDLE_TIMEOUT_S = 30.0
 MAX_CONNECTIONS = 32
+_EVICT_WAIT_S = 5.0  # how long a new connection waits for the closed one's thread to end (it takes milliseconds)
 _BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\nConnection: close\r\n"
          b"Content-Length: 35\r\n\r\ntoo many open connections, retry.\r\n")
 
@@ -136,6 +142,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.do_GET()
 
     def do_GET(self) -> None:  # noqa: N802
+        if not self.server.request_begins(self.connection):  # closed to make room for a new connection
+            self.close_connection = True
+            return
         try:
             self._route()
         except (BrokenPipeError, ConnectionResetError):
@@ -145,9 +154,19 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception as exc:  # noqa: BLE001 - one bad file must not take the server down
             log.exception("view: %s failed", self.path)
             self._error(500, f"{type(exc).__name__}: {str(exc)[:300]}")
+        finally:
+            self.server.request_ends(self.connection)
 
     def _bad_method(self) -> None:
-        self._error(HTTPStatus.METHOD_NOT_ALLOWED, "only GET and HEAD")
+        if not self.server.request_begins(self.connection):
+            self.close_connection = True
+            return
+        try:
+            self._error(HTTPStatus.METHOD_NOT_ALLOWED, "only GET and HEAD")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        finally:
+            self.server.request_ends(self.connection)
 
     do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _bad_method  # type: ignore[assignment]
 
@@ -203,10 +222,21 @@ class _Handler(BaseHTTPRequestHandler):
         return self._send(200, real.read_bytes(), ctype, {"Content-Security-Policy": "default-src 'none'; sandbox"})
 
 
+class _Conn:
+    """An open connection: `busy` while a request of it is being answered; `evicted` once closed
+    to make room; `done` when its thread has ended."""
+
+    __slots__ = ("sock", "busy", "evicted", "done")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.busy, self.evicted, self.done = sock, False, False, threading.Event()
+
+
 class ViewServer(ThreadingHTTPServer):
     """The view's HTTP server on 127.0.0.1:`port` (0: any free port); `url` once bound.
 
-    `idle_timeout`: seconds a connection may wait on its client; `max_connections`: handled at once.
+    `idle_timeout`: seconds a connection may wait on its client; `max_connections`: open at once
+    (the one idle the longest makes room for a new one, see the module's doc).
     """
 
     daemon_threads = True
@@ -219,7 +249,9 @@ class ViewServer(ThreadingHTTPServer):
                             f"(got {idle_timeout}, {max_connections})")
         self.source = source
         self.idle_timeout = float(idle_timeout)
-        self._slots = threading.BoundedSemaphore(max_connections)
+        self.max_connections = max_connections
+        self._lock = threading.Lock()
+        self._conns: dict[Any, _Conn] = {}  # by socket, the least recently active first
         try:
             super().__init__((HOST, port), _Handler)
         except OSError as exc:
@@ -230,21 +262,62 @@ class ViewServer(ThreadingHTTPServer):
 
     def process_request(self, request: Any, client_address: Any) -> None:
         # a thread per connection, but never more than max_connections of them
-        if not self._slots.acquire(blocking=False):
-            log.info("view: %s refused: too many open connections", client_address)
+        if not self._make_room(client_address):
+            log.info("view: %s refused: every open connection has a request under way", client_address)
             self._refuse(request)
             return
+        with self._lock:
+            self._conns[request] = _Conn(request)
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._slots.release()
+            self._forget(request)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            self._forget(request)
+
+    def _forget(self, request: Any) -> None:
+        with self._lock:
+            conn = self._conns.pop(request, None)
+        if conn is not None:
+            conn.done.set()
+
+    def _make_room(self, client_address: Any) -> bool:
+        """True when a new connection may open: below the cap, or once the connection idle the
+        longest with no request under way has been closed and its thread has ended."""
+        with self._lock:
+            if len(self._conns) < self.max_connections:
+                return True
+            victim = next((c for c in self._conns.values() if not c.busy and not c.evicted), None)
+            if victim is None:
+                return False
+            victim.evicted = True
+        log.info("view: closed the connection idle the longest to make room for %s", client_address)
+        try:
+            victim.sock.shutdown(socket.SHUT_RDWR)  # its thread's read returns at once, and the thread ends
+        except OSError:
+            pass
+        return victim.done.wait(_EVICT_WAIT_S)
+
+    def request_begins(self, sock: Any) -> bool:
+        """A request of this connection is to be answered: False if it was closed to make room."""
+        with self._lock:
+            conn = self._conns.get(sock)
+            if conn is None or conn.evicted:
+                return False
+            conn.busy = True
+            return True
+
+    def request_ends(self, sock: Any) -> None:
+        with self._lock:
+            conn = self._conns.pop(sock, None)
+            if conn is not None:  # the most recently active now: the last to be closed
+                conn.busy = False
+                self._conns[sock] = conn
 
     def _refuse(self, request: socket.socket) -> None:
         try:

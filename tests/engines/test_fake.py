@@ -36,10 +36,22 @@ async def test_max_tokens_and_stop():
 
 
 async def test_callable_reply_and_concurrency():
-    engine = FakeEngine(reply=lambda prompt, params, i: f"{len(prompt)}-{i}", latency_s=1.0)
-    start = asyncio.get_running_loop().time()
+    engine = FakeEngine(reply=lambda prompt, params, i: f"{len(prompt)}-{i}", latency_s=600.0)
+    pending = [asyncio.create_task(engine.generate([0] * k, SamplingParams(n=2))) for k in range(1, 9)]
+
+    async def all_in_flight() -> None:
+        while len(engine.calls) < 8:
+            await asyncio.sleep(0.01)
+
+    try:  # the latencies overlap: all 8 calls are in theirs at once (one after the other, one would be)
+        await asyncio.wait_for(all_in_flight(), timeout=120)  # a hang guard, not a clock: the latency is 600 s
+        assert not any(t.done() for t in pending)
+    finally:
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    engine.latency_s = 0.0
     results = await asyncio.gather(*(engine.generate([0] * k, SamplingParams(n=2)) for k in range(1, 9)))
-    assert asyncio.get_running_loop().time() - start < 7  # the latency overlaps: one after the other would take 8 s
     assert [[g.text for g in r] for r in results][2] == ["3-0", "3-1"]
 
 

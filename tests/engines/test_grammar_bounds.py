@@ -229,7 +229,9 @@ def test_slow_schemas_do_not_stall_serve(engine, tiny):
         socks = [_raw(server.port, {"model": "tiny", "messages": msgs, "max_tokens": 4, "stream": i % 2 == 0, "response_format":
                                     {"type": "json_schema", "json_schema": {"name": "s", "schema": slow(40_000 + i)}}})
                  for i in range(min(32, (os.cpu_count() or 1) + 4) + 2)]
-        time.sleep(2)
+        deadline = time.monotonic() + HANG  # a hang guard: every slow schema has reached the engine
+        while engine._grammars.compiling() < len(socks) and time.monotonic() < deadline:
+            time.sleep(0.05)
         r = httpx.post(url, json={"model": "tiny", "messages": msgs, "max_tokens": 3}, timeout=HANG)
         assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 3, r.text
         r = httpx.post(url, json={"model": "tiny", "messages": msgs, "max_tokens": 16, "response_format": fmt}, timeout=HANG)

@@ -19,11 +19,11 @@ MSG = [{"role": "user", "content": "hi"}]
 
 
 class Slow(FakeEngine):
-    """Takes 60 s an answer; streams its first token at once, then nothing for 60 s; records
+    """Takes 600 s an answer; streams its first token at once, then nothing for 600 s; records
     how its generations ended."""
 
     def __init__(self) -> None:
-        super().__init__(latency_s=60.0, token_latency_s=60.0, reply="never")
+        super().__init__(latency_s=600.0, token_latency_s=600.0, reply="never")
         self.started = threading.Event()
         self.starts: list[str] = []
         self.ended: list[str] = []
@@ -41,7 +41,7 @@ class Slow(FakeEngine):
         self.started.set()
         try:
             yield Delta(0, [100], "a")  # the status line goes out: from here the stream is the response
-            await asyncio.sleep(60)
+            await asyncio.sleep(600)
         finally:
             self.ended.append("stream")
 
@@ -66,24 +66,25 @@ def test_stop_answers_a_plain_and_a_streamed_call_in_flight(capfd, caplog):
     got: dict[str, object] = {}
 
     def plain():
-        got["plain"] = httpx.post(f"{server.base_url}/chat/completions", json={"model": "m", "messages": MSG}, timeout=30)
+        got["plain"] = httpx.post(f"{server.base_url}/chat/completions", json={"model": "m", "messages": MSG}, timeout=300)
 
     def streamed():
-        with httpx.stream("POST", f"{server.base_url}/chat/completions", timeout=30,
+        with httpx.stream("POST", f"{server.base_url}/chat/completions", timeout=300,
                           json={"model": "m", "messages": MSG, "stream": True}) as r:
             got["stream"] = [line for line in r.iter_lines() if line]
 
     threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 120  # a hang guard: the condition, not the clock, ends the wait
     while len(engine.starts) < 2 and time.monotonic() < deadline:  # both calls are at the engine
         time.sleep(0.01)
+    assert len(engine.starts) == 2
     t0 = time.monotonic()
     server.stop()
     for t in threads:
-        t.join(60)
-    assert time.monotonic() - t0 < 40  # a hang guard: the engine would answer in 60 s
+        t.join(300)
+    assert time.monotonic() - t0 < 300  # a hang guard: the engine would answer in 600 s
     plain_reply = got["plain"]
     assert plain_reply.status_code == 503 and plain_reply.headers["x-should-retry"] == "false"
     assert plain_reply.json()["error"]["code"] == "shutting_down"
@@ -105,18 +106,18 @@ def test_end_rollouts_answers_that_rollouts_calls_and_refuses_its_later_ones(cap
     try:
         replies = []
         thread = threading.Thread(target=lambda: replies.append(httpx.post(
-            f"{server.base_url}/chat/completions", json={"model": "m", "messages": MSG}, headers=headers, timeout=30)))
+            f"{server.base_url}/chat/completions", json={"model": "m", "messages": MSG}, headers=headers, timeout=300)))
         thread.start()
-        assert engine.started.wait(10)
+        assert engine.started.wait(120)  # hang guards: the engine would answer in 600 s
         gw.end_rollouts(["r0"])  # another rollout: this call runs on
         time.sleep(0.2)
         assert thread.is_alive()
         gw.end_rollouts(["r1"])
-        thread.join(10)
+        thread.join(120)
         (reply,) = replies
         assert reply.status_code == 503 and reply.json()["error"]["code"] == "rollout_ended"
         assert reply.headers["x-should-retry"] == "false" and engine.ended == ["generate"]
-        later = httpx.post(f"{server.base_url}/chat/completions", json={"model": "m", "messages": MSG}, headers=headers, timeout=30)
+        later = httpx.post(f"{server.base_url}/chat/completions", json={"model": "m", "messages": MSG}, headers=headers, timeout=120)
         assert later.status_code == 503 and json.loads(later.text)["error"]["code"] == "rollout_ended"
         assert len(engine.ended) == 1  # refused before it reached the engine
     finally:

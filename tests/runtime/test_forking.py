@@ -31,7 +31,7 @@ def forked(keywords=None, reward=None, n=N, seed=7, checkpointer=None, builder="
         return load_object(f"{APP}:reply")(ids, params, i)
 
     with Session(backend_factory=lambda _m: PolicyBackend(FakeEngine(latency_s=0.0, reply=reply), FakeChatFormat()),
-                 timeout_s=30) as session:
+                 timeout_s=300) as session:  # a hang guard
         extra = {"checkpointer": checkpointer} if checkpointer is not None else {}
         graph = load_object(f"{APP}:{builder}")(**extra, **(keywords or {}))
         app = session.load_app(graph)

@@ -347,6 +347,9 @@ def test_commit_makes_records_and_checkpoint_durable_before_the_rename(tmp_path,
     staged = {real(p) for p in (staging / "state.json", staging, policy / "model.safetensors", policy, staging / "policies")}
     assert {real(traj), real(run.traj_dir), real(run.metrics_path), real(run.root / "config.yaml")} | staged <= before
     assert ("fsync", real(run.root)) in events[i + 1:]
+    # the commit's own record (checkpoints.jsonl) is durable only after the rename is
+    j = events.index(("fsync", real(run.root)), i + 1)
+    assert ("fsync", real(run.commits_path)) in events[j + 1:] and ("fsync", real(run.commits_path)) not in events[:j]
     # cheap: the next checkpoint fsyncs only what was written since this one
     events.clear()
     run.write_trajectories(2, ['{"rollout_id": "b"}'])
@@ -354,7 +357,7 @@ def test_commit_makes_records_and_checkpoint_durable_before_the_rename(tmp_path,
     run.commit({"step": 2})
     folders = {real(p) for p in (run.root, run.traj_dir, staging, staging / "policies")}
     files = {e[1] for e in events if e[0] == "fsync"} - folders
-    assert files == {real(run.traj_dir / "step_000002.jsonl"), real(staging / "state.json")}
+    assert files == {real(run.traj_dir / "step_000002.jsonl"), real(staging / "state.json"), real(run.commits_path)}
 
 
 def test_a_live_run_directory_is_refused_and_its_lock_dies_with_its_holder(tmp_path):
@@ -408,7 +411,7 @@ _RAYLET = """
 import subprocess, sys, time
 agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], env={})
 print(agent.pid, flush=True)
-time.sleep(2.5)
+time.sleep(6)  # the watchdog scans every second while the driver lives: it sees the agent as this one's child
 """
 
 
@@ -417,6 +420,13 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def test_the_watchdog_ends_an_orphan_of_the_instance_whose_environment_hides_the_mark():
@@ -428,12 +438,16 @@ def test_the_watchdog_ends_an_orphan_of_the_instance_whose_environment_hides_the
     driver = subprocess.Popen([sys.executable, "-c", _DRIVER, _RAYLET], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     agent = int(driver.stdout.readline())
     try:
-        time.sleep(4)  # the raylet has died; the agent is an orphan with no mark to find
+        raylet = _parent(agent)
+        deadline = time.monotonic() + 120  # hang guards: the conditions end the waits
+        while _parent(agent) == raylet and time.monotonic() < deadline:  # the raylet has died: the agent is
+            time.sleep(0.1)  # an orphan with no mark to find
+        assert _parent(agent) not in (None, raylet)
         assert _alive(agent) and b"MAS_TRAINER_RAY_OWNER" not in Path(f"/proc/{agent}/environ").read_bytes()
         driver.kill()
         driver.wait()
-        deadline = time.time() + 10
-        while _alive(agent) and time.time() < deadline:
+        deadline = time.monotonic() + 120
+        while _alive(agent) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not _alive(agent)
     finally:

@@ -75,6 +75,22 @@ def test_a_negative_step_in_state_json_is_refused_and_nothing_deleted(finished, 
     assert _files(out) == before
 
 
+def test_a_state_one_save_interval_behind_is_refused_and_nothing_deleted(finished, tmp_path, capsys):
+    """save_every=1, checkpoint committed at step 2, state.json edited to say step 1: the row of
+    step 2 is where step 1's next checkpoint would be, so only checkpoints.jsonl (a line per
+    commit) proves step 2 was committed; resume must not truncate it."""
+    out = _copy(finished, tmp_path)
+    _state(out, step=1, position=2)
+    before = _files(out)
+    rc, errors, _ = _cli(capsys, out, "--resume", "steps=3")
+    assert rc == 2
+    assert errors == [f"mas-trainer fit: error: {out}/checkpoint/state.json says step 1, but checkpoints.jsonl says a "
+                      "checkpoint was committed at step 2: the state is older than the run's last checkpoint and resuming "
+                      "from it would delete committed steps, so nothing was deleted; restore the run's own checkpoint "
+                      "folder from a backup, or train into a new --output"]
+    assert _files(out) == before
+
+
 def test_a_damaged_metrics_line_keeps_the_intact_rows_after_it_and_resume_counts_each_step_once(finished, tmp_path, caplog):
     """A garbage line between the rows of steps 1 and 2, and what a `fit --resume steps=3` killed
     in step 3 leaves (its config, step 3's row and trajectories, after the checkpoint of step 2):

@@ -124,6 +124,58 @@ def test_a_state_behind_a_committed_checkpoint_is_refused_and_nothing_deleted(tm
     assert _files(run) == before
 
 
+def _commit(run, step):
+    """Commit a checkpoint of step `step` with the same files as `_run`'s."""
+    staging = run.staging()
+    (staging / "policies" / "solo").mkdir()
+    _safetensors(staging / "policies" / "solo" / "model.safetensors")
+    (staging / "policies" / "solo" / "config.json").write_text('{"model_type": "llama"}')
+    (staging / "learner" / "solo").mkdir(parents=True)
+    torch.save({"learner": {"step": torch.tensor(3.0)}}, staging / "learner" / "solo" / "optimizer.pt")
+    run.commit(_state(step=step, position=2 * step))
+
+
+def test_a_state_one_save_interval_behind_is_refused_by_the_commit_log(tmp_path):
+    """save_every=1, checkpoints committed at steps 1, 2, 3; state.json edited to say 2: its
+    records alone cannot tell (row 3 is where the next checkpoint would be), checkpoints.jsonl can."""
+    run = _run(tmp_path / "run", steps=8, save_every=1, checkpoint=1, written=3)
+    _commit(run, 2)
+    _commit(run, 3)
+    assert run.commits_path.read_text() == '{"step": 1}\n{"step": 2}\n{"step": 3}\n'
+    (run.checkpoint / "state.json").write_text(json.dumps(_state(step=2, position=4)))
+    before = _files(run)
+    with pytest.raises(UserError, match=r"state.json says step 2, but checkpoints.jsonl says a checkpoint was committed "
+                                        r"at step 3: .* so nothing was deleted; restore the run's own checkpoint"):
+        run.check_resume(run.load_state())
+    assert _files(run) == before
+
+
+def test_a_kill_between_the_rename_and_the_commit_log_resumes(tmp_path):
+    """The state is ahead of checkpoints.jsonl (its line never written, or cut by the kill): fine;
+    the next commit starts a fresh line after a cut one."""
+    run = _run(tmp_path / "run", steps=8, save_every=1, checkpoint=1, written=2)
+    _commit(run, 2)
+    run.commits_path.write_text('{"step": 1}\n{"st')
+    assert run.committed() == 1
+    run.check_resume(run.load_state())
+    _commit(run, 3)
+    assert run.commits_path.read_text().splitlines()[1:] == ['{"st', '{"step": 3}']
+    assert run.committed() == 3
+
+
+def test_a_run_whose_checkpoint_was_removed_is_not_started_over_on_the_commit_log(tmp_path):
+    """The records alone allow starting over (nothing past step 2), the commit log does not."""
+    run = _run(tmp_path / "run", steps=8, checkpoint=2, written=2)
+    import shutil
+
+    shutil.rmtree(run.checkpoint)
+    before = _files(run)
+    with pytest.raises(UserError, match=r"has no checkpoint, but its checkpoints.jsonl says one was committed at step 2: "
+                                        r".*nothing was deleted"):
+        run.check_start_over()
+    assert _files(run) == before
+
+
 def test_records_up_to_the_next_checkpoint_are_what_a_kill_leaves(tmp_path):
     """Killed while committing step 4 (its rows written): resuming from 2 reruns 3 and 4."""
     run = _run(tmp_path / "run", steps=8, checkpoint=2, written=4, val=(0, 4))

@@ -124,6 +124,30 @@ def test_a_policy_name_cannot_climb_out_of_the_checkpoint_folder(tmp_path):
     assert step["tokenizers"] == {"../../../outside/tok": "no tokenizer found (pass --tokenizer): token ids shown"}
 
 
+@pytest.mark.parametrize("linked", ["tokenizer.json", "chat_template.jinja", "extra"])
+def test_a_policy_folder_with_any_file_linked_out_is_not_used_for_its_tokenizer(tmp_path, caplog, linked):
+    """The tokenizer loader reads files of its own choosing in the folder: each must be inside
+    the run (was: only one of tokenizer_config.json / tokenizer.json was checked)."""
+    folder = tmp_path / "run" / "checkpoint" / "policies" / "p"
+    load_tokenizer("tiny").save_pretrained(folder)
+    run = _run(tmp_path)
+    call = {"id": "c0", "policy": "p", "response_ids": [72, 105], "response_logprobs": [-0.1, -0.2]}
+    (run / "trajectories" / "step_000001.jsonl").write_text(_lines(_traj("s000001-t00000-r0", llm_calls=[call])))
+    assert ViewSource(run).step("step_000001")["tokenizers"] == {"p": "checkpoint/policies/p"}  # all inside: used
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    if linked == "extra":  # a folder of the policy's that links out
+        (folder / "extra").symlink_to(outside, target_is_directory=True)
+    else:
+        (folder / linked).rename(outside / linked)
+        (folder / linked).symlink_to(outside / linked)
+    with caplog.at_level(logging.WARNING, logger="mas_trainer.view"):
+        step = ViewSource(run).step("step_000001")
+    assert step["tokenizers"] == {"p": "no tokenizer found (pass --tokenizer): token ids shown"}
+    assert step["rollouts"][0]["llm_calls"][0]["pieces"] is None
+    assert f"{linked}: leads out of the run directory; skipped" in caplog.text
+
+
 # --- lines nobody can read ----------------------------------------------------------------------------
 @pytest.fixture
 def deep_run(tmp_path):
@@ -216,27 +240,56 @@ def test_idle_and_stalled_connections_are_closed(linked_run, serve):
     assert _get(srv.port, "/api/index")[0] == 200
 
 
-def test_connections_beyond_the_cap_are_refused_not_threaded(linked_run, serve):
-    srv = serve(ViewSource(linked_run), idle_timeout=30, max_connections=3)
+def test_idle_connections_cannot_keep_a_new_client_out(linked_run, serve):
+    """More idle sockets than the cap (the defaults: 32, 30 s idle timeout), some of them halfway
+    through a request: a new client is still answered at once (the bound is a hang guard), the
+    ones idle the longest are closed to make room, and the threads stay within the cap."""
+    srv = serve(ViewSource(linked_run))
     before = threading.active_count()
-    idle = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(20)]
+    idle = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(40)]
+    for s in idle[::4]:  # a request that never ends its headers: no request under way yet
+        s.sendall(f"GET /api/index HTTP/1.1\r\nHost: 127.0.0.1:{srv.port}\r\n".encode())
     try:
-        with socket.create_connection(("127.0.0.1", srv.port)) as extra:
-            extra.settimeout(30)
-            assert extra.recv(100).startswith(b"HTTP/1.0 503")
-        assert threading.active_count() - before <= 3
+        t0 = time.monotonic()
+        assert _get(srv.port, "/api/index")[0] == 200
+        assert time.monotonic() - t0 < 60  # a hang guard: the idle timeout alone would take 30 s and renew
+        assert _closed_by_server(idle[0]) and _closed_by_server(idle[8])  # the oldest went first
+        assert threading.active_count() - before <= 32
     finally:
         for s in idle:
             s.close()
-    for _ in range(300):  # the handlers see the closed sockets and give their slots back
-        try:
-            if _get(srv.port, "/api/index")[0] == 200:
-                break
-        except (ConnectionError, http.client.HTTPException):
-            pass
-        time.sleep(0.1)
-    else:
-        pytest.fail("the server did not take connections again after the idle ones closed")
+
+
+def test_a_new_connection_is_refused_only_when_every_open_one_is_being_answered(linked_run, serve, monkeypatch):
+    """The 503 is kept for a server whose every connection has a request being answered: a
+    request under way is never cut to make room."""
+    source = ViewSource(linked_run)
+    release, entered = threading.Event(), threading.Semaphore(0)
+    index = source.index
+
+    def slow_index():
+        entered.release()
+        release.wait(120)  # a hang guard
+        return index()
+
+    monkeypatch.setattr(source, "index", slow_index)
+    srv = serve(source, idle_timeout=30, max_connections=2)
+    got: list[int] = []
+    busy = [threading.Thread(target=lambda: got.append(_get(srv.port, "/api/index")[0])) for _ in range(2)]
+    for t in busy:
+        t.start()
+    try:
+        for _ in busy:
+            assert entered.acquire(timeout=120)  # both requests are being answered
+        with socket.create_connection(("127.0.0.1", srv.port)) as extra:
+            extra.settimeout(120)
+            assert extra.recv(100).startswith(b"HTTP/1.0 503")
+    finally:
+        release.set()
+        for t in busy:
+            t.join(120)
+    assert got == [200, 200]
+    assert _get(srv.port, "/api/index")[0] == 200
 
 
 def test_server_settings_are_checked(tmp_path):
