@@ -120,7 +120,7 @@ class TorchLearner:
     ``reference``: a frozen model for the KL loss; without one a deep copy of ``model`` is
     taken at construction when ``config.kl_coef > 0`` (and none is kept otherwise; with LoRA
     the reference is ``model`` with its adapter off). ``adapter``: a saved adapter folder to
-    continue training (LoRA, on resume); ``base_spec``: the model spec a new adapter records
+    continue training (LoRA, on resume); ``base_model``: the model reference a new adapter records
     as its base.
     """
 
@@ -132,7 +132,7 @@ class TorchLearner:
         reference: Any = None,
         pad_id: int | None = None,
         adapter: str | Path | None = None,
-        base_spec: str = "default",
+        base_model: str = "default",
     ) -> None:
         from verl.trainer.ppo import core_algos
         from verl.utils import torch_functional as verl_F
@@ -150,7 +150,7 @@ class TorchLearner:
             import mas_trainer.learners.lora as lora
 
             self.peft = lora.open_adapter(model, adapter) if adapter is not None else lora.add_adapter(
-                model, rank=config.lora_rank, alpha=config.lora_alpha, target_modules=config.target_modules, base_spec=base_spec,
+                model, rank=config.lora_rank, alpha=config.lora_alpha, target_modules=config.target_modules, base_model=base_model,
                 layers=config.lora_layers)
         self._params = [p for p in model.parameters() if p.requires_grad]
         fused = config.fused_adamw if isinstance(config.fused_adamw, bool) else (

@@ -55,7 +55,7 @@ class WorkerGroup:
 
             # built before a LoRA adapter is injected: the value model copies the plain body
             self.critic = TorchCritic(model, plan.critic)
-        self.learner = TorchLearner(model, learner, reference=reference, adapter=adapter, base_spec=plan.reference or plan.model)
+        self.learner = TorchLearner(model, learner, reference=reference, adapter=adapter, base_model=plan.reference or plan.model)
 
     # --- serving ---------------------------------------------------------------------------
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, turn_id: str | None = None) -> list[Generation]:
