@@ -88,7 +88,7 @@ def summarize(trajs: list[Trajectory], *, timeouts_apart: bool = False) -> dict[
     that finished: a timeout says the machine was too slow, not how well the app did.
     Without it (training rows) they count as what they were trained with (reward.on_failure)."""
     row: dict[str, Any] = {"rollouts": len(trajs)}
-    status = defaultdict(int)
+    status: defaultdict[str, int] = defaultdict(int)
     for t in trajs:
         status[t.status] += 1
     row.update({f"rollouts/{k}": v for k, v in sorted(status.items())})
