@@ -248,8 +248,8 @@ def read_runs(folder: str | Path) -> Iterator[tuple[Trajectory, list[dict[str, A
                     graphs.setdefault(run_id, GraphRun.model_validate({**rec["graph"], "run_id": run_id}))
                     continue
                 if "feedback" in rec:
-                    fb = Feedback.model_validate({**rec["feedback"], "run_id": run_id})
-                    feedback.setdefault(run_id, []).append(fb.model_dump(mode="json", exclude_none=True))
+                    given = Feedback.model_validate({**rec["feedback"], "run_id": run_id})
+                    feedback.setdefault(run_id, []).append(given.model_dump(mode="json", exclude_none=True))
                     continue
                 call = LLMCall.model_validate(rec["call"])
             except (TypeError, KeyError, ValueError) as exc:

@@ -229,6 +229,8 @@ class TorchLearner:
         """`_forward` on the shared-prompt layout (``batch.shared``), same outputs: the logits
         that predict each response token are picked from its row and scattered to the turn layout."""
         shared, start = batch.shared, batch.response_start
+        if shared is None:
+            raise ValueError("_forward_shared needs a batch packed with share_prompts")
         width = shared.input_ids.shape[1]
         # every source column is >= (shortest prompt - 1) = start - 1: no logits are needed before it
         keep = dict(logits_to_keep=width - start + 1) if self._keeps_logits else {}

@@ -265,7 +265,7 @@ def wandb_history(root: str | Path, run_id: str) -> list[dict[str, Any]]:
     rows = []
     for path in sorted(Path(root, "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")):
         for raw in _wandb_records(path):
-            rec = pb.Record()
+            rec = pb.Record()  # type: ignore[attr-defined]  # protobuf-generated: wandb ships no stubs for it
             try:
                 rec.ParseFromString(raw)
             except Exception:  # noqa: BLE001 - a damaged record ends what can be read
@@ -298,7 +298,8 @@ class _WandB:
         # (WANDB_DISABLE_WEAVE: no advertisement for W&B Weave because openai is imported)
         with _env(WANDB_DISABLE_WEAVE=os.environ.get("WANDB_DISABLE_WEAVE", "true")):
             self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "mas-trainer"), name=root.resolve().name, id=run_id,
-                                  resume="allow", mode=mode, dir=str(root), config=params, settings=settings)
+                                  resume="allow", mode=mode,  # type: ignore[arg-type]  # WANDB_MODE as set; wandb checks it
+                                  dir=str(root), config=params, settings=settings)
         if mode != "offline" and self.run.resumed:  # online W&B knows its last step: earlier ones would be refused
             self.skip = {k: max(v, self.run.step - 1) for k, v in self.skip.items()}
         if new:
@@ -325,7 +326,8 @@ class Trackers:
         replace what the trackers had. `kept`: the rows up to it, for a tracker new to the run.
         `config`: the resolved config (MLflow params, flattened; W&B config)."""
         check_trackers(names)
-        self.root, self.trackers = Path(root), {}
+        self.root = Path(root)
+        self.trackers: dict[str, _TensorBoard | _MLflow | _WandB] = {}
         ids = _load_ids(self.root)
         kept, config = kept or [], config or {}
         try:
