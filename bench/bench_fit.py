@@ -23,7 +23,7 @@ PROMPTS = ["Name a fruit.", "Name a color.", "Say hello.", "Name an animal.",
 APP = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "words_app.py"
 
 
-def bare_grpo(model_spec: str, steps: int, samples: int, new_tokens: int, lr: float) -> list[float]:
+def bare_grpo(model_ref: str, steps: int, samples: int, new_tokens: int, lr: float) -> list[float]:
     import torch
 
     os.environ.setdefault("OPENAI_API_KEY", "bench")  # the fixture module builds its graph on import
@@ -32,7 +32,7 @@ def bare_grpo(model_spec: str, steps: int, samples: int, new_tokens: int, lr: fl
 
     from mas_trainer.engines.models import load_model
 
-    model, tok = load_model(model_spec)
+    model, tok = load_model(model_ref)
     tok.padding_side = "left"
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     chats = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in PROMPTS]
@@ -71,7 +71,7 @@ def bare_grpo(model_spec: str, steps: int, samples: int, new_tokens: int, lr: fl
     return times
 
 
-def fit_steps(model_spec: str, steps: int, samples: int, new_tokens: int, lr: float) -> list[float]:
+def fit_steps(model_ref: str, steps: int, samples: int, new_tokens: int, lr: float) -> list[float]:
     from rich.console import Console
 
     from mas_trainer.config import load_config
@@ -80,7 +80,7 @@ def fit_steps(model_spec: str, steps: int, samples: int, new_tokens: int, lr: fl
     cfg = load_config(overrides=[
         "runtime.execution=local", f"steps={steps}", f"rollout.tasks_per_step={len(PROMPTS)}", f"rollout.n={samples}",
         f"rollout.max_tokens={new_tokens}", f"runtime.max_batch_size={len(PROMPTS) * samples}", f"learner.lr={lr}",
-        f"learner.mini_batch_size={len(PROMPTS) * samples}", f"learner.micro_batch_size={len(PROMPTS) * samples}", "save_every=1000", "eval_every=1000", f"model={model_spec}",
+        f"learner.mini_batch_size={len(PROMPTS) * samples}", f"learner.micro_batch_size={len(PROMPTS) * samples}", "save_every=1000", "eval_every=1000", f"model={model_ref}",
     ])
     with tempfile.TemporaryDirectory() as out:
         rows = fit(f"{APP}:single", [{"question": p} for p in PROMPTS], cfg, Path(out) / "run",

@@ -42,7 +42,7 @@ def make_turns(vocab: int, batch: int, prompt: int, response: int, seed: int = 0
     return turns, records
 
 
-def time_torch(model_spec: str, turns: list, records: list, reps: int) -> list[float]:
+def time_torch(model_ref: str, turns: list, records: list, reps: int) -> list[float]:
     from dataclasses import replace
 
     from mas_trainer.algo.advantages import compute_policy_advantages
@@ -50,7 +50,7 @@ def time_torch(model_spec: str, turns: list, records: list, reps: int) -> list[f
     from mas_trainer.engines.models import load_model
     from mas_trainer.learners import LearnerConfig, TorchLearner
 
-    model, _ = load_model(model_spec)
+    model, _ = load_model(model_ref)
     adv = compute_policy_advantages(records, AdvantageConfig()).per_turn()
     learner = TorchLearner(model, LearnerConfig(lr=1e-7, mini_batch_size=len(turns), micro_batch_size=len(turns), shuffle=False))
     # old log-probs the engine would have returned (fp32): PPO ratios near 1, as in training
@@ -66,7 +66,7 @@ def time_torch(model_spec: str, turns: list, records: list, reps: int) -> list[f
     return out
 
 
-def time_verl(model_spec: str, world: int, turns: list, records: list, reps: int) -> tuple[list[float], list[float]]:
+def time_verl(model_ref: str, world: int, turns: list, records: list, reps: int) -> tuple[list[float], list[float]]:
     import ray
     from verl.single_controller.ray.base import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
@@ -77,7 +77,7 @@ def time_verl(model_spec: str, world: int, turns: list, records: list, reps: int
     from mas_trainer.runtime.verl_group import PolicyWorker
 
     n = len(turns)
-    plan = WorkerPlan(policy="p", model=model_spec, learner={"lr": 1e-7, "mini_batch_size": n, "micro_batch_size": n // world,
+    plan = WorkerPlan(policy="p", model=model_ref, learner={"lr": 1e-7, "mini_batch_size": n, "micro_batch_size": n // world,
                                                               "shuffle": False},
                       advantage={}, critic={}, resources=Resources(procs_per_node=world),
                       torch_threads=max(1, (os.cpu_count() or 1) // world))

@@ -433,7 +433,7 @@ def _parser() -> argparse.ArgumentParser:
 LOG_ENV = "MAS_TRAINER_LOG"
 
 
-def _configure_logging(spec: str) -> None:
+def _configure_logging(levels: str) -> None:
     """`MAS_TRAINER_LOG`: a level for all of mas-trainer and/or LOGGER=LEVEL pairs, comma
     separated (`INFO`, `mas_trainer.gateway=DEBUG`); WARNING by default. The handler sits on
     the `mas_trainer` logger only: other libraries' logging is left as it was."""
@@ -444,10 +444,10 @@ def _configure_logging(spec: str) -> None:
         handler.mas_trainer_cli = True  # type: ignore[attr-defined]
         top.addHandler(handler)
     top.setLevel(logging.WARNING)
-    for item in filter(None, (part.strip() for part in spec.split(","))):
+    for item in filter(None, (part.strip() for part in levels.split(","))):
         name, _, level = item.rpartition("=")
         if level.upper() not in logging.getLevelNamesMapping():
-            raise UsageError(f"{LOG_ENV}={spec!r}: {level!r} is not a level; write e.g. INFO or INFO,mas_trainer.gateway=DEBUG")
+            raise UsageError(f"{LOG_ENV}={levels!r}: {level!r} is not a level; write e.g. INFO or INFO,mas_trainer.gateway=DEBUG")
         logging.getLogger(name or "mas_trainer").setLevel(level.upper())
 
 

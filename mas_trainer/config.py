@@ -179,14 +179,17 @@ class RuntimeConfig(_Strict):
                                "torch learner on Ray only (verl's ranks take their pool's bundles)")
     torch_threads: int | None = Field(None, ge=1, description="torch threads per worker process (default: on CPU cores / "
                                       "processes: policies, or verl ranks); runtime.execution=ray only")
-    max_batch_size: int = Field(8, ge=1, description="engine rows decoded together")
-    batch_wait_ms: float = Field(50.0, ge=0, description="how long an idle engine waits for more requests to fill a batch")
+    max_batch_size: int = Field(8, ge=1, description="embedded and torch-replica engines: rows decoded together; on every "
+                                "engine also rollout.max_in_flight's default (vllm batches up to runtime.replica.max_num_seqs)")
+    batch_wait_ms: float = Field(50.0, ge=0, description="embedded and torch-replica engines: how long an idle engine waits for "
+                                 "more requests to fill a batch")
     prefix_cache_mb: float = Field(
-        0.0, ge=0, description="embedded engine: MiB for the K/V of prompt prefixes reused across requests (a group's prompt, "
-        "shared system prompts, earlier turns); cleared at every weight update; 0: off. Log-probs equal a full recompute "
-        "within fp32 rounding, which can flip a rare sample: a resumed run may then differ from an uninterrupted one")
+        0.0, ge=0, description="embedded and torch-replica engines: MiB for the K/V of prompt prefixes reused across requests "
+        "(a group's prompt, shared system prompts, earlier turns); cleared at every weight update; 0: off. Log-probs equal a "
+        "full recompute within fp32 rounding, which can flip a rare sample: a resumed run may then differ from an uninterrupted one")
     engine_bf16: bool | Literal["auto"] = Field(
-        "auto", description="bf16 autocast while generating (auto: where bf16 is fast: GPUs, CPUs with AVX512-BF16/AMX; log-probs then carry bf16 rounding like the learner's)")
+        "auto", description="embedded and torch-replica engines: bf16 autocast while generating (auto: where bf16 is fast: GPUs, "
+        "CPUs with AVX512-BF16/AMX; log-probs then carry bf16 rounding like the learner's); vllm: runtime.replica.dtype")
 
 
 class FitConfig(_Strict):
@@ -393,6 +396,11 @@ def _replicated(cfg: FitConfig) -> set[str]:
     return {cfg.engine_for(name) for name in ["", *cfg.policies]} - {"embedded"}
 
 
+def _only_vllm(cfg: FitConfig) -> bool:
+    """Every policy generates on vLLM: runtime.engine is vllm and no policy names another engine."""
+    return cfg.runtime.engine == "vllm" and all(p.engine in (None, "vllm") for p in cfg.policies.values())
+
+
 def resolve_learner(cfg: FitConfig, device: str | None) -> str | None:
     """`runtime.learner`, `auto` decided: verl on Ray where there are GPUs (device cuda) or rollout
     replicas, else torch; None while that waits on a device not yet decided (`auto`)."""
@@ -502,6 +510,12 @@ def _check_ignored(cfg: FitConfig, learner: str | None, device: str | None) -> N
         raise ConfigError("runtime.share_gpus pools the verl learner's GPUs" + (
             "; the torch learner's policies share GPUs with runtime.resources.gpus_per_proc below 1" if learner == "torch"
             else ", and this run is on CPU") + ": drop the key")
+    if _only_vllm(cfg):
+        for key, why in (("batch_wait_ms", "vLLM schedules its own batches"), ("engine_bf16", "vLLM's weights are in "
+                         "runtime.replica.dtype"), ("prefix_cache_mb", "vLLM caches prefixes itself")):
+            if getattr(rt, key) != RuntimeConfig.model_fields[key].default:
+                raise ConfigError(f"runtime.{key} sets the embedded and torch-replica engines; every policy here runs on "
+                                  f"vllm ({why}): drop the key")
     if rt.execution == "local":
         for key in ("worker_cpus", "torch_threads"):
             if getattr(rt, key) != RuntimeConfig.model_fields[key].default:

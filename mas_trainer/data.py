@@ -54,24 +54,24 @@ def load_tasks(data: str | Path | Iterable[dict[str, Any]]) -> list[dict[str, An
     return tasks
 
 
-def _hf_tasks(spec: str) -> list[dict[str, Any]]:
+def _hf_tasks(ref: str) -> list[dict[str, Any]]:
     """`hf:NAME[:CONFIG]:SPLIT` (or `hf:NAME`, split train): one task per row of a Hugging
     Face dataset, from the local cache or a folder when offline (`datasets.load_dataset`)."""
-    parts = spec[len(HF_PREFIX):].split(":")
+    parts = ref[len(HF_PREFIX):].split(":")
     if not parts[0] or len(parts) > 3 or not all(parts):
-        raise UserError(f"data {spec!r}: write hf:NAME, hf:NAME:SPLIT or hf:NAME:CONFIG:SPLIT (e.g. hf:hotpot_qa:distractor:validation)")
+        raise UserError(f"data {ref!r}: write hf:NAME, hf:NAME:SPLIT or hf:NAME:CONFIG:SPLIT (e.g. hf:hotpot_qa:distractor:validation)")
     name, config, split = parts[0], (parts[1] if len(parts) == 3 else None), (parts[-1] if len(parts) > 1 else "train")
     try:
         import datasets
     except ImportError as exc:
-        raise UserError(f"data {spec!r} needs the `datasets` package: pip install datasets") from exc
+        raise UserError(f"data {ref!r} needs the `datasets` package: pip install datasets") from exc
     datasets.disable_progress_bars()
     try:
         rows = datasets.load_dataset(name, config, split=split)
     except Exception as exc:  # noqa: BLE001 - datasets raises many types; the message says what
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"data {spec!r}: cannot load Hugging Face dataset {name!r} (config {config}, split {split!r}): {first}") from exc
+        raise UserError(f"data {ref!r}: cannot load Hugging Face dataset {name!r} (config {config}, split {split!r}): {first}") from exc
     tasks = [dict(row) for row in rows]
     if not tasks:
-        raise UserError(f"data {spec!r}: no rows")
+        raise UserError(f"data {ref!r}: no rows")
     return tasks

@@ -67,17 +67,17 @@ class GraphRun(BaseModel):
     error: str | None = Field(default=None, max_length=2000)
 
 
-def load_redactor(spec: str) -> Redactor:
+def load_redactor(target: str) -> Redactor:
     """`module:function`, a function from str to str."""
-    module, _, name = spec.partition(":")
+    module, _, name = target.partition(":")
     if not module or not name:
-        raise UserError(f"--redact {spec!r}: give module:function")
+        raise UserError(f"--redact {target!r}: give module:function")
     try:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:
-        raise UserError(f"--redact {spec!r}: {exc}") from None
+        raise UserError(f"--redact {target!r}: {exc}") from None
     if not callable(fn):
-        raise UserError(f"--redact {spec!r} is not callable")
+        raise UserError(f"--redact {target!r} is not callable")
     return fn  # type: ignore[no-any-return]
 
 
@@ -248,8 +248,8 @@ def read_runs(folder: str | Path) -> Iterator[tuple[Trajectory, list[dict[str, A
                     graphs.setdefault(run_id, GraphRun.model_validate({**rec["graph"], "run_id": run_id}))
                     continue
                 if "feedback" in rec:
-                    fb = Feedback.model_validate({**rec["feedback"], "run_id": run_id})
-                    feedback.setdefault(run_id, []).append(fb.model_dump(mode="json", exclude_none=True))
+                    given = Feedback.model_validate({**rec["feedback"], "run_id": run_id})
+                    feedback.setdefault(run_id, []).append(given.model_dump(mode="json", exclude_none=True))
                     continue
                 call = LLMCall.model_validate(rec["call"])
             except (TypeError, KeyError, ValueError) as exc:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command: set up .venv, the static checks (ruff: pyflakes + bugbear over the whole
-# repository; mypy over the core modules named in pyproject.toml), then the whole suite (tiny
+# repository; mypy over the package, as pyproject.toml names it), then the whole suite (tiny
 # model, fake upstreams, and one end-to-end test on the bundled SmolLM2 model).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -83,6 +83,28 @@ def test_the_same_keys_load_where_they_are_read():
     load_config(overrides=["runtime.learner=torch", "learner.fused_adamw=true", "runtime.worker_cpus=1", "runtime.torch_threads=2"])
 
 
+@pytest.mark.parametrize("key, value", [("batch_wait_ms", 5), ("engine_bf16", "true"), ("prefix_cache_mb", 64)])
+def test_an_embedded_engine_key_is_refused_when_every_policy_runs_on_vllm(key, value):
+    with pytest.raises(ConfigError, match=rf"^runtime.{key} sets the embedded and torch-replica engines; every policy here "
+                       r"runs on vllm \(.*\): drop the key$"):
+        load_config(overrides=["runtime.engine=vllm", f"runtime.{key}={value}"])
+    with pytest.raises(ConfigError, match=rf"runtime.{key} sets the embedded"):
+        load_config(overrides=["runtime.engine=vllm", "policies.p.engine=vllm", f"runtime.{key}={value}"])
+
+
+def test_embedded_engine_keys_load_where_an_engine_reads_them():
+    # defaults (a run's config.yaml spells every key), a policy on another engine, and max_batch_size, which is
+    # also rollout.max_in_flight's default on vllm
+    load_config(overrides=["runtime.engine=vllm", "runtime.batch_wait_ms=50", "runtime.engine_bf16=auto", "runtime.max_batch_size=32"])
+    load_config(overrides=["runtime.engine=vllm", "policies.p.engine=torch-replica", "runtime.batch_wait_ms=5"])
+    load_config(overrides=["runtime.engine=torch-replica", "runtime.engine_bf16=false", "runtime.prefix_cache_mb=64"])
+    from mas_trainer.config import describe_keys
+
+    for key in ("max_batch_size", "batch_wait_ms", "prefix_cache_mb", "engine_bf16"):
+        (line,) = [line for line in describe_keys() if line.startswith(f"  runtime.{key} = ")]
+        assert "embedded and torch-replica engines: " in line, line
+
+
 def test_an_unknown_key_names_the_closest_valid_one():
     with pytest.raises(ConfigError, match=r"unknown config key 'learner.lrr'; did you mean 'lr'\? valid keys here: lr, "):
         load_config(overrides=["learner.lrr=1e-5"])

@@ -114,3 +114,32 @@ def test_loading_the_config_imports_no_server_tracing_or_training_stack():
             "print(sorted(m for m in ('fastapi', 'opentelemetry', 'torch', 'ray', 'verl', 'langgraph') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
+
+
+# What `import mas_trainer.config` (every CLI command) loads of the package: the config modules,
+# the reward allocators the config checks names against (with the counterfactual one they
+# register) and the trajectory schema they read. A module added here is paid by `--help`.
+CONFIG_IMPORTS = {
+    "mas_trainer", "mas_trainer._lazy", "mas_trainer.config", "mas_trainer.errors",
+    "mas_trainer.algo", "mas_trainer.algo.config",
+    "mas_trainer.learners", "mas_trainer.learners.config",
+    "mas_trainer.rewards", "mas_trainer.rewards.allocators", "mas_trainer.rewards.config",
+    "mas_trainer.rewards.counterfactual", "mas_trainer.rewards.levels",
+    "mas_trainer.rollout", "mas_trainer.rollout.config",
+    "mas_trainer.trace", "mas_trainer.trace.schema",
+}
+
+
+def test_loading_the_config_imports_only_its_light_modules():
+    code = "import sys, mas_trainer.config; print(' '.join(sorted(m for m in sys.modules if m.startswith('mas_trainer'))))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert set(out.stdout.split()) == CONFIG_IMPORTS
+
+
+def test_lazy_packages_export_every_name_in_all():
+    import importlib
+
+    for package in ("mas_trainer.rewards", "mas_trainer.engines", "mas_trainer.algo", "mas_trainer.trace"):
+        mod = importlib.import_module(package)
+        missing = [name for name in mod.__all__ if not hasattr(mod, name)]
+        assert missing == [], (package, missing)

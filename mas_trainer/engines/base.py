@@ -17,7 +17,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncGenerator, AsyncIterator, Literal, Protocol, Sequence, runtime_checkable
 
-__all__ = ["SamplingParams", "choice_id", "Generation", "Delta", "Engine", "StreamingEngine", "ChatFormat", "stream_generation",
+__all__ = ["SamplingParams", "choice_id", "FinishReason", "Generation", "Delta", "Engine", "StreamingEngine", "ChatFormat", "stream_generation",
            "max_context", "cut_at_stop", "EngineUnavailable", "ENGINE_METRICS", "EngineMeter"]
 
 
@@ -43,6 +43,9 @@ class SamplingParams:
     ignore_eos: bool = False
 
 
+FinishReason = Literal["stop", "length"]  # an end-of-turn token or a stop string; max_tokens
+
+
 @dataclass
 class Generation:
     """One sampled choice.
@@ -57,7 +60,7 @@ class Generation:
     token_ids: list[int]
     logprobs: list[float]
     text: str
-    finish_reason: Literal["stop", "length"]
+    finish_reason: FinishReason
     prompt_ids: list[int] = field(default_factory=list)
 
 

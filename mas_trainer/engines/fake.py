@@ -13,7 +13,7 @@ import json
 import time
 from typing import Any, AsyncIterator, Callable, Sequence
 
-from mas_trainer.engines.base import Delta, Generation, SamplingParams, cut_at_stop
+from mas_trainer.engines.base import Delta, FinishReason, Generation, SamplingParams, cut_at_stop
 from mas_trainer.engines.chat import parse_tool_calls
 from mas_trainer.engines.streaming import TextStream
 
@@ -83,7 +83,7 @@ class FakeEngine:
     def _one(self, prompt_ids: Sequence[int], params: SamplingParams, index: int) -> Generation:
         text = self.reply(prompt_ids, params, index) if callable(self.reply) else self.reply
         ids = self._encode(text) + [self._eos()]
-        reason = "stop"
+        reason: FinishReason = "stop"
         if len(ids) > params.max_tokens:
             ids, reason = ids[: params.max_tokens], "length"
         out, cut = cut_at_stop(self._decode([i for i in ids if i != self._eos()]), params.stop)

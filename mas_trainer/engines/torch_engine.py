@@ -34,11 +34,12 @@ import concurrent.futures
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, AsyncIterator, Callable, Sequence
 
 import torch
 
-from mas_trainer.engines.base import Delta, Generation, SamplingParams, cut_at_stop
+from mas_trainer.engines.base import Delta, FinishReason, Generation, SamplingParams, cut_at_stop
 from mas_trainer.engines.grammar import COMPILE_TIMEOUT_S, SchemaGrammars
 from mas_trainer.engines.prefix_cache import PrefixCache
 from mas_trainer.engines.streaming import TextStream
@@ -133,7 +134,10 @@ class TorchEngine:
         # Batch state, touched only by the worker thread.
         self._rows: list[_Row] = []
         self._cache: Any = None
-        self._mask = self._pos = self._next = None
+        # a running batch's attention mask, next positions and next input tokens; None with no rows
+        self._mask: torch.Tensor | None = None
+        self._pos: torch.Tensor | None = None
+        self._next: torch.Tensor | None = None
         # Joining rows to a running batch edits the KV cache per layer, which is only sound
         # for full-attention layers; models with sliding windows fall back to static batches.
         from transformers import DynamicCache
@@ -337,7 +341,7 @@ class TorchEngine:
                 if left <= 0:
                     break
                 self._cond.wait(left)
-        admit = []
+        admit: list[_Row] = []
         while self._pending and len(self._rows) + len(admit) < self.max_batch_size:
             row = self._pending.popleft()
             if not row.req.future.done():  # cancelled while waiting
@@ -409,8 +413,7 @@ class TorchEngine:
         if self._prefix is not None:
             for i, p in enumerate(prompts):
                 real = mask[i].bool()  # the row's own tokens: prefix and rest, without the pads
-                self._prefix.store(p, lambda i=i, real=real: [(layer.keys[i][:, real], layer.values[i][:, real])
-                                                               for layer in cache.layers])
+                self._prefix.store(p, partial(_row_kv, cache, i, real))
         index = torch.tensor(which, device=self.device)
         if len(prompts) != len(rows):
             cache.batch_select_indices(index)
@@ -421,8 +424,8 @@ class TorchEngine:
                 row.matcher = xgr.GrammarMatcher(row.req.grammar)
         self.stats["prefills"] += 1
         running = (self._rows, self._cache, self._mask, self._pos, self._next)
-        self._rows, self._cache, self._mask, self._next = rows, cache, mask[index], None
-        self._pos = self._mask.sum(-1)
+        kept = mask[index]
+        self._rows, self._cache, self._mask, self._pos, self._next = rows, cache, kept, kept.sum(-1), None
         first = self._sample(out.logits[index, -1])
         fresh = (self._rows, self._cache, self._mask, self._pos, first)
         self._rows, self._cache, self._mask, self._pos, self._next = running
@@ -452,14 +455,17 @@ class TorchEngine:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
 
     def _decode(self) -> None:
+        mask, pos, nxt = self._mask, self._pos, self._next
+        if mask is None or pos is None or nxt is None:
+            raise RuntimeError("decode step without a running batch")
         ones = torch.ones((len(self._rows), 1), dtype=torch.long, device=self.device)
-        self._mask = torch.cat([self._mask, ones], dim=1)
+        self._mask = mask = torch.cat([mask, ones], dim=1)
         with self._autocast():
             out = self._model(
-                input_ids=self._next[:, None], attention_mask=self._mask, position_ids=self._pos[:, None],
+                input_ids=nxt[:, None], attention_mask=mask, position_ids=pos[:, None],
                 past_key_values=self._cache, use_cache=True,
             )
-        self._pos, self._next = self._pos + 1, None
+        self._pos, self._next = pos + 1, None
         self.stats["decode_steps"] += 1
         self.stats["batch_sizes"][len(self._rows)] += 1
         self._next = self._sample(out.logits[:, -1])
@@ -470,7 +476,10 @@ class TorchEngine:
         Both caches are left-aligned to the same length by left padding, which the
         attention mask hides; positions stay per row, so the math is unchanged.
         """
-        width = max(mask.shape[1], self._mask.shape[1])
+        mine_mask, mine_pos, mine_next = self._mask, self._pos, self._next
+        if mine_mask is None or mine_pos is None or mine_next is None:
+            raise RuntimeError("merge into no running batch")
+        width = max(mask.shape[1], mine_mask.shape[1])
 
         def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
             missing = width - t.shape[dim]
@@ -483,9 +492,9 @@ class TorchEngine:
         for mine, theirs in zip(self._cache.layers, cache.layers):
             mine.keys = torch.cat([pad(mine.keys, 2), pad(theirs.keys, 2)])
             mine.values = torch.cat([pad(mine.values, 2), pad(theirs.values, 2)])
-        self._mask = torch.cat([pad(self._mask, 1), pad(mask, 1)])
-        self._pos = torch.cat([self._pos, pos])
-        self._next = torch.cat([self._next, nxt])
+        self._mask = torch.cat([pad(mine_mask, 1), pad(mask, 1)])
+        self._pos = torch.cat([mine_pos, pos])
+        self._next = torch.cat([mine_next, nxt])
         self._rows = self._rows + rows
 
     def _keep(self, keep: list[int]) -> None:
@@ -494,6 +503,8 @@ class TorchEngine:
         if not keep:
             self._cache = self._mask = self._pos = self._next = None
             return
+        if self._mask is None or self._pos is None:
+            raise RuntimeError("rows kept of no running batch")
         index = torch.tensor(keep, device=self.device)
         mask = self._mask[index]
         self._pos = self._pos[index]
@@ -581,7 +592,7 @@ class TorchEngine:
     def _finished(self, row: _Row) -> bool:
         """Decide whether `row` is done; if so, file its Generation."""
         params, token = row.req.params, row.tokens[-1]
-        reason = None
+        reason: FinishReason | None = None
         if token in self.eos_ids and not params.ignore_eos:
             reason = "stop"
         elif row.matcher is not None and row.matcher.is_terminated():
@@ -612,6 +623,11 @@ class TorchEngine:
         tail = max(len(s) for s in stops) + 2
         text = self.tokenizer.decode(row.tokens[-tail:], skip_special_tokens=True)
         return any(s and s in text for s in stops)
+
+
+def _row_kv(cache: Any, i: int, real: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Row `i`'s K/V per layer in `cache`, only the columns of its own tokens (`real`: no pads)."""
+    return [(layer.keys[i][:, real], layer.values[i][:, real]) for layer in cache.layers]
 
 
 def load_engine(model: str, *, name: str, seed: int = 0, max_batch_size: int = 8, batch_wait_ms: float = BATCH_WAIT_MS,

@@ -13,7 +13,7 @@ only (~1e-7 relative), far below what the update moves.
 
 On disk a policy trained with LoRA is a peft adapter folder (``adapter_config.json``,
 ``adapter_model.safetensors``, the tokenizer), whose ``base_model_name_or_path`` is the
-mas-trainer model spec it was trained on (``default``, ``tiny`` or a folder):
+mas-trainer model reference it was trained on (``default``, ``tiny`` or a folder):
 `engines.models.load_model` turns such a folder into the merged model (eval, serve; the
 folder format is read there), `open_adapter` into a trainable one (``fit --resume``), and ``export`` writes it merged (a plain Hugging Face
 folder) or, with ``--adapter``, as the adapter itself.
@@ -28,7 +28,7 @@ from mas_trainer.errors import UserError
 
 __all__ = ["add_adapter", "open_adapter"]
 
-def add_adapter(model: Any, *, rank: int, alpha: float, target_modules: str | list[str], base_spec: str,
+def add_adapter(model: Any, *, rank: int, alpha: float, target_modules: str | list[str], base_model: str,
                 layers: int | None = None) -> Any:
     """Inject a fresh, trainable LoRA adapter into `model` (in place); returns the `PeftModel`.
 
@@ -56,8 +56,8 @@ def add_adapter(model: Any, *, rank: int, alpha: float, target_modules: str | li
         peft_model = get_peft_model(model, config)
     except ValueError as exc:  # e.g. a target module name the model does not have
         raise UserError(f"learner.target_modules={target_modules!r}: {str(exc).splitlines()[0]}") from None
-    # peft records the model's own name_or_path (none for `tiny`); the spec is what loads the base again
-    peft_model.peft_config["default"].base_model_name_or_path = base_spec
+    # peft records the model's own name_or_path (none for `tiny`); the model reference is what loads the base again
+    peft_model.peft_config["default"].base_model_name_or_path = base_model
     return peft_model
 
 

@@ -120,7 +120,7 @@ class TorchLearner:
     ``reference``: a frozen model for the KL loss; without one a deep copy of ``model`` is
     taken at construction when ``config.kl_coef > 0`` (and none is kept otherwise; with LoRA
     the reference is ``model`` with its adapter off). ``adapter``: a saved adapter folder to
-    continue training (LoRA, on resume); ``base_spec``: the model spec a new adapter records
+    continue training (LoRA, on resume); ``base_model``: the model reference a new adapter records
     as its base.
     """
 
@@ -132,7 +132,7 @@ class TorchLearner:
         reference: Any = None,
         pad_id: int | None = None,
         adapter: str | Path | None = None,
-        base_spec: str = "default",
+        base_model: str = "default",
     ) -> None:
         from verl.trainer.ppo import core_algos
         from verl.utils import torch_functional as verl_F
@@ -150,7 +150,7 @@ class TorchLearner:
             import mas_trainer.learners.lora as lora
 
             self.peft = lora.open_adapter(model, adapter) if adapter is not None else lora.add_adapter(
-                model, rank=config.lora_rank, alpha=config.lora_alpha, target_modules=config.target_modules, base_spec=base_spec,
+                model, rank=config.lora_rank, alpha=config.lora_alpha, target_modules=config.target_modules, base_model=base_model,
                 layers=config.lora_layers)
         self._params = [p for p in model.parameters() if p.requires_grad]
         fused = config.fused_adamw if isinstance(config.fused_adamw, bool) else (
@@ -229,6 +229,8 @@ class TorchLearner:
         """`_forward` on the shared-prompt layout (``batch.shared``), same outputs: the logits
         that predict each response token are picked from its row and scattered to the turn layout."""
         shared, start = batch.shared, batch.response_start
+        if shared is None:
+            raise ValueError("_forward_shared needs a batch packed with share_prompts")
         width = shared.input_ids.shape[1]
         # every source column is >= (shortest prompt - 1) = start - 1: no logits are needed before it
         keep = dict(logits_to_keep=width - start + 1) if self._keeps_logits else {}

@@ -24,7 +24,7 @@ import time
 import uuid
 from typing import Any, Callable, Protocol, Sequence
 
-from mas_trainer.engines.base import EngineUnavailable, Generation, SamplingParams, choice_id, cut_at_stop
+from mas_trainer.engines.base import EngineUnavailable, FinishReason, Generation, SamplingParams, choice_id, cut_at_stop
 from mas_trainer.errors import UserError
 
 __all__ = ["ReplicaClient", "ReplicaEngine", "ReplicaError", "vllm_sampling"]
@@ -127,7 +127,7 @@ class ReplicaEngine:
         # verl reports "completed" for both of vLLM's "stop" and "length": tell them apart here
         ended = bool(ids) and ids[-1] in self._eos and not params.ignore_eos
         text, cut = cut_at_stop(self._decode(ids[:-1] if ended else ids), params.stop)
-        reason = "stop" if ended or cut or (len(ids) < params.max_tokens) else "length"
+        reason: FinishReason = "stop" if ended or cut or (len(ids) < params.max_tokens) else "length"
         return Generation(ids, logprobs, text, reason, list(prompt_ids))
 
     def metrics(self) -> dict[str, float]:

@@ -123,7 +123,8 @@ class GlooCheckpointEngine(CheckpointEngine):
 
 
 def _buckets(weights: Iterable[tuple[str, torch.Tensor]], size: int) -> Generator[list[tuple[str, torch.Tensor]], None, None]:
-    bucket, used = [], 0
+    bucket: list[tuple[str, torch.Tensor]] = []
+    used = 0
     for name, t in weights:
         t = t.detach().to("cpu").contiguous()
         n = t.numel() * t.element_size()

@@ -29,13 +29,18 @@ log = logging.getLogger(__name__)
 
 
 class EngineSettings(Protocol):
-    """The engine part of `RuntimeConfig`."""
+    """The engine part of `RuntimeConfig` (read-only, so `RuntimeConfig`'s narrower literals fit)."""
 
-    max_batch_size: int
-    batch_wait_ms: float
-    prefix_cache_mb: float
-    engine_bf16: bool | str  # True | False | "auto"
-    device: str  # auto | cpu | cuda
+    @property
+    def max_batch_size(self) -> int: ...
+    @property
+    def batch_wait_ms(self) -> float: ...
+    @property
+    def prefix_cache_mb(self) -> float: ...
+    @property
+    def engine_bf16(self) -> bool | str: ...  # True | False | "auto"
+    @property
+    def device(self) -> str: ...  # auto | cpu | cuda
 
 
 def torch_backend(model: str, *, seed: int = 0, **settings: Any) -> PolicyBackend:

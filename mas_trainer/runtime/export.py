@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 from mas_trainer.engines.models import ADAPTER_CONFIG, adapter_base, is_adapter, save_merged
+from mas_trainer.errors import UserError
 from mas_trainer.runtime.backends import run_config, trained_policies
 from mas_trainer.runtime.rundir import RunDir
 
@@ -34,12 +35,15 @@ def export(run_dir: str | Path, out_dir: str | Path, *, adapter: bool = False) -
         shutil.copytree(folder, out / policy, dirs_exist_ok=True)
         if policy in adapters:
             _locate_base(out / policy / ADAPTER_CONFIG)
+    state = run.load_state()
+    if state is None:  # trained_policies found one above: deleted since
+        raise UserError(f"{run_dir}: its checkpoint is gone")
     mapping = {
         "roles": app.roles,
         "frozen": app.frozen,
         "policies": {p: {"path": p, "base_model": app.policies[p].base_model if p in app.policies else None,
                          "adapter": p in adapters and adapter} for p in folders},
-        "step": run.load_state()["step"],
+        "step": state["step"],
     }
     (out / "mas-trainer.json").write_text(json.dumps(mapping, indent=1))
     return out

@@ -27,7 +27,7 @@ class WorkerPlan(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     policy: str
-    model: str = Field(description="model spec the weights start from: tiny | default | folder")
+    model: str = Field(description="model the weights start from: tiny | default | a folder | a hub id")
     reference: str | None = Field(None, description="model of the frozen KL reference (default: `model`)")
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)

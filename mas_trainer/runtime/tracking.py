@@ -25,7 +25,7 @@ edited (W&B, whose history is append-only; MLflow on a server) the steps it alre
 not sent again: there they keep the values of the first attempt. A tracker that the run did
 not have before (added to `logger` at `--resume`) gets the rows up to the checkpoint first.
 
-verl's `verl.utils.tracking.Tracking` is not used as such: its console backend prints
+verl's `verl.utils.tracking.Tracking` is not used as such: its console tracker prints
 full-precision floats, its TensorBoard adapter has no `purge_step` (a resumed run repeats
 steps), MLflow resumes only through the process environment (`MLFLOW_RUN_ID`) and retries
 with 5-second sleeps, and W&B starts a new run each time. The trackers' own clients are
@@ -265,7 +265,7 @@ def wandb_history(root: str | Path, run_id: str) -> list[dict[str, Any]]:
     rows = []
     for path in sorted(Path(root, "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")):
         for raw in _wandb_records(path):
-            rec = pb.Record()
+            rec = pb.Record()  # type: ignore[attr-defined]  # protobuf-generated: wandb ships no stubs for it
             try:
                 rec.ParseFromString(raw)
             except Exception:  # noqa: BLE001 - a damaged record ends what can be read
@@ -298,7 +298,8 @@ class _WandB:
         # (WANDB_DISABLE_WEAVE: no advertisement for W&B Weave because openai is imported)
         with _env(WANDB_DISABLE_WEAVE=os.environ.get("WANDB_DISABLE_WEAVE", "true")):
             self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "mas-trainer"), name=root.resolve().name, id=run_id,
-                                  resume="allow", mode=mode, dir=str(root), config=params, settings=settings)
+                                  resume="allow", mode=mode,  # type: ignore[arg-type]  # WANDB_MODE as set; wandb checks it
+                                  dir=str(root), config=params, settings=settings)
         if mode != "offline" and self.run.resumed:  # online W&B knows its last step: earlier ones would be refused
             self.skip = {k: max(v, self.run.step - 1) for k, v in self.skip.items()}
         if new:
@@ -325,17 +326,18 @@ class Trackers:
         replace what the trackers had. `kept`: the rows up to it, for a tracker new to the run.
         `config`: the resolved config (MLflow params, flattened; W&B config)."""
         check_trackers(names)
-        self.root, self.backends = Path(root), {}
+        self.root = Path(root)
+        self.trackers: dict[str, _TensorBoard | _MLflow | _WandB] = {}
         ids = _load_ids(self.root)
         kept, config = kept or [], config or {}
         try:
             for name in names:
                 if name == "tensorboard":
-                    self.backends[name] = _TensorBoard(self.root, after_step, kept)
+                    self.trackers[name] = _TensorBoard(self.root, after_step, kept)
                 elif name == "mlflow":
-                    self.backends[name] = _MLflow(self.root, after_step, kept, ids, flatten(config))
+                    self.trackers[name] = _MLflow(self.root, after_step, kept, ids, flatten(config))
                 elif name == "wandb":
-                    self.backends[name] = _WandB(self.root, after_step, kept, ids, config)
+                    self.trackers[name] = _WandB(self.root, after_step, kept, ids, config)
         except BaseException:
             self.close(failed=True)
             raise
@@ -343,16 +345,16 @@ class Trackers:
             _save_ids(self.root, ids)
 
     def log(self, row: dict[str, Any]) -> None:
-        for backend in self.backends.values():
-            backend.log(row)
+        for tracker in self.trackers.values():
+            tracker.log(row)
 
     def close(self, failed: bool = False) -> None:
-        for name, backend in list(self.backends.items()):
+        for name, tracker in list(self.trackers.items()):
             try:
-                backend.close(failed)
+                tracker.close(failed)
             except Exception as exc:  # noqa: BLE001 - one tracker failing to close must not hide the others
                 log.warning("closing tracker %s: %s", name, exc)
-        self.backends = {}
+        self.trackers = {}
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

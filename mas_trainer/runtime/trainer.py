@@ -24,7 +24,7 @@ import yaml
 from rich.console import Console
 
 from mas_trainer.config import ConfigError, FitConfig, check_policy_names, check_trackers
-from mas_trainer.engines.models import check_model_spec
+from mas_trainer.engines.models import check_model
 from mas_trainer.errors import UserError
 from mas_trainer.gateway import PolicyBackend
 from mas_trainer.rewards import RewardSpec, annotate_groups, assign_rewards, check_allocator, is_dropped, score_groups
@@ -88,7 +88,7 @@ def summarize(trajs: list[Trajectory], *, timeouts_apart: bool = False) -> dict[
     that finished: a timeout says the machine was too slow, not how well the app did.
     Without it (training rows) they count as what they were trained with (reward.on_failure)."""
     row: dict[str, Any] = {"rollouts": len(trajs)}
-    status = defaultdict(int)
+    status: defaultdict[str, int] = defaultdict(int)
     for t in trajs:
         status[t.status] += 1
     row.update({f"rollouts/{k}": v for k, v in sorted(status.items())})
@@ -423,7 +423,7 @@ class _Fit:
             bases = sorted({pol.base_model for pol in spec.policies.values()})
             self.say(f"checking the model{'s' if len(bases) > 1 else ''} {', '.join(bases)}")
             for base in bases:
-                check_model_spec(base)  # here, in one line, not as a traceback from a worker; hub ids download once
+                check_model(base)  # here, in one line, not as a traceback from a worker; hub ids download once
             run.write_app(spec)
             self.reward_spec = RewardSpec(spec.spec.reward, spec.spec.role_rewards, spec.spec.turn_rewards)
             if c.reward.allocator == "counterfactual":  # an app or task that cannot be forked: one line, before any rollout

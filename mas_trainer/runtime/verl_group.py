@@ -113,6 +113,8 @@ class PolicyWorker(Worker):
 
     # --- serving (rank 0) ------------------------------------------------------------------
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, turn_id: str | None = None) -> list[Generation]:
+        if self.engine is None:
+            raise RuntimeError(f"rank {self.rank} holds no embedded engine: rank 0 of an engine=embedded policy serves")
         gens = await self.engine.generate(prompt_ids, params)
         self.turns.record(turn_id, prompt_ids, gens)
         return gens
@@ -133,7 +135,7 @@ class PolicyWorker(Worker):
         from mas_trainer.learners.batch import Turn
 
         t0 = time.perf_counter()
-        shared = [None]
+        shared: list[list[tuple[Any, BufferedTurn]] | None] = [None]
         if self.rank == 0:
             self.turns.add(turns or {})
             shared = [self.turns.take(records)]
@@ -248,7 +250,7 @@ class PolicyWorker(Worker):
         mismatch = _all_gather({"sum": sum(diff), "n": len(diff)}, merge=lambda ds: {k: sum(d[k] for d in ds) for k in ds[0]})
         if mode != "bypass":  # bypass computes no learner log-probs to compare (ppo_kl shows the mismatch then)
             metrics["logprob_diff"] = mismatch["sum"] / max(1, mismatch["n"])
-        if self.critic is not None:
+        if self.critic is not None and values is not None:  # values: the critic's, above
             returns = [adv[t.id].returns.tolist() for t in local]
             ctd = batch(local, returns=returns, values=[values[t.id] for t in local])
             cc = self.critic_config
@@ -330,6 +332,8 @@ class PolicyWorker(Worker):
         Offloaded shards (`share_gpus`) need no move first: verl's FSDP2 stream stages each
         tensor on the GPU as it gathers it."""
         if self.rollout is None:
+            if self.checkpoint_engine is None:
+                raise RuntimeError("update_weights: this policy has no rollout replicas to send weights to (engine=embedded)")
             params, _ = self.actor.engine.get_per_tensor_param()
             return await self.checkpoint_engine.send_weights(params, global_steps=global_steps) or {}
         from verl.utils.device import set_expandable_segments

@@ -29,7 +29,7 @@ class WorkerGroup:
     def __init__(self, plan: WorkerPlan) -> None:
         import torch
 
-        from mas_trainer.engines.models import is_adapter, load_model
+        from mas_trainer.engines.models import adapter_base, is_adapter, load_model
         from mas_trainer.engines.torch_engine import load_engine
         from mas_trainer.learners.torch_learner import TorchLearner
 
@@ -39,7 +39,8 @@ class WorkerGroup:
         learner = plan.learner
         # resuming a LoRA policy: the base again, and its saved adapter trains on (not merged into a new base)
         adapter = plan.model if learner.lora_rank and is_adapter(plan.model) else None
-        self.engine = load_engine(plan.reference if adapter else plan.model, name=plan.policy, seed=plan.seed,
+        weights = (plan.reference or adapter_base(adapter)) if adapter else plan.model
+        self.engine = load_engine(weights, name=plan.policy, seed=plan.seed,
                                   max_batch_size=plan.max_batch_size, batch_wait_ms=plan.batch_wait_ms,
                                   bf16=plan.engine_bf16, device=plan.device, prefix_cache_mb=plan.prefix_cache_mb)
         model, self.tokenizer = self.engine.model, self.engine.tokenizer
@@ -55,7 +56,7 @@ class WorkerGroup:
 
             # built before a LoRA adapter is injected: the value model copies the plain body
             self.critic = TorchCritic(model, plan.critic)
-        self.learner = TorchLearner(model, learner, reference=reference, adapter=adapter, base_spec=plan.reference or plan.model)
+        self.learner = TorchLearner(model, learner, reference=reference, adapter=adapter, base_model=plan.reference or plan.model)
 
     # --- serving ---------------------------------------------------------------------------
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, turn_id: str | None = None) -> list[Generation]:
@@ -89,7 +90,7 @@ class WorkerGroup:
             per_turn = batch.per_turn()
             trained = [replace(t, advantages=per_turn[t.id].advantages.tolist()) for t in turns]
             metrics = learner.update(trained)
-            if critic is not None:
+            if critic is not None and values is not None:  # values: the critic's, above
                 returns = {tid: a.returns.tolist() for tid, a in per_turn.items()}
                 metrics.update({f"critic/{k}": v for k, v in critic.update(trained, returns, values).items()})
             adv = batch.advantages[batch.response_mask.bool()]

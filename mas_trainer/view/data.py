@@ -248,7 +248,7 @@ class _StepFile:
 class ViewSource:
     """A run directory or one trajectories file, read on demand (files may grow while `fit` runs).
 
-    `tokenizer`: a spec for every policy (tiny | default | PATH | HF id); by default each
+    `tokenizer`: the model whose tokenizer every policy uses (tiny | default | PATH | HF id); by default each
     policy's checkpoint folder in the run, else its base model from ``app.json``.
     """
 
@@ -257,7 +257,7 @@ class ViewSource:
         if not p.exists():
             raise UserError(f"{path}: no such run directory or trajectories file")
         self.path = p
-        self.tokenizer_spec = tokenizer
+        self.tokenizer_model = tokenizer
         self.advantages_enabled = advantages
         self._lock = threading.RLock()
         self._tokenizers: dict[str, tuple[Any, str]] = {}
@@ -583,8 +583,8 @@ class ViewSource:
             if policy in self._tokenizers:
                 return self._tokenizers[policy]
         candidates: list[tuple[str, str]] = []
-        if self.tokenizer_spec:
-            candidates.append((self.tokenizer_spec, f"--tokenizer {self.tokenizer_spec}"))
+        if self.tokenizer_model:
+            candidates.append((self.tokenizer_model, f"--tokenizer {self.tokenizer_model}"))
         elif self.root is not None:
             # the policy name comes from the trajectory: a plain name, a folder inside the run
             folder = self.inside(self.root / "checkpoint" / "policies" / policy, folder=True) if STEP_NAME.match(policy) else None
@@ -595,9 +595,9 @@ class ViewSource:
             if isinstance(base, str) and base:
                 candidates.append((base, f"base model {base}"))
         found: tuple[Any, str] = (None, "no tokenizer found (pass --tokenizer): token ids shown")
-        for spec, label in candidates:
+        for model, label in candidates:
             try:
-                found = (_load_tokenizer(spec), label)
+                found = (_load_tokenizer(model), label)
                 break
             except Exception as exc:  # noqa: BLE001
                 found = (None, f"tokenizer of {label} not loadable ({type(exc).__name__}): token ids shown")
@@ -693,20 +693,20 @@ _TOKENIZERS: dict[tuple[str, int], Any] = {}
 _TOKENIZERS_LOCK = threading.Lock()
 
 
-def _load_tokenizer(spec: str) -> Any:
-    """`load_tokenizer(spec)`, once per process (a folder: again when its tokenizer file changes)."""
+def _load_tokenizer(model: str) -> Any:
+    """`load_tokenizer(model)`, once per process (a folder: again when its tokenizer file changes)."""
     from mas_trainer.engines.models import load_tokenizer
 
-    path = Path(spec).expanduser()
+    path = Path(model).expanduser()
     stamp = 0
     for name in ("tokenizer.json", "tokenizer_config.json"):
         if (path / name).is_file():
             stamp = (path / name).stat().st_mtime_ns
             break
-    key = (str(path.resolve()) if path.exists() else spec, stamp)
+    key = (str(path.resolve()) if path.exists() else model, stamp)
     with _TOKENIZERS_LOCK:
         if key not in _TOKENIZERS:
-            _TOKENIZERS[key] = load_tokenizer(spec)
+            _TOKENIZERS[key] = load_tokenizer(model)
         return _TOKENIZERS[key]
 
 

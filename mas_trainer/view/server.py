@@ -70,16 +70,16 @@ def page_data(source: ViewSource, step: str | None = None, *, all_steps: Iterabl
     return {"index": index, "steps_data": {k: v for k, v in steps_data.items() if v is not None}, "initial_step": name}
 
 
-def select_steps(source: ViewSource, spec: str | None) -> list[str]:
+def select_steps(source: ViewSource, steps: str | None) -> list[str]:
     """`--steps`: all (default), last, or a comma list of step numbers and/or file names."""
     files = source.step_files()
-    if not spec or spec == "all":
+    if not steps or steps == "all":
         return [s.name for s in files]
-    if spec == "last":
+    if steps == "last":
         train = [s for s in files if s.kind == "train"]
         return [(train or files)[-1].name] if files else []
     out: list[str] = []
-    for part in (p.strip() for p in spec.split(",")):
+    for part in (p.strip() for p in steps.split(",")):
         if not part:
             continue
         if part.isdigit():
@@ -87,7 +87,7 @@ def select_steps(source: ViewSource, spec: str | None) -> list[str]:
         else:
             hits = [s.name for s in files if s.name == part]
         if not hits:
-            raise UserError(f"--steps {spec}: no trajectory file for {part!r}; have {', '.join(s.name for s in files) or 'none'}")
+            raise UserError(f"--steps {steps}: no trajectory file for {part!r}; have {', '.join(s.name for s in files) or 'none'}")
         out += [h for h in hits if h not in out]
     return out
 

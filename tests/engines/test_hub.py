@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 hub_constants = pytest.importorskip("huggingface_hub.constants")
 
 from mas_trainer.engines import models  # noqa: E402
-from mas_trainer.engines.models import ModelNotFoundError, check_model_spec, load_model, load_tokenizer  # noqa: E402
+from mas_trainer.engines.models import ModelNotFoundError, check_model, load_model, load_tokenizer  # noqa: E402
 
 REPO = "test-org/tiny-chat"
 GATED = "test-org/gated"
@@ -140,7 +140,7 @@ def test_hub_id_downloads_then_loads_offline_from_the_cache(hub, repo_files, tmp
     home = tmp_path / "hf-home"
     _point_hub_at(monkeypatch, hub.url, home / "hub", offline=False)
 
-    check_model_spec(REPO)  # the driver: downloads once, checks tokenizer and chat template
+    check_model(REPO)  # the driver: downloads once, checks tokenizer and chat template
     snapshot = home / "hub" / "models--test-org--tiny-chat" / "snapshots" / SHA
     assert (home / "hub" / "models--test-org--tiny-chat" / "refs" / "main").read_text() == SHA
     got = sorted(p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file())
@@ -160,8 +160,8 @@ def test_hub_id_downloads_then_loads_offline_from_the_cache(hub, repo_files, tmp
     hub.stop()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TRANSFORMERS_", "HUGGINGFACE_"))}
     env.update(HF_HOME=str(home), HF_HUB_OFFLINE="1", HF_ENDPOINT=_closed_port_url())
-    script = (f"from mas_trainer.engines.models import check_model_spec, load_model, load_tokenizer\n"
-              f"check_model_spec({REPO!r})\n"
+    script = (f"from mas_trainer.engines.models import check_model, load_model, load_tokenizer\n"
+              f"check_model({REPO!r})\n"
               f"model, tok = load_model({REPO!r})\n"
               f"print('loaded', model.config.num_hidden_layers, load_tokenizer({REPO!r}).eos_token)\n")
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
@@ -171,9 +171,9 @@ def test_hub_id_downloads_then_loads_offline_from_the_cache(hub, repo_files, tmp
 
 def test_hub_unreachable_falls_back_to_the_cache(hub, tmp_path, monkeypatch):
     _point_hub_at(monkeypatch, hub.url, tmp_path / "hub", offline=False)
-    check_model_spec(REPO)
+    check_model(REPO)
     _point_hub_at(monkeypatch, _closed_port_url(), tmp_path / "hub", offline=False)  # online, but no hub answers
-    check_model_spec(REPO)
+    check_model(REPO)
     assert load_tokenizer(REPO).eos_token == "<|im_end|>"
     assert models.hub_folder(REPO) == tmp_path / "hub" / "models--test-org--tiny-chat" / "snapshots" / SHA
 
@@ -186,7 +186,7 @@ def _one_line(info) -> str:
 
 def test_offline_with_an_empty_cache_is_one_line(tmp_path, monkeypatch):
     _point_hub_at(monkeypatch, _closed_port_url(), tmp_path / "empty", offline=True)
-    for call in (check_model_spec, load_model, load_tokenizer):
+    for call in (check_model, load_model, load_tokenizer):
         with pytest.raises(ModelNotFoundError) as info:
             call(REPO)
         message = _one_line(info)
@@ -199,7 +199,7 @@ def test_offline_as_the_environment_says_now(tmp_path, monkeypatch):
     _point_hub_at(monkeypatch, _closed_port_url(), tmp_path / "empty", offline=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelNotFoundError) as info:
-        check_model_spec(REPO)
+        check_model(REPO)
     assert "HF_HUB_OFFLINE is set" in _one_line(info)
 
 
@@ -207,7 +207,7 @@ def test_unreachable_hub_and_empty_cache_is_one_line(tmp_path, monkeypatch):
     endpoint = _closed_port_url()
     _point_hub_at(monkeypatch, endpoint, tmp_path / "empty", offline=False)
     with pytest.raises(ModelNotFoundError) as info:
-        check_model_spec(REPO)
+        check_model(REPO)
     message = _one_line(info)
     assert REPO in message and "could not be reached" in message and endpoint in message and "hf download" in message
 
@@ -218,7 +218,7 @@ def test_unreachable_hub_and_empty_cache_is_one_line(tmp_path, monkeypatch):
 def test_hub_refusals_are_one_line(hub, repo, words, tmp_path, monkeypatch):
     _point_hub_at(monkeypatch, hub.url, tmp_path / "hub", offline=False)
     with pytest.raises(ModelNotFoundError) as info:
-        check_model_spec(repo)
+        check_model(repo)
     message = _one_line(info)
     assert repo in message and words in message
 
@@ -234,7 +234,7 @@ def test_hub_cache_laid_out_by_hand_loads_offline(repo_files, tmp_path, monkeypa
     (storage / "refs").mkdir()
     (storage / "refs" / "main").write_text(SHA)
     _point_hub_at(monkeypatch, _closed_port_url(), tmp_path / "hub", offline=True)
-    check_model_spec(REPO)
+    check_model(REPO)
     model, tok = load_model(REPO)
     assert model.config.num_hidden_layers == 2 and tok.eos_token_id == 2
     assert models.hub_folder(REPO) == snapshot

@@ -1,4 +1,4 @@
-"""Model specs: the tiny test model, the bundled tokenizer fixes, local folders, the cache."""
+"""Model references: the tiny test model, the bundled tokenizer fixes, local folders, the cache."""
 
 from __future__ import annotations
 
@@ -60,20 +60,20 @@ def test_local_folder_round_trip(tmp_path):
     assert models.model_dir_for("tiny") is None
 
 
-@pytest.mark.parametrize("spec", ["./no/such/folder", "nobody-at-all/no-such-model-xyz"])
-def test_unknown_model_is_one_clear_error(spec, monkeypatch):
+@pytest.mark.parametrize("model", ["./no/such/folder", "nobody-at-all/no-such-model-xyz"])
+def test_unknown_model_is_one_clear_error(model, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelNotFoundError) as info:
-        load_model(spec)
+        load_model(model)
     message = str(info.value)
-    assert spec in message and "tiny" in message and "default" in message and "\n" not in message
+    assert model in message and "tiny" in message and "default" in message and "\n" not in message
     assert isinstance(info.value, ValueError)
 
 
 def test_describe_is_one_line():
-    for spec in ("tiny", "default", "/some/path", "org/model"):
-        line = describe(spec)
-        assert line.startswith(spec) and "\n" not in line
+    for model in ("tiny", "default", "/some/path", "org/model"):
+        line = describe(model)
+        assert line.startswith(model) and "\n" not in line
 
 
 def test_cache_dir_env(monkeypatch, tmp_path):
@@ -120,7 +120,7 @@ def _saved_tiny(folder, *, tokenizer=True, chat_template=True):
 
 def test_folder_without_tokenizer_is_one_line_naming_what_is_missing(tmp_path):
     folder = _saved_tiny(tmp_path / "weights-only", tokenizer=False)
-    for call in (load_tokenizer, load_model, models.check_model_spec):
+    for call in (load_tokenizer, load_model, models.check_model):
         with pytest.raises(ModelNotFoundError) as info:
             call(str(folder))
         message = str(info.value)
@@ -134,29 +134,29 @@ def test_folder_without_weights_or_config_is_one_line(tmp_path):
     model, tok = load_model("tiny")
     tok.save_pretrained(tmp_path / "tokenizer-only")
     with pytest.raises(ModelNotFoundError) as info:
-        models.check_model_spec(str(tmp_path / "tokenizer-only"))
+        models.check_model(str(tmp_path / "tokenizer-only"))
     assert "holds no config.json" in str(info.value) and "\n" not in str(info.value)
     assert load_tokenizer(str(tmp_path / "tokenizer-only")).eos_token_id == 2  # a tokenizer needs no weights
     model.config.save_pretrained(tmp_path / "config-only")
     tok.save_pretrained(tmp_path / "config-only")
     with pytest.raises(ModelNotFoundError) as info:
-        models.check_model_spec(str(tmp_path / "config-only"))
+        models.check_model(str(tmp_path / "config-only"))
     assert "no weights" in str(info.value) and str(tmp_path / "config-only") in str(info.value)
 
 
-def test_check_model_spec_wants_a_chat_template(tmp_path):
+def test_check_model_wants_a_chat_template(tmp_path):
     folder = _saved_tiny(tmp_path / "no-template", chat_template=False)
     with pytest.raises(ModelNotFoundError) as info:
-        models.check_model_spec(str(folder))
+        models.check_model(str(folder))
     message = str(info.value)
     assert "\n" not in message and str(folder) in message and "chat template" in message
-    models.check_model_spec(str(folder), chat=False)  # e.g. only decoding tokens
-    models.check_model_spec(str(_saved_tiny(tmp_path / "complete")))
-    models.check_model_spec("tiny")
+    models.check_model(str(folder), chat=False)  # e.g. only decoding tokens
+    models.check_model(str(_saved_tiny(tmp_path / "complete")))
+    models.check_model("tiny")
 
 
-def test_check_model_spec_checks_an_adapters_base(tmp_path):
+def test_check_model_checks_an_adapters_base(tmp_path):
     (tmp_path / models.ADAPTER_CONFIG).write_text('{"base_model_name_or_path": "./no/such/base"}')
     with pytest.raises(ModelNotFoundError) as info:
-        models.check_model_spec(str(tmp_path))
+        models.check_model(str(tmp_path))
     assert "./no/such/base" in str(info.value)

@@ -55,7 +55,7 @@ def logits(model, ids=((1, 5, 9, 200, 31, 7),)):
 def test_only_the_adapter_trains_and_the_engine_generates_with_it(tiny):
     model, tok = tiny
     with TorchEngine(model, tok, model_name="tiny", max_batch_size=4) as engine:
-        learner = TorchLearner(engine.model, LearnerConfig(lr=5e-2, shuffle=False, **LORA), base_spec="tiny")
+        learner = TorchLearner(engine.model, LearnerConfig(lr=5e-2, shuffle=False, **LORA), base_model="tiny")
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
         assert trainable and all("lora_" in n for n in trainable)
         assert {id(p) for p in learner._params} == {id(p) for p in model.parameters() if p.requires_grad}
@@ -81,7 +81,7 @@ def test_only_the_adapter_trains_and_the_engine_generates_with_it(tiny):
 
 def test_merged_generation_equals_the_unmerged_adapter(tiny):
     model, _ = tiny
-    learner = TorchLearner(model, LearnerConfig(lr=5e-2, **LORA), base_spec="tiny")
+    learner = TorchLearner(model, LearnerConfig(lr=5e-2, **LORA), base_model="tiny")
     learner.update(with_old_logprobs(learner, random_turns()))
     merged = logits(model)
     learner._unmerge()
@@ -91,7 +91,7 @@ def test_merged_generation_equals_the_unmerged_adapter(tiny):
 
 def test_positive_advantage_raises_the_logprob_with_lora(tiny):
     model, _ = tiny
-    learner = TorchLearner(model, LearnerConfig(lr=5e-2, **LORA), base_spec="tiny")
+    learner = TorchLearner(model, LearnerConfig(lr=5e-2, **LORA), base_model="tiny")
     turns = with_old_logprobs(learner, random_turns(2))
     before = [lp.sum() for lp in learner.log_probs(turns)]
     learner.update(turns)
@@ -101,7 +101,7 @@ def test_positive_advantage_raises_the_logprob_with_lora(tiny):
 def test_kl_reference_is_the_base_with_the_adapter_off(tiny):
     model, _ = tiny
     base = copy.deepcopy(model)
-    learner = TorchLearner(model, LearnerConfig(lr=5e-2, kl_coef=0.1, **LORA), base_spec="tiny")
+    learner = TorchLearner(model, LearnerConfig(lr=5e-2, kl_coef=0.1, **LORA), base_model="tiny")
     assert learner.reference is None  # no copy of the model is kept for the reference
     turns = with_old_logprobs(learner, random_turns())
     first = learner.update(turns)
@@ -122,7 +122,7 @@ def test_an_adapter_folder_has_its_bases_tokenizer_for_serve_and_the_viewer(tiny
     from mas_trainer.view.data import _load_tokenizer
 
     model, tok = tiny
-    folder = TorchLearner(model, LearnerConfig(**LORA), base_spec="tiny").save_pretrained(tmp_path / "policy", tok)
+    folder = TorchLearner(model, LearnerConfig(**LORA), base_model="tiny").save_pretrained(tmp_path / "policy", tok)
     text = "Paris is the capital of France."
     for loaded in (load_tokenizer(str(folder)), _load_tokenizer(str(folder))):
         assert loaded.encode(text) == tok.encode(text) and loaded.pad_token_id is not None
@@ -132,7 +132,7 @@ def test_an_adapter_folder_has_its_bases_tokenizer_for_serve_and_the_viewer(tiny
 def test_adapter_checkpoint_loads_merged_and_resumes_exactly(tiny, tmp_path, layers):
     model, tok = tiny
     config = LearnerConfig(lr=5e-2, mini_batch_size=2, lora_layers=layers, **LORA)
-    a = TorchLearner(model, config, base_spec="tiny")
+    a = TorchLearner(model, config, base_model="tiny")
     turns = with_old_logprobs(a, random_turns())
     a.update(turns)
     folder = a.save_pretrained(tmp_path / "policy", tok)
@@ -159,7 +159,7 @@ def test_adapter_checkpoint_loads_merged_and_resumes_exactly(tiny, tmp_path, lay
 def test_lora_layers_adapts_the_top_layers_only_and_the_backward_stops_below_them(tiny):
     model, _ = tiny
     layers = model.model.layers  # peft wraps the linear layers in place: these stay the model's blocks
-    learner = TorchLearner(model, LearnerConfig(lr=5e-2, lora_layers=1, **LORA), base_spec="tiny")
+    learner = TorchLearner(model, LearnerConfig(lr=5e-2, lora_layers=1, **LORA), base_model="tiny")
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n and ".layers.1." in n for n in trainable)
     # every linear layer of the top block has its adapter, as "all-linear" would give it
@@ -183,17 +183,17 @@ def test_lora_layers_adapts_the_top_layers_only_and_the_backward_stops_below_the
 def test_lora_layers_errors_are_one_line(tiny):
     model, _ = tiny
     with pytest.raises(UserError, match=r"lora_layers=3 but the model has 2 layers"):
-        TorchLearner(model, LearnerConfig(lora_layers=3, **LORA), base_spec="tiny")
+        TorchLearner(model, LearnerConfig(lora_layers=3, **LORA), base_model="tiny")
     with pytest.raises(ValidationError, match="set lora_rank"):
         LearnerConfig(lora_layers=2)
     with pytest.raises(UserError, match=r"target_modules as a list .* not the pattern '\.\*proj'"):
-        TorchLearner(model, LearnerConfig(lora_layers=1, target_modules=".*proj", **LORA), base_spec="tiny")
+        TorchLearner(model, LearnerConfig(lora_layers=1, target_modules=".*proj", **LORA), base_model="tiny")
 
 
 def test_bad_target_module_is_one_line(tiny):
     model, _ = tiny
     with pytest.raises(UserError, match="learner.target_modules"):
-        TorchLearner(model, LearnerConfig(target_modules=["no_such_proj"], **LORA), base_spec="tiny")
+        TorchLearner(model, LearnerConfig(target_modules=["no_such_proj"], **LORA), base_model="tiny")
 
 
 # ---------------------------------------------------------------- skip_zero_advantage
