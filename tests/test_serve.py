@@ -308,3 +308,29 @@ def test_an_app_is_served_on_its_base_policies(trained_run, monkeypatch):
         build_gateway(f"{root / 'app.py'}:graph", engine="vllm")
     with pytest.raises(ConfigError, match="--model replaces an app"):
         build_gateway(root / "run", model="tiny")
+
+
+def test_a_lora_run_is_served_and_viewed_from_its_adapter_folders(tmp_path):
+    """A LoRA policy's checkpoint is an adapter folder (no full weights, no tokenizer of its own
+    until saved with one): `serve` answers from base + adapter, and the viewer decodes its
+    tokens (reading an adapter folder's tokenizer once raised NameError, hidden by the viewer)."""
+    from mas_trainer.engines.models import is_adapter
+    from mas_trainer.view import ViewSource
+
+    (tmp_path / "app.py").write_text(APP)
+    run = tmp_path / "run"
+    cfg = load_config(overrides=["runtime.execution=local", "steps=1", "rollout.tasks_per_step=1", "rollout.n=2",
+                                 "learner.lora_rank=4", "learner.lr=5e-2", "seed=2"])
+    fit(f"{tmp_path / 'app.py'}:graph", [{"question": "Name a fruit."}], cfg, run)
+    assert all(is_adapter(run / "checkpoint" / "policies" / p) for p in ("lead", "crew"))
+    with GatewayServer(build_gateway(run)) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0)
+        raw = client.chat.completions.with_raw_response.create(
+            model="lead", messages=[{"role": "user", "content": "Plan: Name a fruit."}], temperature=0, max_tokens=4)
+        assert raw.headers["x-mas-policy"] == "lead" and raw.parse().choices[0].message.content is not None
+    step = ViewSource(run).step("step_000001")
+    assert step is not None
+    calls = [c for r in step["rollouts"] for c in r["llm_calls"]]
+    assert calls and all(c["pieces"] is not None and len(c["pieces"]) == len(c["response_ids"]) for c in calls)
+    # read from the adapter folders themselves, not the fallback to the base model a failure would hide behind
+    assert step["tokenizers"] == {"lead": "checkpoint/policies/lead", "crew": "checkpoint/policies/crew"}
