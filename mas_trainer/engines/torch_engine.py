@@ -545,6 +545,9 @@ class TorchEngine:
                 tokens[hot] = self._draw(logits[hot], [rows[i] for i in hot])
         chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
         token_list = tokens.tolist()
+        # counted before any row finishes: a caller that has its answer reads complete figures (a late count
+        # would land in the next step's metrics, as it did under load after a held-out evaluation)
+        self.stats["tokens"] += len(rows)
         keep = []
         for i, row in enumerate(rows):
             row.tokens.append(token_list[i])
@@ -556,7 +559,6 @@ class TorchEngine:
                 row.req.listener(row.index, token_list[i], row.req.results[row.index] if finished else None)
             if not finished:
                 keep.append(i)
-        self.stats["tokens"] += len(rows)
         if len(keep) < len(rows):
             self._keep(keep)
             tokens = tokens[keep] if keep else tokens[:0]

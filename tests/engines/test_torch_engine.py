@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from mas_trainer.engines.base import Engine, SamplingParams  # noqa: E402
+from mas_trainer.engines.base import Engine, Generation, SamplingParams  # noqa: E402
 from mas_trainer.engines.chat import HFChatFormat  # noqa: E402
 from mas_trainer.engines.models import load_model  # noqa: E402
 from mas_trainer.engines.torch_engine import TorchEngine  # noqa: E402
@@ -244,3 +244,19 @@ def test_compiled_grammars_are_bounded(tiny):
         assert len(eng._grammars) == 3 and eng.max_context == 8192
     finally:
         eng.close()
+
+
+def test_an_answer_is_counted_in_the_metrics_before_its_caller_has_it(engine, prompts):
+    """A step's engine figures are read as soon as its last answer arrives (the worker group's
+    discard after a held-out evaluation): tokens counted after the answer went out landed in
+    the next step's row, under load (a resumed run then differed from an uninterrupted one)."""
+    seen: list[float] = []
+    before = engine.metrics()["tokens"]
+
+    def at_finish(index: int, token: int, gen: Generation | None) -> None:
+        if gen is not None:  # the row's last token: its answer goes out next
+            seen.append(engine.metrics()["tokens"] - before)
+
+    future = engine._submit(prompts[1], SamplingParams(max_tokens=5, seed=1, temperature=0.0), listener=at_finish)
+    gens = future.result(timeout=300)
+    assert seen == [len(gens[0].token_ids)] == [engine.metrics()["tokens"] - before]
