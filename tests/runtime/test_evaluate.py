@@ -126,14 +126,14 @@ def _timed_app(load: _Load):
 
 
 def test_eval_counts_timed_out_rollouts_apart_instead_of_scoring_them_zero():
-    tasks = [{"sleep_s": 0.0}, {"sleep_s": 0.0, "ask": True}, {"sleep_s": 60.0, "ask": True}]
-    # 15 s: room for a 4-token call on a loaded machine, far short of the 60 s sleeper
-    result = evaluate(_timed_app(_Load()), tasks, max_tokens=4, timeout_s=15)
+    tasks = [{"sleep_s": 0.0}, {"sleep_s": 0.0, "ask": True}, {"sleep_s": 180.0, "ask": True}]
+    # 45 s: a hang guard for a 4-token call on a busy machine (well under a second idle), far short of the sleeper
+    result = evaluate(_timed_app(_Load()), tasks, max_tokens=4, timeout_s=45)
     assert result["rollouts"] == 3 and result["rollouts/timeout"] == 1
     assert result["reward/mean"] == 1.0  # over the 2 that finished; scoring the timeout 0 would say 0.667
-    assert result["timeout_s"] == 15
+    assert result["timeout_s"] == 45
     warning = evaluate_module.timeout_warning(result)
-    assert warning.startswith("warning: 1 of 3 rollouts ran past rollout.timeout_s (15 s)")
+    assert warning.startswith("warning: 1 of 3 rollouts ran past rollout.timeout_s (45 s)")
     assert "--max-in-flight" in warning and "--timeout" in warning
     assert evaluate_module.timeout_warning({**result, "rollouts/timeout": 0}) is None
 
