@@ -16,6 +16,8 @@ the packages that implement them). The CLI's verbs call these functions with wha
 so the two cannot drift apart:
 data is a path (JSONL or JSON), `hf:NAME[:CONFIG]:SPLIT` or a list of dicts; configuration
 is a YAML file, a mapping, or `key=value` strings, checked as `fit --help` documents them.
+Each call blocks until done, also inside a running event loop (a Jupyter notebook's cell):
+the rollouts then run on a loop in a thread of their own (`Session.complete`).
 """
 
 from __future__ import annotations

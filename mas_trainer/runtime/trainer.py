@@ -434,7 +434,7 @@ class _Fit:
                          + ("held-out evaluation at step 0, then " if state is None and self.val_tasks else "")
                          + f"step {first}/{c.steps}: rollouts, then the update")
                 with self.watch(state) as progress:
-                    session.loop.run_until_complete(self.loop(session, state, progress))
+                    session.complete(self.loop(session, state, progress))
             except KeyboardInterrupt:
                 # closing a worker group waits for an update it is running (minutes on a CPU): say so
                 self.console.print("interrupted: stopping the rollouts; an update in progress ends first "
