@@ -128,3 +128,20 @@ def test_the_api_runs_inside_a_running_event_loop(tmp_path):
     # and from a script again afterwards, on the same rollout loop
     again = api.trace(APP, TASKS[:1], max_tokens=8)
     assert [t.status for t in again.trajectories] == ["ok"]
+
+
+def test_the_api_prints_no_third_party_progress_bars(tmp_path, capfd, monkeypatch):
+    """fit and evaluate from Python keep transformers' and the hub's progress bars (loading
+    weights, writing shards) off stderr, as the CLI does: not only when `main` ran first."""
+    import huggingface_hub.utils
+    import transformers
+
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    transformers.utils.logging.enable_progress_bar()  # as in a fresh process (an earlier test may have turned them off)
+    huggingface_hub.utils.enable_progress_bars()
+    run = mas_trainer.fit(APP, TASKS, output=tmp_path / "run", overrides={**QUICK, "val_fraction": 0},
+                          console=Console(file=None, quiet=True))
+    mas_trainer.evaluate(APP, TASKS[:1], run=run.output, max_tokens=8)
+    err = capfd.readouterr().err
+    for bar in ("Loading weights", "Writing model shards", "it/s]", "%|"):
+        assert bar not in err, err[-2000:]
