@@ -32,10 +32,12 @@ __all__ = [
 TRACKERS = ("console", "tensorboard", "mlflow", "wandb")
 
 # what each tracker imports, and what to install when it is missing
+# the package is not on PyPI: its extras install from a checkout (README, Install)
+_TRACKERS_EXTRA = "or the trackers extra from a checkout: pip install -c mas-trainer/constraints.txt './mas-trainer[trackers]'"
 _TRACKER_NEEDS: dict[str, tuple[tuple[str, ...], str]] = {
     "tensorboard": (("tensorboard",), "pip install tensorboard"),
-    "mlflow": (("mlflow", "sqlalchemy", "alembic"), "pip install 'mas-trainer[trackers]' (or: pip install mlflow)"),
-    "wandb": (("wandb",), "pip install 'mas-trainer[trackers]' (or: pip install wandb)"),
+    "mlflow": (("mlflow", "sqlalchemy", "alembic"), f"pip install mlflow ({_TRACKERS_EXTRA})"),
+    "wandb": (("wandb",), f"pip install wandb ({_TRACKERS_EXTRA})"),
 }
 
 
