@@ -16,6 +16,10 @@ the packages that implement them). The CLI's verbs call these functions with wha
 so the two cannot drift apart:
 data is a path (JSONL or JSON), `hf:NAME[:CONFIG]:SPLIT` or a list of dicts; configuration
 is a YAML file, a mapping, or `key=value` strings, checked as `fit --help` documents them.
+Each call blocks until done, also inside a running event loop (a Jupyter notebook's cell):
+the rollouts then run on a loop in a thread of their own (`Session.complete`).
+Like the CLI, they keep third-party progress bars (Hugging Face weight loads and writes) off
+stderr; HF_HUB_DISABLE_PROGRESS_BARS=0 keeps them.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from mas_trainer.data import load_tasks
 from mas_trainer.errors import UserError
+from mas_trainer.runtime.quiet import quiet_libraries
 
 if TYPE_CHECKING:
     import threading
@@ -91,6 +96,7 @@ def fit(app: Any, data: str | Path | Iterable[dict[str, Any]], *, output: str | 
 
     from mas_trainer.runtime.trainer import fit as run_fit
 
+    quiet_libraries()  # no third-party progress bars, as from the CLI
     started_at = time.perf_counter() if started_at is None else started_at
     cfg = fit_config(config, overrides, model=model)
     tasks = load_tasks(data)
@@ -106,6 +112,7 @@ def evaluate(app: Any, data: str | Path | Iterable[dict[str, Any]], *, run: str 
     max_in_flight, timeout_s, model)."""
     from mas_trainer.runtime.evaluate import evaluate as run_evaluate
 
+    quiet_libraries()  # no third-party progress bars, as from the CLI
     return run_evaluate(app, load_tasks(data), run_dir=run, **options)
 
 
@@ -113,6 +120,7 @@ def export(run: str | Path, out_dir: str | Path, *, adapter: bool = False) -> Pa
     """One Hugging Face folder per trained policy of `run`, plus `mas-trainer.json`."""
     from mas_trainer.runtime.export import export as run_export
 
+    quiet_libraries()  # no third-party progress bars, as from the CLI
     return run_export(run, out_dir, adapter=adapter)
 
 
@@ -155,6 +163,7 @@ def trace(app: Any, data: str | Path | Iterable[dict[str, Any]], *, n: int = 1, 
     from mas_trainer.runtime.evaluate import score_rollouts
     from mas_trainer.runtime.session import Session
 
+    quiet_libraries()  # no third-party progress bars, as from the CLI
     tasks = load_tasks(data)
     with Session(model=model, max_in_flight=max_in_flight, timeout_s=timeout_s, otel_exporter=otel_exporter,
                  default_max_tokens=max_tokens) as session:
@@ -198,6 +207,7 @@ def serve(run: str | Path, *, host: str = "127.0.0.1", port: int = 8000, routes:
     first; feedback on those runs is then taken at POST /v1/feedback (docs/serving.md)."""
     from mas_trainer.serve import serve as run_serve
 
+    quiet_libraries()  # no third-party progress bars, as from the CLI
     run_serve(run, host=host, port=port, routes=routes, api_key=api_key, engine=engine, ready=ready, stop=stop,
               record=record, record_file_mb=record_file_mb, record_max_mb=record_max_mb, redact=redact, model=model)
 

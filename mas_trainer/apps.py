@@ -11,7 +11,7 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from mas_trainer.errors import UserError
+from mas_trainer.errors import UserError, did_you_mean, raised_in
 from mas_trainer.spec import ResolvedSpec
 from mas_trainer.trace.schema import NodeCall, ToolCall
 
@@ -43,21 +43,39 @@ def load_object(ref: str) -> Any:
         try:
             spec.loader.exec_module(module)
         except Exception as exc:
-            raise AppLoadError(f"importing {where} failed: {type(exc).__name__}: {exc}".splitlines()[0]) from exc
+            raise AppLoadError(_import_failed(where, exc, path)) from exc
     else:
         try:
             module = importlib.import_module(where)
         except ModuleNotFoundError as exc:
             raise AppLoadError(f"module not found: {where} ({exc.name} is missing)") from exc
         except Exception as exc:
-            raise AppLoadError(f"importing {where} failed: {type(exc).__name__}: {exc}".splitlines()[0]) from exc
+            raise AppLoadError(_import_failed(where, exc, getattr(module_spec(where), "origin", None))) from exc
     obj = module
-    for part in attr.split("."):
+    parts = attr.split(".")
+    for i, part in enumerate(parts):
         if not hasattr(obj, part):
-            names = [n for n in dir(module) if not n.startswith("_")]
-            raise AppLoadError(f"{where} has no attribute {attr!r}; it defines: {', '.join(names[:20])}")
+            names = [n for n in dir(obj) if not n.startswith("_")]
+            owner = "it" if i == 0 else ".".join(parts[:i])
+            raise AppLoadError(f"{where} has no attribute {attr!r}; {did_you_mean(part, names)}"
+                               f"{owner} defines: {', '.join(names[:20]) or 'nothing'}")
         obj = getattr(obj, part)
     return obj
+
+
+def module_spec(name: str) -> Any:
+    """The import spec of module `name` (None when it cannot be found)."""
+    try:
+        return importlib.util.find_spec(name)
+    except Exception:  # a parent package that fails to import: no spec, the error says the rest
+        return None
+
+
+def _import_failed(where: str, exc: BaseException, own: str | Path | None) -> str:
+    """One line: what the import raised and where in the user's code (FILE:LINE)."""
+    at = raised_in(exc, own)
+    message = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return f"importing {where} failed: {message}" + (f" (at {at})" if at else "")
 
 
 @dataclass

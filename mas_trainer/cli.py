@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from mas_trainer.errors import UserError
+from mas_trainer.runtime.quiet import quiet_libraries
 
 __all__ = ["main"]
 
@@ -77,18 +78,6 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 _LAUNCHED: float | None = None
-
-
-def _quiet_setup() -> None:
-    """Keep libraries' setup chatter out of `fit`'s output, where mas-trainer can: Hugging Face
-    progress bars (checkpoint writes; worker processes inherit the variable) and Ray's notice
-    that it turned token authentication on (a local instance `fit` starts for itself)."""
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    if "transformers" in sys.modules:
-        sys.modules["transformers"].utils.logging.disable_progress_bar()
-    ray_auth = logging.getLogger("ray._private.authentication.authentication_token_setup")
-    if ray_auth.getEffectiveLevel() < logging.ERROR:
-        ray_auth.setLevel(logging.ERROR)
 
 
 def cmd_fit(args: argparse.Namespace) -> int:
@@ -464,7 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         _configure_logging(os.environ.get(LOG_ENV, ""))
-        _quiet_setup()  # every verb: no third-party progress bars (model loads in eval, serve, trace)
+        quiet_libraries()  # every verb: no third-party progress bars (model loads in eval, serve, trace)
         return args.func(args)
     except UserError as exc:
         print(f"mas-trainer {args.verb}: error: {str(exc).splitlines()[0]}", file=sys.stderr)

@@ -8,7 +8,6 @@ here, before anything starts. Importing this module does not import torch.
 
 from __future__ import annotations
 
-import difflib
 
 import importlib.util
 import os
@@ -19,7 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from mas_trainer.algo.config import AdvantageConfig
-from mas_trainer.errors import UserError
+from mas_trainer.errors import UserError, did_you_mean
 from mas_trainer.learners.config import CriticConfig, LearnerConfig
 from mas_trainer.rewards.allocators import LevelWeights, allocator_names, check_allocator
 from mas_trainer.rewards.config import CounterfactualConfig
@@ -33,10 +32,12 @@ __all__ = [
 TRACKERS = ("console", "tensorboard", "mlflow", "wandb")
 
 # what each tracker imports, and what to install when it is missing
+# the package is not on PyPI: its extras install from a checkout (README, Install)
+_TRACKERS_EXTRA = "or the trackers extra from a checkout: pip install -c mas-trainer/constraints.txt './mas-trainer[trackers]'"
 _TRACKER_NEEDS: dict[str, tuple[tuple[str, ...], str]] = {
     "tensorboard": (("tensorboard",), "pip install tensorboard"),
-    "mlflow": (("mlflow", "sqlalchemy", "alembic"), "pip install 'mas-trainer[trackers]' (or: pip install mlflow)"),
-    "wandb": (("wandb",), "pip install 'mas-trainer[trackers]' (or: pip install wandb)"),
+    "mlflow": (("mlflow", "sqlalchemy", "alembic"), f"pip install mlflow ({_TRACKERS_EXTRA})"),
+    "wandb": (("wandb",), f"pip install wandb ({_TRACKERS_EXTRA})"),
 }
 
 
@@ -282,8 +283,7 @@ def _describe_error(err: ValidationError, root: type[BaseModel] | None = None) -
         section = root if root is not None and len(e["loc"]) == 1 else _section_of(tuple(e["loc"][:-1]))
         if section is None:
             return f"unknown config key {loc!r}; see mas-trainer fit --help"
-        close = difflib.get_close_matches(str(e["loc"][-1]), list(section.model_fields), n=1, cutoff=0.6)
-        hint = f"did you mean {close[0]!r}? " if close else ""
+        hint = did_you_mean(str(e["loc"][-1]), section.model_fields)
         return f"unknown config key {loc!r}; {hint}valid keys here: {', '.join(section.model_fields)}"
     return f"config key {loc!r}: {e['msg'].removeprefix('Value error, ')}"
 
@@ -473,8 +473,7 @@ def check_policy_names(cfg: FitConfig, app_policies: Iterable[str]) -> None:
     known = sorted(app_policies)
     for name in cfg.policies:
         if name not in known:
-            close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-            hint = f"did you mean {close[0]!r}? " if close else ""
+            hint = did_you_mean(name, known)
             raise ConfigError(f"policies.{name}: the app has no policy {name!r}; {hint}its policies: {', '.join(known) or 'none'}")
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from mas_trainer.config import ConfigError
+from mas_trainer.errors import did_you_mean
 from mas_trainer.gateway import Gateway, GatewayServer, Router
 from mas_trainer.record import Recorder, load_redactor
 from mas_trainer.runtime.backends import policy_backends, run_config, trained_policies
@@ -94,7 +95,8 @@ def build_gateway(run_dir: str | Path, *, routes: Mapping[str, str] | None = Non
     routes = dict(routes or {})
     unknown = sorted(set(routes.values()) - set(spec.policies))
     if unknown:
-        raise ConfigError(f"--route names unknown policy {unknown[0]!r}; policies of this run: {', '.join(sorted(spec.policies))}")
+        raise ConfigError(f"--route names unknown policy {unknown[0]!r}; {did_you_mean(unknown[0], spec.policies)}"
+                          f"policies of this run: {', '.join(sorted(spec.policies))}")
     untrained = sorted(p for p, pol in spec.policies.items() if pol.trainable and p not in trained)
     if untrained and not _is_app_ref(run_dir):
         raise ConfigError(f"policy {untrained[0]!r} has no checkpoint folder in {RunDir(run_dir).checkpoint / 'policies'}")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, Callable, Iterable, Mapping
 
-from mas_trainer.errors import UserError
+from mas_trainer.errors import UserError, did_you_mean
 
 __all__ = ["FROZEN_POLICY", "PolicySpec", "TrainSpec", "ResolvedSpec", "SpecError", "Route", "qualified_nodes"]
 
@@ -81,13 +81,11 @@ class TrainSpec:
             raise SpecError(f"policy name {FROZEN_POLICY!r} is reserved for frozen nodes; rename it")
         for node, pol in roles.items():
             if pol not in pols:
-                raise SpecError(
-                    f"role {node!r} maps to unknown policy {pol!r}; valid policies: {', '.join(sorted(pols)) or '(none)'}"
-                )
+                raise SpecError(f"role {node!r} maps to unknown policy {pol!r}; {did_you_mean(str(pol), pols)}"
+                                f"valid policies: {', '.join(sorted(pols)) or '(none)'}")
         if default_policy is not None and default_policy not in pols:
-            raise SpecError(
-                f"default_policy {default_policy!r} is not a policy; valid policies: {', '.join(sorted(pols))}"
-            )
+            raise SpecError(f"default_policy {default_policy!r} is not a policy; {did_you_mean(default_policy, pols)}"
+                            f"valid policies: {', '.join(sorted(pols)) or '(none)'}")
         frozen = frozenset(frozen)
         both = sorted(frozen & set(roles))
         if both:
@@ -112,7 +110,11 @@ class TrainSpec:
         keyed = {}
         for key in [*self.roles, *self.frozen, *self.role_names]:
             keyed[key] = _match(key, nodes)
-        return ResolvedSpec(self, tuple(nodes), keyed)
+        resolved = ResolvedSpec(self, tuple(nodes), keyed)
+        for what, rewards in (("role_rewards", self.role_rewards), ("turn_rewards", self.turn_rewards)):
+            if isinstance(rewards, Mapping):
+                resolved.check_reward_roles(what, rewards)
+        return resolved
 
 
 _ENDPOINTS = ("__start__", "__end__")
@@ -144,7 +146,7 @@ def _match(key: str, nodes: list[str]) -> str:
         return hits[0]
     if len(hits) > 1:
         raise SpecError(f"node name {key!r} is ambiguous ({', '.join(hits)}); use the qualified name")
-    raise SpecError(f"unknown node {key!r}; valid nodes: {', '.join(nodes) or '(none)'}")
+    raise SpecError(f"unknown node {key!r}; {did_you_mean(key, nodes)}valid nodes: {', '.join(nodes) or '(none)'}")
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,38 @@ class ResolvedSpec:
             base = next(iter(pols.values())).base_model if pols else "default"
             pols[FROZEN_POLICY] = PolicySpec(FROZEN_POLICY, base, trainable=False)
         return pols
+
+    @cached_property
+    def roles(self) -> list[str]:
+        """The roles the app's nodes play (what role_rewards and turn_rewards are keyed by), in node order."""
+        return list(dict.fromkeys(self.route(n).role for n in self.nodes))
+
+    def check_reward_roles(self, what: str, rewards: Mapping[str, Any]) -> None:
+        """A reward keyed by a name that is no role would never run: refuse it, naming the key,
+        the roles and the closest one (a policy name given for a role is said to be one)."""
+        roles = self.roles
+        for key in rewards:
+            if key in roles or self._unlisted_inner_node(key):
+                continue
+            node = self.qualified.get(key) or (key if key in self.nodes else None)
+            if node is not None:
+                raise SpecError(f"{what} key {key!r} is a node that plays role {self.route(node).role!r}: rewards are keyed "
+                                f"by role; the app's roles: {', '.join(roles) or '(none)'}")
+            if key in self.spec.policies or key == FROZEN_POLICY:
+                played = [r for r in roles if self._policy_of_role(r) == key]
+                raise SpecError(f"{what} key {key!r} is a policy, not a role: rewards are keyed by role (the roles it "
+                                f"serves: {', '.join(played) or 'none'}); the app's roles: {', '.join(roles) or '(none)'}")
+            raise SpecError(f"{what} key {key!r} is not a role of the app, so that reward would never run; "
+                            f"{did_you_mean(str(key), roles)}the app's roles: {', '.join(roles) or '(none)'}")
+
+    def _policy_of_role(self, role: str) -> str:
+        return next(r.policy for r in (self.route(n) for n in self.nodes) if r.role == role)
+
+    def _unlisted_inner_node(self, key: Any) -> bool:
+        """``outer:inner`` below a node of the graph, not shown by the graph's listing (a subgraph
+        invoked inside a node's function), where it is a role of its own (nothing above it listed)."""
+        return (isinstance(key, str) and ":" in key and key.split(":", 1)[0] in self.nodes and key not in self.nodes
+                and self.route(key).role == key)
 
     def _needs_frozen(self) -> bool:
         return self.spec.default_policy is None or bool(self.spec.frozen)

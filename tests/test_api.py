@@ -108,3 +108,40 @@ def test_every_cli_verb_calls_the_api(tmp_path, monkeypatch):
     assert main(["serve", "r", "--port", "9", "--route", "gpt=solo"]) == 0
     assert seen["serve"]["args"] == ("r",) and seen["serve"]["port"] == 9 and seen["serve"]["routes"] == {"gpt": "solo"}
     assert main(["view", "r", "--port", "7"]) == 0 and seen["view"]["port"] == 7 and seen["view"]["html"] is None
+
+
+def test_the_api_runs_inside_a_running_event_loop(tmp_path):
+    """A notebook (Jupyter) runs its cells inside an event loop: trace, evaluate and fit run
+    there as they do from a script (here: inside asyncio.run)."""
+    import asyncio
+
+    async def in_a_notebook():
+        traced = api.trace(APP, TASKS[:2], n=2, max_tokens=8)
+        run = mas_trainer.fit(APP, TASKS, output=tmp_path / "run", overrides={**QUICK, "val_fraction": 0}, console=Console(file=None, quiet=True))
+        scores = mas_trainer.evaluate(APP, TASKS[:2], run=run.output, max_tokens=8)
+        return traced, run, scores
+
+    traced, run, scores = asyncio.run(in_a_notebook())
+    assert len(traced.trajectories) == 4 and traced.scored and all(t.status == "ok" for t in traced.trajectories)
+    assert [r["step"] for r in run.train] == [1] and list(run.policies) == ["solo"]
+    assert scores["rollouts"] == 2 and scores["policies"]["solo"] == str(run.policies["solo"])
+    # and from a script again afterwards, on the same rollout loop
+    again = api.trace(APP, TASKS[:1], max_tokens=8)
+    assert [t.status for t in again.trajectories] == ["ok"]
+
+
+def test_the_api_prints_no_third_party_progress_bars(tmp_path, capfd, monkeypatch):
+    """fit and evaluate from Python keep transformers' and the hub's progress bars (loading
+    weights, writing shards) off stderr, as the CLI does: not only when `main` ran first."""
+    import huggingface_hub.utils
+    import transformers
+
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    transformers.utils.logging.enable_progress_bar()  # as in a fresh process (an earlier test may have turned them off)
+    huggingface_hub.utils.enable_progress_bars()
+    run = mas_trainer.fit(APP, TASKS, output=tmp_path / "run", overrides={**QUICK, "val_fraction": 0},
+                          console=Console(file=None, quiet=True))
+    mas_trainer.evaluate(APP, TASKS[:1], run=run.output, max_tokens=8)
+    err = capfd.readouterr().err
+    for bar in ("Loading weights", "Writing model shards", "it/s]", "%|"):
+        assert bar not in err, err[-2000:]

@@ -122,3 +122,17 @@ def test_the_results_table_links_every_results_page():
     section = section[: section.index("\n## ", 1)]
     pages = {p.name for p in (ROOT / "docs" / "results").glob("*.md")}
     assert pages and pages <= set(re.findall(r"docs/results/([\w.-]+\.md)", section))
+
+
+def test_every_install_line_installs_from_a_checkout_as_the_readme_does():
+    """The package is not on PyPI: a page that says `pip install mas-trainer[extra]` or shows an
+    editable `-e .` install sends a user to a package that does not exist or to a layout only
+    the project's own scripts use. Every pip line that installs mas-trainer installs a checkout
+    with its constraints file, as the README's Install section does."""
+    for page in PAGES:
+        text = page.read_text()
+        assert "THIS_REPOSITORY" not in text, page
+        for line in re.findall(r"pip install[^\n`]*", text):
+            if "mas-trainer" in line or re.search(r"""['"]?\.\[""", line) or " -e " in line:
+                assert re.search(r"""-c mas-trainer/constraints(-gpu)?\.txt ["']\./mas-trainer\[[a-z,-]+\]["']""", line) \
+                    and " -e " not in line, f"{page.relative_to(ROOT)}: {line}"

@@ -104,6 +104,8 @@ def test_api_key_and_bad_runs(trained_run, tmp_path):
         build_gateway(tmp_path)
     with pytest.raises(ConfigError, match="unknown policy 'nope'"):
         build_gateway(run, routes={"gpt-4o-mini": "nope"})
+    with pytest.raises(ConfigError, match=r"unknown policy 'crw'; did you mean 'crew'\? policies of this run: crew, frozen, lead"):
+        build_gateway(run, routes={"gpt-4o-mini": "crw"})
     json.loads((Path(run) / "app.json").read_text())
 
 

@@ -22,7 +22,7 @@ def test_full_sharing_separation_and_partial_sharing():
 
 
 def test_unknown_node_lists_valid_nodes():
-    with pytest.raises(SpecError, match=r"unknown node 'plannr'; valid nodes: planner, coder"):
+    with pytest.raises(SpecError, match=r"unknown node 'plannr'; did you mean 'planner'\? valid nodes: planner, coder"):
         TrainSpec.build({"plannr": "p"}).resolve(NODES)
 
 
@@ -102,3 +102,40 @@ def test_nearest_listed_enclosing_node_wins():
     assert spec.route("a:b:c").policy == spec.route("a:b:d").policy == "outer"
     # deeper than any listing (a subgraph invoked inside a node function): still the enclosing node's
     assert spec.route("math_expert:model:inner").policy == "model_only"
+
+
+def test_misspelt_names_get_a_did_you_mean():
+    with pytest.raises(SpecError, match=r"^role 'planner' maps to unknown policy 'wrker'; did you mean 'worker'\? "
+                                        r"valid policies: planner, worker$"):
+        TrainSpec.build({"planner": "wrker"}, {"planner": "default", "worker": "default"})
+    with pytest.raises(SpecError, match=r"^default_policy 'plannr' is not a policy; did you mean 'planner'\? valid policies: planner$"):
+        TrainSpec.build({"planner": "planner"}, default_policy="plannr")
+
+
+def _fn(task, subject, traj):
+    return 1.0
+
+
+def test_reward_keys_must_be_roles_of_the_app():
+    """A reward keyed by a name that is no role would never run: one line naming the key, the
+    roles and the closest, checked when the spec meets the graph (trainable(), app load)."""
+    roles = {"planner": "p", "coder": "w", "reflector": "w"}
+    with pytest.raises(SpecError, match=r"^role_rewards key 'plannr' is not a role of the app, so that reward would never "
+                                        r"run; did you mean 'planner'\? the app's roles: planner, coder, reflector, research, "
+                                        r"research:search_query, research:summarize$"):
+        TrainSpec.build(roles, role_rewards={"plannr": _fn}).resolve(NODES)
+    with pytest.raises(SpecError, match=r"^turn_rewards key 'w' is a policy, not a role: rewards are keyed by role "
+                                        r"\(the roles it serves: coder, reflector\)"):
+        TrainSpec.build(roles, turn_rewards={"w": _fn}).resolve(NODES)
+    # role names, nodes inside a listed agent (their calls are the agent's role) and grouped roles
+    grouped = TrainSpec.build(roles, role_names={"coder": "dev", "reflector": "dev"}, role_rewards={"dev": _fn})
+    assert grouped.resolve(NODES).roles == ["planner", "dev", "research", "research:search_query", "research:summarize"]
+    with pytest.raises(SpecError, match=r"^role_rewards key 'coder' is a node that plays role 'dev': rewards are keyed by role; "
+                                        r"the app's roles: planner, dev, reflector"):
+        TrainSpec.build(roles, role_names={"coder": "dev"}, role_rewards={"coder": _fn}).resolve(NODES)
+    with pytest.raises(SpecError, match=r"^turn_rewards key 'math_expert:model' is a node that plays role 'math_expert'"):
+        TrainSpec.build({"math_expert": "m"}, turn_rewards={"math_expert:model": _fn}).resolve(XRAY)
+    # fine: a role, a frozen node's role, an unlisted node under default_policy, one callable for every role
+    TrainSpec.build(roles, role_rewards={"planner": _fn, "research:summarize": _fn}, turn_rewards={"coder": _fn}).resolve(NODES)
+    TrainSpec.build({"math_expert": "m"}, default_policy="m", role_rewards={"supervisor:agent": _fn}).resolve(XRAY)
+    TrainSpec.build(roles, role_rewards=_fn, turn_rewards=_fn).resolve(NODES)

@@ -70,7 +70,7 @@ def training_worker_config(
         use_value_model_loader(attn)
     if device == "cuda" and not packed:
         log.warning("flash-attention is not installed: the verl learner runs padded rows with SDPA attention "
-                    "(pip install 'mas-trainer[flash-attn]' for packed sequences)")
+                    "(pip install -c mas-trainer/constraints-gpu.txt './mas-trainer[flash-attn]' from a checkout, for packed sequences)")
     model = HFModelConfig(
         path=model_dir,
         override_config={"attn_implementation": attn},  # verl's default is flash-attention 2, CUDA builds only

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mas_trainer.errors import UserError
+from mas_trainer.errors import shown_path as _shown
 from mas_trainer.trace.schema import LLMCall, Trajectory
 
 __all__ = [
@@ -79,15 +80,6 @@ def _target(fn: Callable[..., Any]) -> Any:
 def _source_file(fn: Callable[..., Any]) -> str | None:
     code = getattr(_target(fn), "__code__", None)
     return code.co_filename if code is not None else None
-
-
-def _shown(path: str) -> str:
-    """A file as a user would type it: relative to the working directory when under it."""
-    try:
-        rel = os.path.relpath(path)
-    except ValueError:  # another drive
-        return path
-    return path if rel.startswith(os.pardir) else rel
 
 
 def _name(fn: Callable[..., Any]) -> str:

@@ -39,7 +39,7 @@ class ReplicaConfig(BaseModel):
     timeout_s: float = Field(600.0, gt=0, description="a request a replica does not answer in this time fails the run (resumable)")
 
 
-VLLM_INSTALL = "pip install -c constraints-gpu.txt -e '.[torch,train,vllm]' (verl 0.9.1's vllm extra: vllm 0.24, torch 2.11; docs/vllm.md)"
+VLLM_INSTALL = "pip install -c mas-trainer/constraints-gpu.txt './mas-trainer[torch,train,vllm]' from a checkout (verl 0.9.1's vllm extra: vllm 0.24, torch 2.11; docs/vllm.md)"
 
 
 def require_vllm() -> None:

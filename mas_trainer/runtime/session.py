@@ -10,18 +10,24 @@ unfinished (its calls are answered 503 and its engine rows freed). A session end
 refusing new calls, cancelling the rollouts still running (an interrupted `run`) and
 answering the calls still in flight, and only then closes the engines: otherwise every call
 still running fails with "engine ... is closed" and prints a traceback.
+
+The session's loop runs in the calling thread, unless that thread already runs an event loop
+(a Jupyter notebook's cells do): then it runs in a thread of its own while the caller waits
+(`Session.complete`), so that the synchronous API works there too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import os
 import secrets
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Awaitable, Callable, Iterable, Mapping, TypeVar
 
 from mas_trainer.apps import load_object
 from mas_trainer.config import RuntimeConfig
@@ -39,6 +45,8 @@ __all__ = ["Session"]
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 
 _loop: asyncio.AbstractEventLoop | None = None
 
@@ -51,6 +59,53 @@ def _rollout_loop() -> asyncio.AbstractEventLoop:
     if _loop is None or _loop.is_closed():
         _loop = asyncio.new_event_loop()
     return _loop
+
+
+def _loop_running_here() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _complete_in_thread(loop: asyncio.AbstractEventLoop, awaitable: Awaitable[T], on_interrupt: Callable[[], None],
+                        timeout_s: float = 10.0) -> T:
+    """Run `loop` until `awaitable` is done, in a thread of its own (with the caller's context
+    variables), while this thread waits. Interrupted while waiting (a notebook's "interrupt
+    the kernel"), it calls `on_interrupt`, cancels the work, waits up to `timeout_s` for the
+    loop to stop, and raises the interruption."""
+    box: dict[str, Any] = {}
+    started, finished = threading.Event(), threading.Event()
+
+    def target() -> None:
+        try:
+            task = box["task"] = asyncio.ensure_future(awaitable, loop=loop)
+            started.set()
+            box["result"] = loop.run_until_complete(task)
+        except BaseException as exc:  # handed to the waiting thread
+            box["error"] = exc
+        finally:
+            started.set()
+            finished.set()
+
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(target,), name="mas-rollout-loop", daemon=True)
+    thread.start()
+    try:  # waits on an Event: a Thread.join interrupted in its lock may report the thread finished when it is not
+        while not finished.wait(0.1):
+            pass
+    except BaseException:
+        on_interrupt()
+        started.wait(timeout_s)
+        task = box.get("task")
+        if task is not None:
+            loop.call_soon_threadsafe(task.cancel)
+        if not finished.wait(timeout_s):
+            log.warning("the rollout loop did not stop within %g s of being cancelled", timeout_s)
+        raise
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 class Session:
@@ -122,6 +177,14 @@ class Session:
             self.server.stop()
             self._restore_env()
 
+    def complete(self, awaitable: Awaitable[T]) -> T:
+        """Run the session's loop until `awaitable` is done and return its result: in this
+        thread, or, where this thread already runs an event loop (a notebook), in a thread of
+        its own while this one waits."""
+        if not _loop_running_here():
+            return self.loop.run_until_complete(awaitable)
+        return _complete_in_thread(self.loop, awaitable, self.stop_calls)
+
     def _cancel(self, tasks: Iterable[asyncio.Task], timeout_s: float = 10.0) -> None:
         tasks = [t for t in tasks if not t.done()]
         for t in tasks:
@@ -132,7 +195,7 @@ class Session:
         deadline = time.monotonic() + timeout_s
         while not waiter.done() and time.monotonic() < deadline:
             try:
-                self.loop.run_until_complete(asyncio.wait({waiter}, timeout=max(0.0, deadline - time.monotonic())))
+                self.complete(asyncio.wait({waiter}, timeout=max(0.0, deadline - time.monotonic())))
             except (KeyboardInterrupt, SystemExit):
                 pass  # the interruption again, from a task that awaited the one it was raised in
         if not waiter.done():
@@ -208,7 +271,7 @@ class Session:
         rollouts are cancelled and the gateway answers no more calls: the session is over."""
         before = asyncio.all_tasks(self.loop)
         try:
-            return self.loop.run_until_complete(self.rollouts(list(tasks), n=n, on_done=on_done))
+            return self.complete(self.rollouts(list(tasks), n=n, on_done=on_done))
         except BaseException:
             # Interrupted (Ctrl-C, or on_done raised): the session is ending. Stop accepting
             # calls and answer those in flight first (a cancelled rollout waits for the threads

@@ -385,11 +385,9 @@ class _Fit:
             raise ConfigError(f"{run.root} holds a run that stopped before its first checkpoint, so there is nothing to "
                               "resume; pass --resume to start it over from step 0 (its metrics rows and trajectory files "
                               "are discarded) or choose another --output")
-        if state is None and run.holds_run():  # --resume: start over, as verl's auto resume does
+        start_over = state is None and run.holds_run()  # --resume: start over, as verl's auto resume does
+        if start_over:
             run.check_start_over()  # unless its records show a checkpoint was committed (and lost)
-            rows, files = run.start_over()
-            log.warning("%s has no complete checkpoint (the run stopped before its first one): starting over from "
-                        "step 0; discarded %d metrics rows and %d trajectory files", run.root, rows, files)
         elif state is not None:
             run.check_resume(state)  # the state against the records it would prune, the checkpoint's files
             if state["step"] > c.steps:
@@ -402,13 +400,8 @@ class _Fit:
                                    markup=False, highlight=False, soft_wrap=True)
                 return [r for r in run.metrics() if r["step"] <= state["step"]]
             log.info("%s: resuming after step %d (data position %d)", run.root, state["step"], state["position"])
-        # the records after the checkpoint go before config.yaml is rewritten, so that config.yaml is always the
-        # config of the `fit` that wrote whatever lies past the checkpoint (what `check_resume` bounds them by)
-        run.truncate_to(state["step"] if state else -1)
-        run.create(yaml.safe_dump(c.model_dump(mode="json"), sort_keys=False))
-        self.rows = run.metrics()
-        self._elapsed_before = next((float(r["time/elapsed_s"]) for r in reversed(self.rows)
-                                     if isinstance(r.get("time/elapsed_s"), (int, float))), 0.0)
+        # Nothing is written to the run directory until the app, the tasks, the plan and the models have been checked:
+        # a refused fit leaves it as it was (no config.yaml of a config that never ran, nothing of a run cleared).
         with Session(model=c.model, max_in_flight=c.rollout.max_in_flight or c.runtime.max_batch_size, timeout_s=c.rollout.timeout_s,
                      default_max_tokens=c.rollout.max_tokens) as session:
             self.say(f"loading the app {self.app_ref if isinstance(self.app_ref, str) else type(self.app_ref).__name__}")
@@ -416,6 +409,10 @@ class _Fit:
             check_allocator(c.reward.allocator, c.reward.options)  # one the app registers exists only now
             spec = app.spec
             check_policy_names(c, spec.policies)  # policies.NAME.* overrides name the app's policies (known only now)
+            check_tasks = getattr(app, "check_tasks", None)  # a task the graph cannot start from: one line, not every rollout failing
+            if check_tasks is not None:
+                check_tasks(self.tasks)
+                check_tasks(self.val_tasks)
             trainable = {p: (str(run.policy_dir(p)) if state else pol.base_model, pol.base_model)
                          for p, pol in spec.policies.items() if pol.trainable}
             self.plan = plan = resolve_plan(c, trainable)  # every rule checked here, before any worker or Ray starts
@@ -424,13 +421,11 @@ class _Fit:
             self.say(f"checking the model{'s' if len(bases) > 1 else ''} {', '.join(bases)}")
             for base in bases:
                 check_model(base)  # here, in one line, not as a traceback from a worker; hub ids download once
-            run.write_app(spec)
             self.reward_spec = RewardSpec(spec.spec.reward, spec.spec.role_rewards, spec.spec.turn_rewards)
             if c.reward.allocator == "counterfactual":  # an app or task that cannot be forked: one line, before any rollout
                 from mas_trainer.adapters.langgraph.forks import check_forkable
 
                 check_forkable(app, self.reward_spec, c.reward.counterfactual.roles, self.tasks)
-            (run.root / "plan.json").write_text(plan.model_dump_json(indent=1))
             if state is None:  # read, checked and tokenized here, before any worker group starts
                 from mas_trainer.runtime.warm_start import warm_start_examples
 
@@ -451,6 +446,20 @@ class _Fit:
             if c.rollout.filter_groups and not plans:
                 log.warning("rollout.filter_groups is ignored: no policy is trainable, so no group is trained on; "
                             "each step makes one draw")
+            # checked: now the run directory
+            if start_over:
+                rows, files = run.start_over()
+                log.warning("%s has no complete checkpoint (the run stopped before its first one): starting over from "
+                            "step 0; discarded %d metrics rows and %d trajectory files", run.root, rows, files)
+            # the records after the checkpoint go before config.yaml is rewritten, so that config.yaml is always the
+            # config of the `fit` that wrote whatever lies past the checkpoint (what `check_resume` bounds them by)
+            run.truncate_to(state["step"] if state else -1)
+            run.create(yaml.safe_dump(c.model_dump(mode="json"), sort_keys=False))
+            self.rows = run.metrics()
+            self._elapsed_before = next((float(r["time/elapsed_s"]) for r in reversed(self.rows)
+                                         if isinstance(r.get("time/elapsed_s"), (int, float))), 0.0)
+            run.write_app(spec)
+            (run.root / "plan.json").write_text(plan.model_dump_json(indent=1))
             self.say(f"starting the {plan.summary()} (loading weights, building engines)")  # the plan, in one line
             self.handles = start_workers(plans, rt)
             try:
@@ -464,7 +473,7 @@ class _Fit:
                          + ("held-out evaluation at step 0, then " if state is None and self.val_tasks else "")
                          + f"step {first}/{c.steps}: rollouts, then the update")
                 with self.watch(state) as progress:
-                    session.loop.run_until_complete(self.loop(session, state, progress))
+                    session.complete(self.loop(session, state, progress))
             except KeyboardInterrupt:
                 # closing a worker group waits for an update it is running (minutes on a CPU): say so
                 self.console.print("interrupted: stopping the rollouts; an update in progress ends first "

@@ -61,7 +61,7 @@ def configure(exporter: str | None = None) -> TracerProvider:
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         except ImportError as exc:  # optional extra
-            raise ValueError("the otlp exporter needs `pip install mas-trainer[otlp]`") from exc
+            raise ValueError("the otlp exporter needs the otlp extra: pip install -c mas-trainer/constraints.txt './mas-trainer[otlp]' (from a checkout, as the README's Install section)") from exc
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     with _lock:
         old, _provider = _provider, provider

@@ -96,7 +96,7 @@ def test_node_names_include_subgraph_nodes():
 
 
 def test_mistakes_are_caught_at_decoration_time():
-    with pytest.raises(SpecError, match="unknown node 'plan_x'; valid nodes: plan, act, sub, sub:inner_step"):
+    with pytest.raises(SpecError, match=r"unknown node 'plan_x'; did you mean 'plan'\? valid nodes: plan, act, sub, sub:inner_step"):
         trainable(_builder(), roles={"plan_x": "p"})
     with pytest.raises(SpecError, match="valid policies: p"):
         trainable(_builder(), roles={"plan": "nope"}, policies={"p": "default"})
@@ -106,6 +106,13 @@ def test_mistakes_are_caught_at_decoration_time():
         trainable(_builder(), roles={"plan": "p"}, frozen=["plan"])
     with pytest.raises(SpecError, match="expects a StateGraph"):
         trainable(42, roles={})
+    # a reward keyed by no role would never run: refused on the graph, and on a factory's graph when it is built
+    with pytest.raises(SpecError, match=r"^role_rewards key 'pln' is not a role of the app, so that reward would never run; "
+                                        r"did you mean 'plan'\? the app's roles: plan, act, sub, sub:inner_step$"):
+        trainable(_builder(), roles={"plan": "p"}, role_rewards={"pln": lambda *a: 1.0})
+    factory = trainable(_builder, roles={"plan": "p"}, turn_rewards={"p": lambda *a: 1.0})
+    with pytest.raises(SpecError, match=r"^turn_rewards key 'p' is a policy, not a role: .*\(the roles it serves: plan\)"):
+        factory()
 
 
 def test_roles_may_name_subgraph_nodes():

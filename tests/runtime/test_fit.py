@@ -437,6 +437,44 @@ def test_an_override_for_a_policy_the_app_does_not_have_stops_fit_before_any_rol
     with pytest.raises(ConfigError, match=r"^policies.sol: the app has no policy 'sol'; did you mean 'solo'\? its policies: frozen, solo$"):
         fit(f"{APP}:single", TASKS[:2], _cfg("steps=1", "policies.sol.learner.lr=1e-5"), out)
     assert not (out / "trajectories").exists() or not any((out / "trajectories").iterdir())
+    assert not (out / "config.yaml").exists()  # a refused config is not left behind as the run's
+
+
+CHAT_APP = """
+from langgraph.graph import END, START, MessagesState, StateGraph
+from langchain_openai import ChatOpenAI
+from mas_trainer import trainable
+
+llm = ChatOpenAI(model="m", max_retries=0)
+g = StateGraph(MessagesState)
+g.add_node("chat", lambda s: {"messages": [llm.invoke(s["messages"])]})
+g.add_edge(START, "chat")
+g.add_edge("chat", END)
+graph = trainable(g.compile(), roles={"chat": "p"}, policies={"p": "tiny"}, reward=lambda task, state, traj: 1.0)
+"""
+
+
+def test_a_task_the_graph_cannot_start_from_stops_fit_before_any_worker_and_writes_nothing(tmp_path, monkeypatch):
+    """The tasks are checked against the graph's input as soon as the app is loaded, training
+    and held-out ones, before the plan and the workers (seconds, not after Ray started), and a
+    refused fit leaves the output folder as it was: no config.yaml of a run that never ran."""
+    import mas_trainer.runtime.trainer as trainer
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("a worker group was started")
+
+    monkeypatch.setattr(trainer, "start_workers", no_workers)
+    (tmp_path / "app.py").write_text(CHAT_APP)
+    good = {"messages": [{"role": "user", "content": "hi"}]}
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    for tasks, val in (([good, {"question": "hi"}], [good]), ([good, good], [{"question": "held out"}])):
+        with pytest.raises(UserError, match=r"""^task \{"question": "[a-z ]+"\} has no 'messages', which the graph's input """
+                                            r"\(MessagesState\) requires: give each task its conversation.*$") as err:
+            fit(f"{tmp_path / 'app.py'}:graph", tasks, _cfg("steps=1"), out, val_tasks=val)
+        assert "\n" not in str(err.value)
+        assert sorted(p.name for p in out.iterdir() if p.name != ".lock") == ["notes.txt"]
 
 
 def test_a_hub_id_that_cannot_be_had_is_one_line_before_any_worker_starts(tmp_path, monkeypatch):

@@ -110,6 +110,6 @@ def test_engine_vllm_without_vllm_is_refused_by_the_plan(monkeypatch):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
-    with pytest.raises(UserError, match=r"engine vllm needs vLLM, which is not installed here: pip install -c constraints-gpu.txt"):
+    with pytest.raises(UserError, match=r"engine vllm needs vLLM, which is not installed here: pip install -c mas-trainer/constraints-gpu.txt"):
         _plan("runtime.engine=vllm", "runtime.learner=verl", gpus=2)
     _plan("policies.lead.engine=embedded", gpus=2)  # no vllm policy: nothing asked

@@ -192,3 +192,33 @@ def test_a_call_a_sync_node_starts_after_its_rollout_timed_out_is_refused_not_se
     (got,) = outcome
     assert isinstance(got, Exception) and "has ended" in str(got), got
     assert engine.calls == []  # never reached the engine
+
+
+def test_interrupting_a_wait_inside_a_running_loop_cancels_the_work():
+    """Inside a running event loop (a notebook) the session's loop runs in its own thread; an
+    interruption of the waiting thread (the kernel's interrupt) stops the gateway's calls,
+    cancels the work and leaves the session's loop stopped, as Ctrl-C does from the CLI."""
+    import _thread
+
+    cancelled = threading.Event()
+    with Session(backend_factory=lambda _m: PolicyBackend(FakeEngine(reply="hi"), FakeChatFormat())) as session:
+        async def forever():
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+
+        async def cell():
+            assert session.complete(asyncio.sleep(0, "same result")) == "same result"
+            threading.Timer(0.3, _thread.interrupt_main).start()
+            session.complete(forever())
+
+        outer = asyncio.new_event_loop()  # run_until_complete installs no SIGINT handler: the interrupt is raised
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                outer.run_until_complete(cell())
+        finally:
+            outer.close()
+        assert cancelled.is_set() and not session.loop.is_running()
+        assert session.gateway.flights.closed  # the calls were stopped first, as Session.run does
