@@ -136,3 +136,29 @@ def test_every_install_line_installs_from_a_checkout_as_the_readme_does():
             if "mas-trainer" in line or re.search(r"""['"]?\.\[""", line) or " -e " in line:
                 assert re.search(r"""-c mas-trainer/constraints(-gpu)?\.txt ["']\./mas-trainer\[[a-z,-]+\]["']""", line) \
                     and " -e " not in line, f"{page.relative_to(ROOT)}: {line}"
+
+
+def test_the_readmes_python_calls_name_real_functions_and_keywords():
+    """The Python blocks are not run (they train), but every `mas_trainer.X(...)` / `api.X(...)`
+    they call exists and takes the keywords they pass."""
+    import ast
+    import inspect
+
+    import mas_trainer
+    from mas_trainer import api
+
+    blocks = re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+    calls = [node for block in blocks for node in ast.walk(ast.parse(block)) if isinstance(node, ast.Call)]
+    checked = 0
+    for call in calls:
+        f = call.func
+        if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in ("mas_trainer", "api")):
+            continue
+        fn = getattr(mas_trainer if f.value.id == "mas_trainer" else api, f.attr)
+        params = inspect.signature(fn).parameters
+        bad = [k.arg for k in call.keywords if k.arg not in params]
+        assert not bad, f"README: {f.value.id}.{f.attr}() takes no {bad}"
+        positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        assert len(call.args) <= len(positional), f"README: {f.value.id}.{f.attr}() takes {len(positional)} positional"
+        checked += 1
+    assert checked >= 3
