@@ -22,7 +22,7 @@ import os
 import signal
 import threading
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from mas_trainer.config import ConfigError
 from mas_trainer.errors import did_you_mean
@@ -133,9 +133,19 @@ def serve(run_dir: str | Path, *, host: str = "127.0.0.1", port: int = 8000, rou
     gateway = build_gateway(run_dir, routes=routes, api_key=api_key, engine=engine, model=model)
     gateway.recorder = recorder
     stop = stop or threading.Event()
+    previous: dict[int, Any] = {}  # put back when serving ends: a notebook's or script's Ctrl-C must work again afterwards
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+            previous[sig] = signal.signal(sig, lambda *_: stop.set())
+    try:
+        _serve_until(gateway, recorder, stop, host, port, api_key, ready)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _serve_until(gateway: Any, recorder: Any, stop: threading.Event, host: str, port: int, api_key: str | None,
+                 ready: threading.Event | None) -> None:
     if api_key is None and host not in ("127.0.0.1", "::1", "localhost"):
         log.warning("serving on %s without an API key: anyone who can reach it can use the models "
                     "(set %s or --api-key-file)", host, API_KEY_ENV)

@@ -336,3 +336,19 @@ def test_a_lora_run_is_served_and_viewed_from_its_adapter_folders(tmp_path):
     assert calls and all(c["pieces"] is not None and len(c["pieces"]) == len(c["response_ids"]) for c in calls)
     # read from the adapter folders themselves, not the fallback to the base model a failure would hide behind
     assert step["tokenizers"] == {"lead": "checkpoint/policies/lead", "crew": "checkpoint/policies/crew"}
+
+
+def test_serving_from_python_gives_back_the_signal_handlers_it_took(trained_run):
+    """serve() stops on SIGINT/SIGTERM while it runs; once it returns, a script's or notebook's
+    Ctrl-C must raise KeyboardInterrupt again, not set a stop event nobody waits on."""
+    import signal
+    import threading
+
+    from mas_trainer.serve import serve
+
+    _, run = trained_run
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    ready, stop = threading.Event(), threading.Event()
+    threading.Thread(target=lambda: ready.wait(300) and stop.set(), daemon=True).start()
+    serve(run, port=0, ready=ready, stop=stop)
+    assert {sig: signal.getsignal(sig) for sig in before} == before

@@ -199,12 +199,16 @@ def test_interrupting_a_wait_inside_a_running_loop_cancels_the_work():
     interruption of the waiting thread (the kernel's interrupt) stops the gateway's calls,
     cancels the work and leaves the session's loop stopped, as Ctrl-C does from the CLI."""
     import _thread
+    import signal
 
     cancelled = threading.Event()
+    # interrupt_main runs whatever SIGINT handler is installed: an earlier test (or a library) may have left its own
+    # (then no KeyboardInterrupt comes); the kernel's is Python's default one
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     with Session(backend_factory=lambda _m: PolicyBackend(FakeEngine(reply="hi"), FakeChatFormat())) as session:
         async def forever():
             try:
-                await asyncio.sleep(3600)
+                await asyncio.sleep(300)  # a hang guard: no interruption, and the test fails instead of waiting
             except asyncio.CancelledError:
                 cancelled.set()
                 raise
@@ -220,5 +224,6 @@ def test_interrupting_a_wait_inside_a_running_loop_cancels_the_work():
                 outer.run_until_complete(cell())
         finally:
             outer.close()
+            signal.signal(signal.SIGINT, previous)
         assert cancelled.is_set() and not session.loop.is_running()
         assert session.gateway.flights.closed  # the calls were stopped first, as Session.run does
