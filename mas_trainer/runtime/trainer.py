@@ -142,32 +142,31 @@ class _Fit:
         self.plan: RunPlan | None = None
         self.warm_examples: dict[str, list[tuple[list[int], list[int]]]] = {}
         self.warm_started: list[str] = []  # recorded in every checkpoint's state
-        self.forks: list[Trajectory] = []  # the last training draw's forked continuations (counterfactual credit)
 
     # --- one step ------------------------------------------------------------------------
     async def rollouts(self, session: Session, tasks: list[dict], n: int, ids: list[str], seed: int,
-                       temperature: float | None = None, fork: bool = False) -> list[Trajectory]:
+                       temperature: float | None = None, fork: bool = False) -> tuple[list[Trajectory], list[Trajectory]]:
+        """The rollouts, rewarded, and (training rollouts with counterfactual credit) their forked
+        continuations, rewarded as recorded (no forks of their own: the allocator's broadcast part)."""
         session.reseed(seed, temperature=temperature)
         r = self.cfg.reward
+        forks: list[Trajectory] = []
         if fork and r.allocator == "counterfactual":  # training rollouts: forked continuations measure each turn's credit
             from mas_trainer.runtime.forking import fork_rollouts
 
-            trajs, self.forks, fork_cost = await fork_rollouts(session, tasks, n, ids, self.reward_spec, r)
+            trajs, forks, fork_cost = await fork_rollouts(session, tasks, n, ids, self.reward_spec, r)
             for key, value in fork_cost.items():  # forks/*, time/fork_s: summed over the step's draws, as judge/*
                 self.reward_cost[key] = self.reward_cost.get(key, 0) + value
-            for f in self.forks:  # a continuation's own rewards (no forks of its own: the broadcast part), as recorded
-                assign_rewards(f, self.reward_spec, allocator=r.allocator, weights=r.weights, on_failure=r.on_failure,
-                               options=r.options)
         else:
             trajs = await session.rollouts(tasks, n=n, ids=ids)
         # rewards that rank a group (an LLM judge) see the whole batch first; their cost goes in the row
         cost = await asyncio.to_thread(score_groups, self.reward_spec, trajs)
         for key, value in cost.items():
             self.reward_cost[key] = self.reward_cost.get(key, 0) + value
-        for t in trajs:
+        for t in [*trajs, *forks]:
             assign_rewards(t, self.reward_spec, allocator=r.allocator, weights=r.weights, on_failure=r.on_failure, options=r.options)
         annotate_groups(self.reward_spec, trajs)
-        return trajs
+        return trajs, forks
 
     def take_reward_cost(self) -> dict[str, float]:
         cost, self.reward_cost = self.reward_cost, {}
@@ -191,7 +190,7 @@ class _Fit:
             idx = take_tasks(len(self.tasks), position, c.rollout.tasks_per_step - kept, c.seed)
             tag = f"s{step:06d}" + (f"d{draw}" if draw else "")  # draw 0 keeps the ids and seed of a step without filtering
             ids = _rollout_ids(tag, idx, n)
-            batch = await self.rollouts(session, [self.tasks[i] for i in idx], n, ids,
+            batch, drawn = await self.rollouts(session, [self.tasks[i] for i in idx], n, ids,
                                         _seed(c.seed, "step", step, *(("draw", draw) if draw else ())), temperature=temperature,
                                         fork=True)
             # a group is one task's n rollouts in one draw, keyed by the task's position in the sequence of tasks
@@ -199,7 +198,6 @@ class _Fit:
             recs = turn_records(batch, task_indices=keys)
             position, groups = position + len(idx), groups + len(idx)
             trajs.extend(batch)
-            drawn, self.forks = self.forks, []
             forks.extend(drawn)
             if drawn and c.reward.counterfactual.train_forks:
                 fork_records.extend(self.fork_records(batch, keys, drawn, filtering))
@@ -274,7 +272,7 @@ class _Fit:
         ids = [f"v{step:06d}-t{i:05d}-r{k}" for i in range(len(self.val_tasks)) for k in range(n)]
         t0 = time.perf_counter()
         # the same seed at every evaluation: differences come from the weights, not the dice
-        trajs = await self.rollouts(session, self.val_tasks, n, ids, _seed(self.cfg.seed, "val"),
+        trajs, _ = await self.rollouts(session, self.val_tasks, n, ids, _seed(self.cfg.seed, "val"),
                                     temperature=self.cfg.rollout.val_temperature)
         await asyncio.gather(*(h.discard() for h in self.handles.values()))
         self.rundir.write_trajectories(step, (t.to_json() for t in trajs), name=f"step_{step:06d}_val")
