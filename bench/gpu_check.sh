@@ -108,12 +108,17 @@ print('prove: the packed set imports TrainingWorker and the fit path')")  # not 
   run)
     mkdir -p "$STASH" && cp "$2" "$STASH/"
     cat "$STASH"/part-*.tar > "$STASH/all.tar" && mkdir -p "$STASH/x" && tar -C "$STASH/x" -xf "$STASH/all.tar"
-    python3 -m venv --system-site-packages "$STASH/venv"
+    # not a venv: the device's python3 is itself a venv (/opt/torch/.venv), and a venv made from it
+    # with --system-site-packages sees the base interpreter's packages, not torch (2026-12-04). The
+    # packed set goes to a folder ahead of the image's site-packages on PYTHONPATH (Ray's workers
+    # inherit it), so the packed versions shadow the image's (transformers at verl's cap).
     # --no-compile: the device's seconds are scarce, and only the imported modules need byte code
-    "$STASH/venv/bin/pip" install -q --no-compile --no-index --no-deps "$STASH"/x/wheels/*.whl
-    "$STASH/venv/bin/pip" install -q --no-compile --no-index --no-deps --no-build-isolation .
-    export MAS_TRAINER_GPU_TOKENIZER="$STASH/x/tokenizer" PYTHONUNBUFFERED=1
-    "$STASH/venv/bin/python" bench/gpu_check.py "${@:3}" 2>&1 | tee "${OUT:-/tmp}/gpu_check.log"
+    python3 -m pip install -q --no-compile --no-index --no-deps --target "$STASH/site" "$STASH"/x/wheels/*.whl
+    export PYTHONPATH="$STASH/site" MAS_TRAINER_GPU_TOKENIZER="$STASH/x/tokenizer" PYTHONUNBUFFERED=1
+    # the project too (its package-dir maps mas_trainer.adapters), built with the packed setuptools
+    python3 -m pip install -q --no-compile --no-deps --no-build-isolation --target "$STASH/site" .
+    here=$PWD
+    (cd /tmp && python3 "$here/bench/gpu_check.py" "${@:3}") 2>&1 | tee "${OUT:-/tmp}/gpu_check.log"
     ;;
   *)
     sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2
