@@ -26,7 +26,7 @@ from mas_trainer.rollout.config import ENGINES, ReplicaConfig
 
 __all__ = [
     "FitConfig", "PolicyConfig", "WarmStartConfig", "RuntimeConfig", "Resources", "load_config", "describe_keys", "check_torch_only", "check_policy_names",
-    "check_trackers", "check_runtime", "resolve_learner", "TRACKERS", "ConfigError", "RENAMED",
+    "check_trackers", "check_runtime", "resolve_learner", "old_logprobs_mode", "TRACKERS", "ConfigError", "RENAMED",
 ]
 
 TRACKERS = ("console", "tensorboard", "mlflow", "wandb")
@@ -106,6 +106,11 @@ class RolloutConfig(_Strict):
         None, ge=1, description="with filter_groups: draw again only while fewer than this many groups have spread "
         "(default tasks_per_step, DAPO's rule; a later draw still takes all the groups missing from tasks_per_step). "
         "E.g. half of tasks_per_step: early steps, where most groups differ, take one draw, late ones, where most agree, more")
+    max_staleness: int = Field(
+        0, ge=0, le=1, description="1: the next step's rollouts run while the policies update, on the weights they have "
+        "(one update behind at most; a turn older than that is never trained), and the gap is corrected with verl's rollout "
+        "correction (learner.old_logprobs auto becomes rollout_correction); steps that evaluate or checkpoint wait for their "
+        "update first, so resume stays exact. 0: rollouts and updates take turns (docs/training.md#overlap)")
     max_failed: float = Field(
         1.0, gt=0, le=1, description="fit stops (exit 2, no checkpoint of that step) when at least this share of a training "
         "step's rollouts failed (error or timeout); 1.0: only when all did")
@@ -422,6 +427,32 @@ def check_runtime(cfg: FitConfig, learner: str | None, device: str | None) -> No
     _check_ignored(cfg, learner, device)
 
 
+def _check_overlap(cfg: FitConfig, engines: set[str]) -> None:
+    """Where the next step's rollouts cannot run beside the update, max_staleness is refused
+    rather than quietly doing nothing."""
+    rt, why = cfg.runtime, None
+    if "vllm" in engines:
+        why = ("verl's weight sync into a vLLM server that is still generating has not been run here; use "
+               "engine=torch-replica or embedded")
+    elif engines and rt.replica.placement == "colocated":
+        why = "colocated replicas sleep while the learner updates on their GPUs; use runtime.replica.placement=separate"
+    elif rt.share_gpus:
+        why = "runtime.share_gpus gives the GPUs to one phase at a time; drop it"
+    if why:
+        raise ConfigError(f"rollout.max_staleness={cfg.rollout.max_staleness} overlaps rollouts with the update, but {why}")
+
+
+def old_logprobs_mode(learner_cfg: LearnerConfig, learner: str | None, max_staleness: int) -> str:
+    """`learner.old_logprobs` with `auto` decided: rollout_correction when rollouts may be a step
+    behind (`rollout.max_staleness` > 0), else recompute on the verl learner (verl's default) and
+    bypass on the torch learner (its engine's log-probs are exact for the weights it trains)."""
+    if learner_cfg.old_logprobs != "auto":
+        return learner_cfg.old_logprobs
+    if max_staleness:
+        return "rollout_correction"
+    return "bypass" if learner == "torch" else "recompute"
+
+
 def _check_learner(cfg: FitConfig, learner: str | None) -> None:
     """What the learner choice requires."""
     rt = cfg.runtime
@@ -436,11 +467,14 @@ def _check_learner(cfg: FitConfig, learner: str | None) -> None:
         _check_placement(cfg, engines)
     if learner == "verl" or engines:
         check_torch_only(cfg, "runtime.learner=torch and runtime.engine=embedded")
+    if cfg.rollout.max_staleness:
+        _check_overlap(cfg, engines)
     for name in ["", *cfg.policies]:
-        old = cfg.learner_for(name).old_logprobs if name else cfg.learner.old_logprobs
-        if old in ("recompute", "rollout_correction") and learner == "torch":
+        old = old_logprobs_mode(cfg.learner_for(name) if name else cfg.learner, learner, cfg.rollout.max_staleness)
+        if cfg.rollout.max_staleness and old not in ("rollout_correction", "bypass"):
             where = f"policies.{name}.learner.old_logprobs" if name else "learner.old_logprobs"
-            raise ConfigError(f"{where}={old} needs runtime.learner=verl; the torch learner always uses the engine's (bypass)")
+            raise ConfigError(f"rollout.max_staleness={cfg.rollout.max_staleness} trains on turns one update old, and {where}={old} "
+                              "would recompute the old log-probs without correcting for that: set it to auto or rollout_correction")
         # a threshold other than the default, and nothing reads it (compared with the default, not "was it set":
         # a run's config.yaml sets every key, and old run directories must keep loading)
         threshold = (cfg.learner_for(name) if name else cfg.learner).rollout_is_threshold

@@ -45,7 +45,8 @@ class Turn:
 
     ``advantages`` is one float per response token, or one float broadcast to all of them.
     ``ref_logprobs`` (optional) are the frozen reference model's log-probs of the response
-    tokens; the learner fills them itself when it keeps a reference model.
+    tokens; the learner fills them itself when it keeps a reference model. ``is_weights``
+    (optional) are rollout correction's truncated importance weights, one per response token.
     """
 
     id: str
@@ -54,6 +55,7 @@ class Turn:
     old_logprobs: Sequence[float]
     advantages: Sequence[float] | float
     ref_logprobs: Sequence[float] | None = None
+    is_weights: Sequence[float] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -67,6 +69,8 @@ class Turn:
             raise ValueError(f"turn {self.id}: {len(self.advantages)} advantages for {n} response tokens")
         if self.ref_logprobs is not None and len(self.ref_logprobs) != n:
             raise ValueError(f"turn {self.id}: {len(self.ref_logprobs)} ref_logprobs for {n} response tokens")
+        if self.is_weights is not None and len(self.is_weights) != n:
+            raise ValueError(f"turn {self.id}: {len(self.is_weights)} is_weights for {n} response tokens")
 
     @property
     def length(self) -> int:
@@ -161,6 +165,7 @@ class PackedTurns:
     - ``old_log_prob``: (B, T) float32, engine log-prob of token t (0 off the response)
     - ``advantages``: (B, T) float32, advantage of token t (0 off the response)
     - ``ref_log_prob``: (B, T) float32 or None, reference log-prob of token t
+    - ``rollout_is_weights``: (B, T) float32 or None, rollout correction's weight of token t
     - ``response_start``: the first column holding any response token (shortest prompt);
       columns before it hold only prompt tokens, so the learner computes logits only from
       ``response_start - 1`` on.
@@ -178,6 +183,7 @@ class PackedTurns:
     prompt_lengths: list[int]
     response_lengths: list[int]
     shared: SharedPrompts | None = None
+    rollout_is_weights: torch.Tensor | None = None
 
     @property
     def response_start(self) -> int:
@@ -199,6 +205,7 @@ class PackedTurns:
             self.turn_ids, move(self.input_ids), move(self.attention_mask), move(self.response_mask),
             move(self.old_log_prob), move(self.advantages), move(self.ref_log_prob),
             self.prompt_lengths, self.response_lengths, None if self.shared is None else self.shared.to(device),
+            move(self.rollout_is_weights),
         )
 
     def response_values(self, values: torch.Tensor) -> list[torch.Tensor]:
@@ -226,6 +233,8 @@ def pack_turns(turns: Sequence[Turn], *, pad_id: int = 0, share: bool = False) -
     advantages = torch.zeros(shape, dtype=torch.float32)
     with_ref = all(t.ref_logprobs is not None for t in turns)
     ref_log_prob = torch.zeros(shape, dtype=torch.float32) if with_ref else None
+    with_is = all(t.is_weights is not None for t in turns)
+    is_weights = torch.zeros(shape, dtype=torch.float32) if with_is else None
     for b, turn in enumerate(turns):
         p, n = len(turn.prompt_ids), turn.length
         input_ids[b, :n] = torch.tensor([*turn.prompt_ids, *turn.response_ids], dtype=torch.long)
@@ -235,6 +244,8 @@ def pack_turns(turns: Sequence[Turn], *, pad_id: int = 0, share: bool = False) -
         advantages[b, p:n] = torch.tensor(turn.advantage_list(), dtype=torch.float32)
         if ref_log_prob is not None:
             ref_log_prob[b, p:n] = torch.as_tensor(turn.ref_logprobs, dtype=torch.float32)
+        if is_weights is not None:
+            is_weights[b, p:n] = torch.as_tensor(turn.is_weights, dtype=torch.float32)
     return PackedTurns(
         turn_ids=[t.id for t in turns],
         input_ids=input_ids,
@@ -247,6 +258,7 @@ def pack_turns(turns: Sequence[Turn], *, pad_id: int = 0, share: bool = False) -
         response_lengths=[len(t.response_ids) for t in turns],
         shared=share_prompts(turns, pad_id=pad_id) if share and len(_by_prompt(turns)) < len(turns)
         else None,
+        rollout_is_weights=is_weights,
     )
 
 

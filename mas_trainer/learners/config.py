@@ -67,10 +67,10 @@ class LearnerConfig(BaseModel):
     fused_adamw: bool | Literal["auto"] = Field("auto", description="Fused AdamW kernel (auto: where torch has one); torch learner only.")
     seed: int = Field(0, description="Seed of the mini-batch shuffle.")
     old_logprobs: Literal["auto", "recompute", "rollout_correction", "bypass"] = Field(
-        "auto", description="Old log-probs of the PPO ratio (verl learner): recompute = the learner's forward before the update "
+        "auto", description="Old log-probs of the PPO ratio: recompute = the learner's forward before the update "
         "(verl's default); rollout_correction = recompute and weight tokens by the truncated importance ratio learner/engine "
-        "(verl's rollout correction, TIS); bypass = the engine's own (no forward; the torch learner always does this). auto: "
-        "recompute on the verl learner, bypass on the torch learner.")
+        "(verl's rollout correction, TIS); bypass = the engine's own (no forward). auto: rollout_correction with "
+        "rollout.max_staleness=1, else recompute on the verl learner and bypass on the torch learner.")
     rollout_is_threshold: float = Field(2.0, gt=1, description="rollout_correction: upper truncation of the per-token importance weight.")
     lora_rank: int = Field(
         0, ge=0, description="Train a peft LoRA adapter of this rank instead of every weight (0: full fine-tuning; verl's name). "

@@ -304,9 +304,35 @@ class TorchLearner:
         try:
             if self._kl:
                 turns = self._with_reference(turns)
-            return self._update(turns, skipped_turns, t0)
+            correction: dict[str, float] = {}
+            if cfg.old_logprobs in ("recompute", "rollout_correction"):
+                turns, correction = self._recompute_old(turns)
+            return {**self._update(turns, skipped_turns, t0), **correction}
         finally:
             self._merge()
+
+    def _recompute_old(self, turns: list[Turn]) -> tuple[list[Turn], dict[str, float]]:
+        """learner.old_logprobs=recompute | rollout_correction: the PPO ratio's old log-probs from
+        this learner's forward before the update, as verl's trainer does; rollout_correction also
+        weights each token by verl's truncated importance ratio learner/engine
+        (`learners/correction.py`), which is what makes turns sampled one update earlier
+        (`rollout.max_staleness=1`) fit to train on. Its metrics: time/old_logprob_s, logprob_diff
+        (mean |learner - engine| per token) and, with the correction, verl's rollout_corr ones."""
+        from mas_trainer.learners.correction import padded, rollout_is_weights
+
+        t0 = time.perf_counter()
+        learner = [lp.tolist() for lp in self.log_probs(turns)]
+        metrics = {"time/old_logprob_s": time.perf_counter() - t0}
+        diff = [abs(a - b) for t, lp in zip(turns, learner) for a, b in zip(t.old_logprobs, lp)]
+        metrics["logprob_diff"] = sum(diff) / max(1, len(diff))
+        if self.config.old_logprobs == "recompute":
+            return [dataclasses.replace(t, old_logprobs=lp) for t, lp in zip(turns, learner)], metrics
+        engine = padded([t.old_logprobs for t in turns])
+        mask = padded([[1.0] * len(t.response_ids) for t in turns])
+        weights, corr = rollout_is_weights(padded(learner, engine.shape[1]), engine, mask, self.config.rollout_is_threshold)
+        metrics.update(corr)
+        return [dataclasses.replace(t, old_logprobs=lp, is_weights=weights[b, : len(lp)].tolist())
+                for b, (t, lp) in enumerate(zip(turns, learner))], metrics
 
     def _update(self, turns: list[Turn], skipped_turns: int, t0: float) -> dict[str, float]:
         cfg = self.config
@@ -415,7 +441,7 @@ class TorchLearner:
             response_mask=mask,
             loss_agg_mode=cfg.loss_agg_mode,
             config=self.actor_config,
-            rollout_is_weights=None,
+            rollout_is_weights=None if batch.rollout_is_weights is None else batch.rollout_is_weights[:, s:],
         )
         loss = pg_loss
         parts = {"pg_loss": pg_loss.item()}

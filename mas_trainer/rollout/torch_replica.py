@@ -81,9 +81,10 @@ class TorchRolloutServer(Worker):
     # --- serving: verl's vLLM server interface ----------------------------------------
     async def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str, **_: Any) -> TokenOutput:
         params = sampling_from_vllm(dict(sampling_params))
+        version = self.global_steps  # read first: a row is never counted fresher than the weights that ran it
         gen = (await self.engine.generate(list(prompt_ids), params))[0]
         return TokenOutput(token_ids=gen.token_ids, log_probs=gen.logprobs, stop_reason="completed",
-                           extra_fields={"global_steps": self.global_steps})
+                           extra_fields={"global_steps": version})
 
     async def wake_up(self, tags: list[str] | None = None) -> None:  # weights stay in memory; no KV cache between batches
         return None
@@ -92,7 +93,9 @@ class TorchRolloutServer(Worker):
         return None
 
     async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict[str, Any]:
-        return {}  # rollouts of a step finish before its update: nothing is in flight here
+        # nothing to abort: a row in flight finishes on the weights it started with (new weights load
+        # between rows, run_exclusive), so with overlapped rollouts (rollout.max_staleness) it is kept
+        return {}
 
     async def resume_generation(self) -> None:
         return None

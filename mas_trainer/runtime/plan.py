@@ -14,7 +14,7 @@ from typing import Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field
 
 from mas_trainer.algo.config import AdvantageConfig
-from mas_trainer.config import ConfigError, FitConfig, Resources, RuntimeConfig, check_runtime, resolve_learner
+from mas_trainer.config import ConfigError, FitConfig, Resources, RuntimeConfig, check_runtime, old_logprobs_mode, resolve_learner
 from mas_trainer.learners.config import CriticConfig, LearnerConfig
 from mas_trainer.rollout.config import ReplicaConfig, first_replica_ranks, replica_count, require_vllm
 
@@ -44,6 +44,7 @@ class WorkerPlan(BaseModel):
         "embedded", description="embedded: rank 0 hosts the engine; otherwise rollout replicas serve and receive the weights")
     replica: ReplicaConfig = Field(default_factory=ReplicaConfig, description="replica engines only")
     replica_first_rank: int = Field(0, ge=0, description="the policy's first rollout replica rank (ranks are unique in a run)")
+    max_staleness: int = Field(0, ge=0, description="rollout.max_staleness: how many updates old a trained turn may be")
     offload_between_phases: bool = Field(
         False, description="GPUs shared with other worker groups: the learner's shards and optimizer leave the GPU after each update")
 
@@ -103,7 +104,10 @@ def resolve_plan(cfg: FitConfig, models: Mapping[str, tuple[str, str]], *, machi
     learner = resolve_learner(cfg, device)
     assert learner is not None  # the device is known
     check_runtime(cfg, learner, device)
-    workers = {p: WorkerPlan(policy=p, model=model, reference=base, learner=cfg.learner_for(p), advantage=cfg.advantage_for(p),
+    stale = cfg.rollout.max_staleness
+    workers = {p: WorkerPlan(policy=p, model=model, reference=base, advantage=cfg.advantage_for(p), max_staleness=stale,
+                             learner=cfg.learner_for(p).model_copy(  # `auto` decided here, once, for every learner
+                                 update={"old_logprobs": old_logprobs_mode(cfg.learner_for(p), learner, stale)}),
                              critic=cfg.critic_for(p), seed=cfg.seed, device=device, resources=cfg.resources_for(p),
                              max_batch_size=rt.max_batch_size, batch_wait_ms=rt.batch_wait_ms, engine_bf16=rt.engine_bf16,
                              prefix_cache_mb=rt.prefix_cache_mb,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol, Sequence
 
-from mas_trainer.engines.base import EngineMeter, Generation, SamplingParams
+from mas_trainer.engines.base import EngineMeter, Generation, SamplingParams, choice_id
 from mas_trainer.runtime.plan import WorkerPlan
 from mas_trainer.runtime.ray_init import init_ray_for
 from mas_trainer.runtime.ray_group import VerlGroup, start_actor_groups, start_verl_groups
@@ -64,8 +64,10 @@ class ReplicaGroupHandle:
     generation goes to the replicas through verl's client, the turns' tokens stay here until
     the update, which gets them with the records; after each update verl's weight sync sends
     the new weights to every replica before the next rollout starts (the step's
-    `time/weight_sync_s`). Each answer carries the weights version that produced it: turns of
-    stale weights are counted (`replica/stale_turns`, 0 when the order holds)."""
+    `time/weight_sync_s`). Each answer carries the weights version that produced it: turns
+    trained on weights one update behind are counted (`replica/stale_turns`, 0 unless
+    `rollout.max_staleness` overlaps the rollouts with the update); older ones are never trained
+    (`turns/stale`)."""
 
     def __init__(self, learner: VerlGroup, fleet: Any, tokenizer: Any) -> None:
         self.policy = learner.policy
@@ -81,7 +83,9 @@ class ReplicaGroupHandle:
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, turn_id: str | None = None) -> list[Generation]:
         gens = await self.engine.generate(prompt_ids, params, turn_id=turn_id)
-        self.turns.record(turn_id, prompt_ids, gens)
+        if turn_id is not None:  # the oldest weights any of its choices came from
+            answered = [self._versions.pop(choice_id(turn_id, i), self.fleet.version) for i in range(len(gens))]
+            self.turns.record(turn_id, prompt_ids, gens, min(answered, default=self.fleet.version))
         return gens
 
     async def discard(self) -> int:
@@ -92,9 +96,12 @@ class ReplicaGroupHandle:
     async def train(self, records: Sequence[Any]) -> dict[str, float]:
         if self.engine.failure is not None:  # never train on a step a dead replica cut short
             raise self.engine.failure
-        turns = {r.turn_id: t for r, t in self.turns.take(records)}
-        stale = sum(1 for t in turns if self._versions.get(t, 0) != self.fleet.version)
-        self._versions.clear()
+        bound = self.learner.plan.max_staleness
+        turns = {r.turn_id: t for r, t in self.turns.take(records, self.fleet.version - bound if bound else None)}
+        refused = self.turns.stale
+        stale = sum(1 for t in turns.values() if t.version != self.fleet.version)
+        if not bound:  # nothing in flight: forget the versions of calls without a turn id too
+            self._versions.clear()
         await self.fleet.sleep(self.learner.group)
         metrics = await self.learner.train(records, turns)
         try:
@@ -102,6 +109,8 @@ class ReplicaGroupHandle:
         except Exception as exc:  # a replica gone during the sync: stop here, resumable
             raise self.engine.fail(f"weight sync: {type(exc).__name__}: {str(exc).strip()[:200]}") from exc
         metrics["replica/stale_turns"] = float(stale)
+        if bound:
+            metrics["turns/stale"] = metrics.get("turns/stale", 0.0) + refused
         return {**metrics, **self.meter.read()}
 
     async def warm_start(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]], config: Any) -> dict[str, float]:

@@ -17,6 +17,7 @@ import random
 import statistics
 import time
 from collections import Counter, defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -130,6 +131,24 @@ def rollouts_failed(step: int, trajs: list[Trajectory], where: Path, max_failed:
                           "fix the cause, then run again with --resume")
 
 
+@dataclass
+class _Drawn:
+    """One training step's rollouts and records, from `_Fit.collect` to `_Fit.update`."""
+
+    step: int
+    position: int  # the task sequence's position after this step's draws
+    temperature: float | None
+    filtering: bool
+    trajs: list[Trajectory] = field(default_factory=list)
+    forks: list[Trajectory] = field(default_factory=list)
+    records: list = field(default_factory=list)
+    fork_records: list = field(default_factory=list)
+    groups: int = 0
+    kept: int = 0
+    rollout_s: float = 0.0
+    cost: dict[str, float] = field(default_factory=dict)
+
+
 class _Fit:
     def __init__(self, app_ref: Any, tasks: list[dict], cfg: FitConfig, rundir: RunDir, val_tasks: list[dict], console: Console,
                  started_at: float | None = None) -> None:
@@ -172,82 +191,88 @@ class _Fit:
         cost, self.reward_cost = self.reward_cost, {}
         return cost
 
-    async def train_step(self, session: Session, step: int, position: int) -> tuple[dict[str, Any], int]:
+    async def collect(self, session: Session, step: int, position: int) -> _Drawn:
+        """Training step `step`'s rollouts, rewarded, and its thin records (dynamic sampling's
+        draws included); raises `RolloutsFailed` when too many failed. With
+        `rollout.max_staleness=1` it runs while the previous step's update does."""
         from mas_trainer.algo.advantages import tasks_with_spread, turn_records
 
         c, n = self.cfg, self.cfg.rollout.n
         t0 = time.perf_counter()
         temperature = c.rollout.temperature_at(step)
-        trajs: list[Trajectory] = []
-        forks: list[Trajectory] = []
-        records: list = []
-        fork_records: list = []
-        groups = kept = 0
-        filtering = c.rollout.filter_groups and bool(self.handles)  # with nothing to train, more draws buy nothing
-        for draw in range(c.rollout.max_draws if filtering else 1):
+        d = _Drawn(step=step, position=position, temperature=temperature,
+                   filtering=c.rollout.filter_groups and bool(self.handles))  # with nothing to train, more draws buy nothing
+        for draw in range(c.rollout.max_draws if d.filtering else 1):
             # a later draw takes as many tasks as groups are still missing (verl draws whole batches; on a small
             # machine a batch of rollouts mostly thrown away costs as much as the step itself)
-            idx = take_tasks(len(self.tasks), position, c.rollout.tasks_per_step - kept, c.seed)
+            idx = take_tasks(len(self.tasks), d.position, c.rollout.tasks_per_step - d.kept, c.seed)
             tag = f"s{step:06d}" + (f"d{draw}" if draw else "")  # draw 0 keeps the ids and seed of a step without filtering
             ids = _rollout_ids(tag, idx, n)
             batch, drawn = await self.rollouts(session, [self.tasks[i] for i in idx], n, ids,
-                                        _seed(c.seed, "step", step, *(("draw", draw) if draw else ())), temperature=temperature,
-                                        fork=True)
+                                               _seed(c.seed, "step", step, *(("draw", draw) if draw else ())),
+                                               temperature=temperature, fork=True)
             # a group is one task's n rollouts in one draw, keyed by the task's position in the sequence of tasks
-            keys = [position + j for j in range(len(idx)) for _ in range(n)]
+            keys = [d.position + j for j in range(len(idx)) for _ in range(n)]
             recs = turn_records(batch, task_indices=keys)
-            position, groups = position + len(idx), groups + len(idx)
-            trajs.extend(batch)
-            forks.extend(drawn)
+            d.position, d.groups = d.position + len(idx), d.groups + len(idx)
+            d.trajs.extend(batch)
+            d.forks.extend(drawn)
             if drawn and c.reward.counterfactual.train_forks:
-                fork_records.extend(self.fork_records(batch, keys, drawn, filtering))
-            if not filtering:
-                records = recs
+                d.fork_records.extend(self.fork_records(batch, keys, drawn, d.filtering))
+            if not d.filtering:
+                d.records = recs
                 break
             spread = tasks_with_spread(recs)
-            kept += len(spread)
-            records.extend(r for r in recs if r.task_index in spread)
+            d.kept += len(spread)
+            d.records.extend(r for r in recs if r.task_index in spread)
             for t, key in zip(batch, keys):  # why a rollout was not trained on, for the trajectory files and the viewer
                 if key not in spread and not is_dropped(t):
                     t.rewards.detail["left_out"] = "no spread"
-            if kept >= (c.rollout.min_groups or c.rollout.tasks_per_step):
+            if d.kept >= (c.rollout.min_groups or c.rollout.tasks_per_step):
                 break
-        t1 = time.perf_counter()
-        failure = rollouts_failed(step, trajs, self.rundir.traj_dir / f"step_{step:06d}.jsonl", c.rollout.max_failed)
+        d.rollout_s = time.perf_counter() - t0
+        d.cost = self.take_reward_cost()  # this step's judge/* and forks/*: the next step's rollouts may start before its row
+        failure = rollouts_failed(step, d.trajs, self.rundir.traj_dir / f"step_{step:06d}.jsonl", c.rollout.max_failed)
         if failure is not None:  # nothing to learn from: stop before the update and the checkpoint
-            self.rundir.write_trajectories(step, (t.to_json() for t in trajs))  # what failed, for `view` (resume removes it)
+            self.rundir.write_trajectories(step, (t.to_json() for t in d.trajs))  # what failed, for `view` (resume removes it)
             for handle in self.handles.values():  # a dead rollout replica says it more precisely (rollout/engine.py)
                 engine_failure = getattr(getattr(handle, "engine", None), "failure", None)
                 if isinstance(engine_failure, BaseException):
                     raise engine_failure
             raise failure
+        return d
+
+    async def update(self, d: _Drawn) -> dict[str, Any]:
+        """Every policy's update on the step's records, all at once; the step's metrics row
+        (without the step's wall-clock keys, which the loop adds) and its trajectory files."""
+        c = self.cfg
+        t1 = time.perf_counter()
         by_policy: dict[str, list] = defaultdict(list)
-        for rec in records + fork_records:
+        for rec in d.records + d.fork_records:
             by_policy[rec.policy].append(rec)
         trainable = list(self.handles)  # worker groups exist for trainable policies only
         # every worker group is called (an empty list clears its buffer), all at once
         results = await asyncio.gather(*(self.handles[p].train(by_policy.get(p, [])) for p in trainable))
         t2 = time.perf_counter()
-        row: dict[str, Any] = {"kind": "train", "step": step, **summarize(trajs), **self.take_reward_cost()}
-        if temperature is not None:
-            row["rollout/temperature"] = temperature
-        if c.reward.counterfactual.train_forks and forks:
-            row["forks/trained_turns"] = len(fork_records)
-        if filtering:
-            row.update({"rollout/groups": groups, "rollout/groups_kept": kept})
+        row: dict[str, Any] = {"kind": "train", "step": d.step, **summarize(d.trajs), **d.cost}
+        if d.temperature is not None:
+            row["rollout/temperature"] = d.temperature
+        if c.reward.counterfactual.train_forks and d.forks:
+            row["forks/trained_turns"] = len(d.fork_records)
+        if d.filtering:
+            row.update({"rollout/groups": d.groups, "rollout/groups_kept": d.kept})
         for p, m in zip(trainable, results):
             row.update({f"policy/{p}/{k}": v for k, v in m.items() if k not in ("seconds", "tokens_per_s")})
-        row["time/step_s"] = t2 - t0
-        row["time/rollout_s"] = t1 - t0
+        row["time/rollout_s"] = d.rollout_s
         row["time/update_s"] = t2 - t1
-        row["perf/rollouts_per_s"] = len(trajs) / max(t1 - t0, 1e-9)
-        row["perf/tokens_per_s"] = row["tokens/response"] / max(t1 - t0, 1e-9)
+        row["perf/rollouts_per_s"] = len(d.trajs) / max(d.rollout_s, 1e-9)
+        row["perf/tokens_per_s"] = row["tokens/response"] / max(d.rollout_s, 1e-9)
         if row.get("time/fork_s"):  # counterfactual credit: the forks' share of time/rollout_s
             row["perf/fork_rollouts_per_s"] = row["forks/runs"] / row["time/fork_s"]
-        self.rundir.write_trajectories(step, (t.to_json() for t in trajs))
-        if forks:  # counterfactual credit's continuations, recorded beside the step's rollouts
-            self.rundir.write_trajectories(step, (f.to_json() for f in forks), name=f"step_{step:06d}_forks")
-        return row, position
+        self.rundir.write_trajectories(d.step, (t.to_json() for t in d.trajs))
+        if d.forks:  # counterfactual credit's continuations, recorded beside the step's rollouts
+            self.rundir.write_trajectories(d.step, (f.to_json() for f in d.forks), name=f"step_{d.step:06d}_forks")
+        return row
 
     @staticmethod
     def fork_records(batch: list[Trajectory], keys: list[int], forks: list[Trajectory], filtering: bool) -> list:
@@ -336,14 +361,34 @@ class _Fit:
             self.record(await self.warm_start(self.warm_examples))
         if state is None:
             self.record(await self.held_out(session, 0))
-        while step < c.steps:
-            step += 1
-            row, position = await self.train_step(session, step, position)
-            self.record(row)  # metrics.jsonl, the trackers, the step line and the bar
-            if step % c.eval_every == 0 or step == c.steps:
-                self.record(await self.held_out(session, step))
-            if step % c.save_every == 0 or step == c.steps:
-                await self.checkpoint(step, position)
+        ahead: asyncio.Future | None = None  # rollout.max_staleness=1: the next step's rollouts, running during the update
+        try:
+            while step < c.steps:
+                step += 1
+                t0 = time.perf_counter()
+                overlapped, drawn = ahead is not None, await (ahead or self.collect(session, step, position))
+                ahead, waited, position = None, time.perf_counter() - t0, drawn.position
+                evaluates = step % c.eval_every == 0 or step == c.steps
+                saves = step % c.save_every == 0 or step == c.steps
+                update = asyncio.ensure_future(self.update(drawn))
+                # not past a held-out evaluation or a checkpoint: those see the update's weights and nothing in flight,
+                # so a resumed run continues exactly where the checkpoint left it
+                if c.rollout.max_staleness and not (evaluates or saves) and step < c.steps:
+                    ahead = asyncio.ensure_future(self.collect(session, step + 1, position))
+                row = await update
+                # the wall time the step added: waiting for its rollouts (none when they ran during the last update), then the update
+                row["time/step_s"] = waited + row["time/update_s"]
+                if c.rollout.max_staleness:
+                    row.update({"time/rollout_wait_s": waited, "rollout/overlapped": float(overlapped)})
+                self.record(row)  # metrics.jsonl, the trackers, the step line and the bar
+                if evaluates:
+                    self.record(await self.held_out(session, step))
+                if saves:
+                    await self.checkpoint(step, position)
+        finally:
+            if ahead is not None:  # the run stops: the next step's rollouts are not finished nor recorded
+                ahead.cancel()
+                await asyncio.gather(ahead, return_exceptions=True)
 
     def say(self, what: str) -> None:
         """What fit is doing before its first step line, with the time since launch."""

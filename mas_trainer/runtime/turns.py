@@ -4,6 +4,11 @@ Every worker group (embedded, verl, replicas) files each choice of an LLM call u
 `choice_id` when it is generated, and at the update takes the turns the controller's thin
 records name; records naming turns it never generated are skipped with one warning (a
 record from another policy, or from before a restart), never trained on.
+
+Each turn carries the weights version (updates applied) that generated it. With
+`rollout.max_staleness=1` the next step's turns are generated while an update runs, so the
+update takes only its records' turns and leaves the others; a turn older than the bound is
+never trained on (`take(oldest=...)`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ class BufferedTurn:
     prompt_ids: list[int]
     response_ids: list[int]
     logprobs: list[float]
+    version: int = 0  # updates the generating weights had had
 
 
 class TurnStore:
@@ -34,28 +40,47 @@ class TurnStore:
     def __init__(self, policy: str) -> None:
         self.policy = policy
         self._turns: dict[str, BufferedTurn] = {}
+        self.stale = 0  # turns the last `take` refused as older than `oldest`
 
     def __len__(self) -> int:
         return len(self._turns)
 
-    def record(self, turn_id: str | None, prompt_ids: Sequence[int], gens: Sequence[Generation]) -> None:
-        """File the choices of one LLM call (a call without a turn id is not for training)."""
+    def record(self, turn_id: str | None, prompt_ids: Sequence[int], gens: Sequence[Generation], version: int = 0) -> None:
+        """File the choices of one LLM call (a call without a turn id is not for training);
+        `version`: the updates the weights that generated it had had (read before the call: a
+        turn is never counted fresher than it is)."""
         if turn_id is None:
             return
         for i, g in enumerate(gens):
-            self._turns[choice_id(turn_id, i)] = BufferedTurn(list(prompt_ids), list(g.token_ids), list(g.logprobs))
+            self._turns[choice_id(turn_id, i)] = BufferedTurn(list(prompt_ids), list(g.token_ids), list(g.logprobs), version)
 
     def add(self, turns: Mapping[str, BufferedTurn]) -> None:
         """Turns generated elsewhere (rollout replicas), sent with the records."""
         self._turns.update(turns)
 
-    def take(self, records: Sequence[Any]) -> list[tuple[Any, BufferedTurn]]:
-        """(record, turn) of each record whose turn is here, in order; the store is empty after."""
-        kept = [(r, self._turns[r.turn_id]) for r in records if r.turn_id in self._turns]
-        if len(kept) < len(records):
+    def take(self, records: Sequence[Any], oldest: int | None = None) -> list[tuple[Any, BufferedTurn]]:
+        """(record, turn) of each record whose turn is here, in order.
+
+        Without `oldest` the store is empty after. With it (overlapped rollouts), only the
+        records' turns leave, and every turn of a version below `oldest` goes too: a record
+        naming one is skipped (counted in `self.stale`, never trained on); the other turns, the
+        next step's being generated, stay."""
+        here = [r for r in records if r.turn_id in self._turns]
+        if len(here) < len(records):
             log.warning("policy %s: %d of %d records name turns this worker group never generated; skipped",
-                        self.policy, len(records) - len(kept), len(records))
-        self._turns.clear()
+                        self.policy, len(records) - len(here), len(records))
+        if oldest is None:
+            kept, self.stale = [(r, self._turns[r.turn_id]) for r in here], 0
+            self._turns.clear()
+            return kept
+        pairs = [(r, self._turns.pop(r.turn_id)) for r in here]
+        kept = [(r, t) for r, t in pairs if t.version >= oldest]
+        self.stale = len(pairs) - len(kept)
+        if self.stale:
+            log.warning("policy %s: %d turns were generated more than rollout.max_staleness updates ago; skipped",
+                        self.policy, self.stale)
+        for tid in [tid for tid, t in self._turns.items() if t.version < oldest]:
+            del self._turns[tid]  # nobody's record: never trainable now
         return kept
 
     def clear(self) -> int:

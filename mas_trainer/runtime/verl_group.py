@@ -115,8 +115,9 @@ class PolicyWorker(Worker):
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, turn_id: str | None = None) -> list[Generation]:
         if self.engine is None:
             raise RuntimeError(f"rank {self.rank} holds no embedded engine: rank 0 of an engine=embedded policy serves")
+        version = self.updates  # rank 0's engine runs no row across the weights' copy (run_exclusive)
         gens = await self.engine.generate(prompt_ids, params)
-        self.turns.record(turn_id, prompt_ids, gens)
+        self.turns.record(turn_id, prompt_ids, gens, version)
         return gens
 
     async def discard(self) -> int:
@@ -136,13 +137,17 @@ class PolicyWorker(Worker):
 
         t0 = time.perf_counter()
         shared: list[list[tuple[Any, BufferedTurn]] | None] = [None]
+        stale = 0
         if self.rank == 0:
             self.turns.add(turns or {})
-            shared = [self.turns.take(records)]
+            # overlapped rollouts (rollout.max_staleness): the next step's turns stay; older ones are never trained
+            shared = [self.turns.take(records, self.updates - self.plan.max_staleness if self.plan.max_staleness else None)]
+            stale = self.turns.stale
         torch.distributed.broadcast_object_list(shared, src=0)
         pairs = shared[0]
         if not pairs:
-            return {"turns": 0.0} if self.rank == 0 else None
+            return ({"turns": 0.0, **({"turns/stale": float(stale)} if self.plan.max_staleness else {})}
+                    if self.rank == 0 else None)
         records = [r for r, _ in pairs]
         batch = [Turn(id=r.turn_id, prompt_ids=t.prompt_ids, response_ids=t.response_ids, old_logprobs=t.logprobs,
                       advantages=0.0) for r, t in pairs]
@@ -151,6 +156,8 @@ class PolicyWorker(Worker):
             if self.plan.engine == "embedded":
                 self._sync_engine()  # replica engines get the weights from update_weights, after this call
         metrics.update(turns=float(len(batch)), seconds=time.perf_counter() - t0, updates=float(self.updates))
+        if self.plan.max_staleness:
+            metrics["turns/stale"] = float(stale)
         if self.rank != 0:
             return None
         return {**metrics, **(self.meter.read() if self.meter is not None else {})}  # replicas: their group adds theirs
@@ -504,16 +511,12 @@ def _build_critic(model_dir: str, plan: WorkerPlan) -> Any:
 
 def _rollout_is_weights(td: Any, old: list[list[float]], engine: list[list[float]], size: int, real: int,
                         threshold: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """verl's rollout correction (truncated importance sampling, per token): weights
-    min(exp(learner - engine), threshold) for the PPO loss, and verl's mismatch metrics."""
-    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+    """`learners/correction.py`'s weights on the rows of this rank (filler rows masked out)."""
+    from mas_trainer.learners.correction import rollout_is_weights
 
     learner_lp = _response_tensor(td, old[:size], size)
     engine_lp = _response_tensor(td, engine[:size], size)
     mask = torch.zeros_like(learner_lp)
     for b, vals in enumerate(engine[:real]):
         mask[b, : len(vals)] = 1.0
-    weights, _, metrics = compute_rollout_correction_and_rejection_mask(
-        learner_lp, engine_lp, mask, rollout_is="token", rollout_is_threshold=threshold)
-    w = weights.batch["rollout_is_weights"] if weights is not None else torch.ones_like(learner_lp)
-    return w * mask, {k.removeprefix("rollout_corr/"): float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+    return rollout_is_weights(learner_lp, engine_lp, mask, threshold)

@@ -35,7 +35,7 @@ class WorkerGroup:
 
         if plan.torch_threads:
             torch.set_num_threads(plan.torch_threads)
-        self.policy, self.seed = plan.policy, plan.seed
+        self.policy, self.seed, self.max_staleness = plan.policy, plan.seed, plan.max_staleness
         learner = plan.learner
         # resuming a LoRA policy: the base again, and its saved adapter trains on (not merged into a new base)
         adapter = plan.model if learner.lora_rank and is_adapter(plan.model) else None
@@ -60,8 +60,9 @@ class WorkerGroup:
 
     # --- serving ---------------------------------------------------------------------------
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, turn_id: str | None = None) -> list[Generation]:
+        version = self.learner.updates  # the engine runs no row across an update (run_exclusive waits for them)
         gens = await self.engine.generate(prompt_ids, params)
-        self.turns.record(turn_id, prompt_ids, gens)
+        self.turns.record(turn_id, prompt_ids, gens, version)
         return gens
 
     async def discard(self) -> int:
@@ -76,9 +77,12 @@ class WorkerGroup:
         from mas_trainer.algo.advantages import compute_policy_advantages
         from mas_trainer.learners.batch import Turn
 
-        pairs = self.turns.take(records)
+        # overlapped rollouts (rollout.max_staleness): the next step's turns stay; older ones are never trained
+        oldest = self.learner.updates - self.max_staleness if self.max_staleness else None
+        pairs = self.turns.take(records, oldest)
+        stale = {"turns/stale": float(self.turns.stale)} if self.max_staleness else {}
         if not pairs:
-            return {"turns": 0.0}
+            return {"turns": 0.0, **stale}
         records = [r for r, _ in pairs]
         turns = [Turn(id=r.turn_id, prompt_ids=t.prompt_ids, response_ids=t.response_ids, old_logprobs=t.logprobs,
                       advantages=0.0) for r, t in pairs]
@@ -97,7 +101,7 @@ class WorkerGroup:
             return {**metrics, "turns": float(len(turns)), "adv_mean": float(adv.mean()), "adv_abs_mean": float(adv.abs().mean())}
 
         metrics = await asyncio.wrap_future(self.engine.run_exclusive(update))
-        return {**metrics, **self.meter.read()}
+        return {**metrics, **stale, **self.meter.read()}
 
     async def warm_start(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]], config: Any) -> dict[str, float]:
         """The supervised warm start (`TorchLearner.supervised`, a `WarmStartConfig`) on the

@@ -72,6 +72,22 @@ def test_replicas_serve_each_steps_new_weights(tmp_path):
         assert _digest(out / "checkpoint" / "policies" / p) != _digest_base()
 
 
+def test_overlapped_rollouts_on_replicas_train_within_the_bound(tmp_path):
+    """rollout.max_staleness=1 with replicas: the next step's rollouts run on the replicas while the
+    verl learner updates, then take the synced weights; no trained turn is more than one update
+    old, and the gap is corrected (verl's rollout-correction metrics in every row)."""
+    out = tmp_path / "run"
+    cfg = load_config(overrides=[*REPLICA, "steps=3", "save_every=3", "eval_every=3", "rollout.max_staleness=1"])
+    rows = fit(f"{WORDS}:single", _tasks()[:4], cfg, out)
+    train = [r for r in rows if r["kind"] == "train"]
+    assert [r["rollout/overlapped"] for r in train] == [0.0, 1.0, 1.0]
+    for r in train:
+        assert r["policy/solo/turns/stale"] == 0 and r["policy/solo/turns"] > 0
+        assert r["policy/solo/replica/stale_turns"] <= r["policy/solo/turns"]  # one update behind: trained, corrected
+        assert "policy/solo/rollout_is_mean" in r and r["policy/solo/time/weight_sync_s"] > 0
+    assert _digest(out / "checkpoint" / "policies" / "solo") != _digest_base()
+
+
 def _digest_base():
     from mas_trainer.engines.models import load_model
 

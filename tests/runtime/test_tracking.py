@@ -172,20 +172,20 @@ def test_fit_sends_every_metrics_row_to_every_tracker_and_resume_repeats_no_step
     args = ["fit", f"{APP}:graph", "--data", str(DATA), "--output", str(out), "runtime.execution=local",
             "rollout.tasks_per_step=2", "rollout.n=2", "rollout.max_tokens=8", "learner.lr=1e-2", "seed=3",
             "steps=4", "save_every=2", "eval_every=2", "val_fraction=0.25", "logger=[console,tensorboard,mlflow,wandb]"]
-    real_step = trainer._Fit.train_step
+    real_step = trainer._Fit.collect
 
     async def dies_at_step_4(self, session, step, position):
         if step == 4:
             raise RuntimeError("killed")
         return await real_step(self, session, step, position)
 
-    monkeypatch.setattr(trainer._Fit, "train_step", dies_at_step_4)
+    monkeypatch.setattr(trainer._Fit, "collect", dies_at_step_4)
     with pytest.raises(RuntimeError, match="killed"):
         main(args)
     first = capsys.readouterr().out
     assert [r["step"] for r in RunDir(out).metrics() if r["kind"] == "train"] == [1, 2, 3]
     ids = json.loads((out / "trackers.json").read_text())
-    monkeypatch.setattr(trainer._Fit, "train_step", real_step)
+    monkeypatch.setattr(trainer._Fit, "collect", real_step)
     assert main([*args, "--resume"]) == 0
     second = capsys.readouterr().out
 

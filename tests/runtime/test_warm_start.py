@@ -93,15 +93,15 @@ def test_warm_start_runs_once_and_never_again_on_resume(tmp_path, monkeypatch):
     monkeypatch.setattr(worker_group.WorkerGroup, "warm_start", counted)
     data = _file(tmp_path, [_line()])
     out = tmp_path / "run"
-    real_step = trainer._Fit.train_step
+    real_step = trainer._Fit.collect
 
     async def dies(self, *args):
         raise KeyboardInterrupt  # a kill after the warm start, before any checkpoint
 
-    monkeypatch.setattr(trainer._Fit, "train_step", dies)
+    monkeypatch.setattr(trainer._Fit, "collect", dies)
     with pytest.raises(KeyboardInterrupt):
         fit(f"{APP}:single", TASKS[:2], _cfg("steps=1", "warm_start.steps=2", f"warm_start.data={data}"), out)
-    monkeypatch.setattr(trainer._Fit, "train_step", real_step)
+    monkeypatch.setattr(trainer._Fit, "collect", real_step)
     assert calls == ["solo"] and [r["kind"] for r in RunDir(out).metrics()] == ["warm_start"]
     rows = fit(f"{APP}:single", TASKS[:2], _cfg("steps=1", "warm_start.steps=2", f"warm_start.data={data}"), out, resume=True)
     assert calls == ["solo", "solo"]  # started over

@@ -53,7 +53,7 @@ def _embedded():
 
     g = WorkerGroup.__new__(WorkerGroup)  # no model: only the serving side is under test
     g.policy, g.engine, g.turns = "p", _Metered(), TurnStore("p")
-    g.meter = EngineMeter(g.engine)
+    g.meter, g.learner = EngineMeter(g.engine), SimpleNamespace(updates=3)  # the weights have had 3 updates
     return g
 
 
@@ -62,18 +62,18 @@ def _verl_rank0():
 
     w = PolicyWorker.__new__(PolicyWorker)
     w.engine, w.turns = _Metered(), TurnStore("p")
-    w.meter = EngineMeter(w.engine)
+    w.meter, w.updates = EngineMeter(w.engine), 3
     return w
 
 
 def _replicas():
     engine = _Metered()
-    fleet = SimpleNamespace(engine=lambda tokenizer, on_output: engine, version=0)
+    fleet = SimpleNamespace(engine=lambda tokenizer, on_output: engine, version=3)
     return ReplicaGroupHandle(SimpleNamespace(policy="p"), fleet, tokenizer=None)
 
 
 @pytest.mark.parametrize("make", [_embedded, _verl_rank0, _replicas], ids=["embedded", "verl", "replicas"])
-def test_every_group_files_choices_by_choice_id_and_discards_them(make):
+def test_every_group_files_choices_by_choice_id_with_their_weights_version_and_discards_them(make):
     group = make()
 
     async def run():
@@ -84,7 +84,8 @@ def test_every_group_files_choices_by_choice_id_and_discards_them(make):
     gens = asyncio.run(run())
     assert len(group.turns) == 2
     pairs = group.turns.take([SimpleNamespace(turn_id=choice_id("call", i)) for i in range(2)])
-    assert [t for _, t in pairs] == [BufferedTurn([5, 6], g.token_ids, g.logprobs) for g in gens]
+    # each choice filed with the version of the weights that generated it (rollout.max_staleness bounds it)
+    assert [t for _, t in pairs] == [BufferedTurn([5, 6], g.token_ids, g.logprobs, version=3) for g in gens]
     asyncio.run(group.generate([5], SamplingParams(), "again"))
     assert asyncio.run(group.discard()) == 1 and len(group.turns) == 0
     assert set(group.meter.read()) == set(ENGINE_METRICS.values())
