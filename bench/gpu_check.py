@@ -8,7 +8,9 @@ real shape (Qwen2.5-0.5B's, on the bundled tokenizer's vocabulary). Cases (`--ca
 - `verl-gae`: the same with GAE (a value-model `TrainingWorker` as the critic);
 - `nccl-sync`: the verl learner sending its weights over NCCL to an embedded rollout replica
   (`engine=torch-replica`) after each update. NCCL refuses two ranks on one GPU, so this case
-  needs two GPUs; with fewer it is reported as skipped, with the reason.
+  needs two GPUs; with fewer it is reported as skipped, with the reason;
+- `torch-overlap`, `verl-overlap`: each learner with `rollout.max_staleness=1` (the next step's
+  rollouts during the update, corrected with verl's rollout correction).
 
 Per step it prints rollout tokens/s, the update's seconds, the learner's old-log-prob
 forward on its own, and the MFU of the train step: 6 N FLOPs per trained token (forward and
@@ -20,7 +22,7 @@ the last line is JSON with every case, and the exit status is 1 if any case fail
 (`--device cpu --shape tiny`) the torch, verl-grpo and verl-gae cases run (nccl-sync is
 skipped: NCCL needs GPUs), which is how the script is checked there.
 
-    python bench/gpu_check.py [--cases torch,verl-grpo,verl-gae,nccl-sync] [--steps 3]
+    python bench/gpu_check.py [--cases torch,verl-grpo,verl-gae,nccl-sync,torch-overlap,verl-overlap] [--steps 3]
                               [--shape qwen2.5-0.5b|qwen2.5-1.5b|tiny] [--device auto]
 """
 
@@ -51,6 +53,9 @@ CASES = {  # name -> the overrides that choose its path
     "verl-grpo": ["runtime.learner=verl", "advantage.estimator=grpo"],
     "verl-gae": ["runtime.learner=verl", "advantage.estimator=gae"],
     "nccl-sync": ["runtime.learner=verl", "runtime.engine=torch-replica", "runtime.replica.weight_sync=nccl"],
+    # rollout.max_staleness=1: the next step's rollouts during the update, corrected (verl's rollout correction)
+    "torch-overlap": ["runtime.learner=torch", "rollout.max_staleness=1"],
+    "verl-overlap": ["runtime.learner=verl", "advantage.estimator=grpo", "rollout.max_staleness=1"],
 }
 
 
@@ -112,7 +117,9 @@ def step_figures(row: dict, traj_tokens: int, params: int, peak: float | None, e
            "update_s": row["time/update_s"], "train_s": train_s,
            "train_timer": "train_mini_batch" if timed else "update", "old_logprob_s": row.get(f"{pre}time/old_logprob_s"),
            "trained_tokens": tokens, "mfu": mfu(params, tokens, train_s, peak)}
-    for key, name in ((f"{pre}time/weight_sync_s", "weight_sync_s"), (f"{pre}mfu", "verl_mfu")):
+    for key, name in ((f"{pre}time/weight_sync_s", "weight_sync_s"), (f"{pre}mfu", "verl_mfu"),
+                      ("rollout/overlapped", "overlapped"), ("time/rollout_wait_s", "rollout_wait_s"),
+                      (f"{pre}rollout_is_mean", "rollout_is_mean")):
         if key in row:  # the NCCL sync's seconds; verl's own MFU estimate, for comparison
             out[name] = row[key]
     return out
@@ -137,6 +144,8 @@ def run_case(case: str, args: argparse.Namespace, model: Path, params: int, peak
         old = "-" if s["old_logprob_s"] is None else f"{s['old_logprob_s']:.2f} s"
         m = "-" if s["mfu"] is None else f"{s['mfu']:.3f}"
         sync = f"; weight sync {s['weight_sync_s']:.2f} s" if "weight_sync_s" in s else ""
+        if "overlapped" in s:  # rollout.max_staleness: did its rollouts run during the last update, and the wait
+            sync += f"; overlapped {s['overlapped']:.0f}, waited {s['rollout_wait_s']:.2f} s, IS weight {s.get('rollout_is_mean', 1):.3f}"
         print(f"  [{case}] step {s['step']}: rollout {s['rollout_tokens_per_s']:.0f} tok/s ({s['rollout_s']:.1f} s); "
               f"update {s['update_s']:.2f} s ({s['train_timer']} {s['train_s']:.2f} s over {s['trained_tokens']} tokens, "
               f"old log-probs {old}{sync}); MFU {m}", flush=True)

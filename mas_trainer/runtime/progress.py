@@ -70,6 +70,11 @@ def _failed(row: dict[str, Any]) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
+def _ahead(row: dict[str, Any]) -> str:
+    """rollout.max_staleness: rollouts that ran during the last update, and the wait left after it."""
+    return f" (ahead, waited {duration(row.get('time/rollout_wait_s'))})" if row.get("rollout/overlapped") else ""
+
+
 def step_line(row: dict[str, Any], steps: int, eta_s: float | None) -> str:
     """One training step, every figure rounded."""
     groups = (f"  groups {row['rollout/groups_kept']}/{row['rollout/groups']} kept"  # rollout.filter_groups
@@ -78,7 +83,7 @@ def step_line(row: dict[str, Any], steps: int, eta_s: float | None) -> str:
              if row.get("forks/runs") else "")
     return (f"step {row['step']}/{steps}  {_rewards(row)}{groups}{forks}  "
             f"{number(row.get('perf/rollouts_per_s'))} rollouts/s{_failed(row)}  {number(row.get('perf/tokens_per_s'))} tok/s  "
-            f"rollout {duration(row.get('time/rollout_s'))}  update {duration(row.get('time/update_s'))}  "
+            f"rollout {duration(row.get('time/rollout_s'))}{_ahead(row)}  update {duration(row.get('time/update_s'))}  "
             f"ETA {duration(eta_s) if row['step'] < steps else '0s'}")
 
 

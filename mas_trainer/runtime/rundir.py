@@ -220,9 +220,15 @@ class RunDir:
     @contextlib.contextmanager
     def locked(self) -> Iterator["RunDir"]:
         """Hold the run directory for one `fit`; refuse it if another live process holds it.
-        A POSIX lock: not inherited by forked children, released when the process dies."""
+        A POSIX lock: not inherited by forked children, released when the process dies. A `fit`
+        refused before it wrote anything (no config.yaml) leaves no trace: the lock file and a
+        folder it had to create go again."""
+        made = [p for p in (*reversed(self.root.parents), self.root) if not p.exists()]
         self.root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        lock = self.root / ".lock"
+        new_lock = not lock.exists()
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        held = False
         try:
             try:
                 fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -232,11 +238,21 @@ class RunDir:
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
                 raise UserError(f"{self.root} is in use by another running `mas-trainer fit` (pid {holder}); "
                                 "wait for it or stop it, or choose another --output") from None
+            held = True
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             yield self
         finally:
+            # unlinked while still held, so no other fit can have locked the file that goes away
+            gone = held and new_lock and not (self.root / "config.yaml").exists()
+            if gone:
+                with contextlib.suppress(OSError):
+                    lock.unlink()
             os.close(fd)  # releases the lock
+            if gone:
+                with contextlib.suppress(OSError):
+                    for folder in reversed(made):
+                        folder.rmdir()  # only empty ones: never anything another process wrote
 
     def create(self, config_yaml: str) -> None:
         self.root.mkdir(parents=True, exist_ok=True)

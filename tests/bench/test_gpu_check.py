@@ -191,5 +191,6 @@ def test_one_failing_case_does_not_hide_the_others(load_bench, monkeypatch, caps
     out, err = capsys.readouterr()
     summary = json.loads(out.strip().splitlines()[-1])
     assert [(c["case"], c["status"]) for c in summary["cases"]] == [
-        ("torch", "ok"), ("verl-grpo", "failed"), ("verl-gae", "ok"), ("nccl-sync", "ok")]
+        ("torch", "ok"), ("verl-grpo", "failed"), ("verl-gae", "ok"), ("nccl-sync", "ok"), ("torch-overlap", "ok"),
+        ("verl-overlap", "ok")]
     assert "RuntimeError: boom" in err and "Traceback" in err

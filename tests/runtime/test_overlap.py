@@ -146,3 +146,12 @@ def test_torch_learner_rollout_correction_weights_by_the_truncated_ratio():
     assert out["optimizer_steps"] == 1 and out["rollout_is_mean"] == pytest.approx(sum(want) / 3, rel=1e-4)
     # the loss is weighted: at the first step the ratio is 1, so the token-mean loss is -mean(A * weight)
     assert out["pg_loss"] == pytest.approx(-sum(want) / 3, rel=1e-3)
+
+
+def test_the_step_line_says_when_rollouts_ran_ahead():
+    from mas_trainer.runtime.progress import step_line
+
+    row = {"step": 2, "reward/mean": 0.5, "time/rollout_s": 9.0, "time/update_s": 6.0, "rollout/overlapped": 1.0,
+           "time/rollout_wait_s": 3.0}
+    assert "rollout 9.0s (ahead, waited 3.0s)  update 6.0s" in step_line(row, 3, None)
+    assert "ahead" not in step_line({**row, "rollout/overlapped": 0.0}, 3, None)

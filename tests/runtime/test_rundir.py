@@ -250,3 +250,23 @@ def test_damaged_tracker_ids_start_new_tracker_runs(tmp_path, caplog, text):
     assert "trackers.json is damaged" in caplog.text
     (tmp_path / "trackers.json").write_text('{"wandb_run_id": "0a1b2c3d4e5f"}')
     assert _load_ids(tmp_path) == {"wandb_run_id": "0a1b2c3d4e5f"}
+
+
+def test_a_fit_refused_before_writing_leaves_no_lock_file_nor_folder(tmp_path):
+    """The lock is taken before the app and the tasks are checked; a refusal then must leave the
+    output as it was: a folder it created goes, an existing one keeps only what it had."""
+    new = tmp_path / "a" / "b" / "run"
+    with RunDir(new).locked():
+        assert (new / ".lock").exists()
+    assert not (tmp_path / "a").exists()
+    existing = tmp_path / "mine"
+    existing.mkdir()
+    (existing / "notes.txt").write_text("mine")
+    with pytest.raises(RuntimeError):
+        with RunDir(existing).locked():
+            raise RuntimeError("refused")
+    assert sorted(p.name for p in existing.iterdir()) == ["notes.txt"]
+    run = tmp_path / "run"
+    with RunDir(run).locked() as rd:
+        rd.create("seed: 0\n")  # a run that started keeps its lock file (resume finds it there)
+    assert (run / ".lock").exists() and (run / "config.yaml").exists()
