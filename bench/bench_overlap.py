@@ -7,11 +7,12 @@ this process; the same arguments as bench/bench_time_to_target.py's NEW) cut to 
 `replicas`: the words fixture app on the tiny model with the verl learner and two torch-replica
 rollout replicas (separate processes that generate while the learner updates).
 Each repeat runs staleness 0 then 1 (alternating, so a drift of the machine hits both), each a
-full `fit` in a subprocess. Per run: the median `time/step_s` (the wall time a step added:
-waiting for its rollouts, then its update) over the steps after the first, split into steps whose
-rollouts ran during the previous update (`rollout/overlapped`) and the others, the median
-rollout wait, and the run's wall time. Prints the ratio staleness-1 / staleness-0 of the medians
-and writes OUT/overlap.json.
+full `fit` in a subprocess. Per run, over the steps after the first: the median wall time per
+step (between metrics rows, so writing and plotting count too), the median `time/step_s`
+(waiting for the step's rollouts, then its update) of the steps whose rollouts ran during the
+previous update (`rollout/overlapped`) and of the others, the median rollout wait, and the run's
+wall time. Prints the ratio staleness 1 / staleness 0 of the median wall time per step and
+writes OUT/overlap.json. `--analyze RUN_DIR ...` only summarises finished runs.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -47,6 +50,8 @@ def run(out: Path, setup: str, steps: int, staleness: int, extra: list[str]) -> 
 
 def summary(out: Path, staleness: int) -> dict:
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    for before, row in zip(rows, rows[1:]):  # the wall time between rows: also what time/step_s leaves out (writing, plots)
+        row["wall_s"] = row["time/elapsed_s"] - before["time/elapsed_s"]
     train = [r for r in rows if r["kind"] == "train"][1:]  # the first step warms up
     med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
     over = [r["time/step_s"] for r in train if r.get("rollout/overlapped")]
@@ -55,6 +60,7 @@ def summary(out: Path, staleness: int) -> dict:
             "step_s_overlapped": med(over), "step_s_plain": med(plain), "update_s": med([r["time/update_s"] for r in train]),
             "rollout_s": med([r["time/rollout_s"] for r in train]),
             "rollout_wait_s": med([r.get("time/rollout_wait_s", r["time/rollout_s"]) for r in train]),
+            "wall_per_step_s": med([r["wall_s"] for r in train]),
             "wall_s": rows[-1]["time/elapsed_s"]}
 
 
@@ -64,16 +70,23 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--out", default="runs/overlap")
+    ap.add_argument("--analyze", nargs="+", default=None, help="only summarise these finished run folders")
     ap.add_argument("extra", nargs="*", help="config overrides added to every run")
     a = ap.parse_args()
     out = Path(a.out)
-    results = [run(out / f"{a.setup}-s{s}-{i}", a.setup, a.steps, s, a.extra) for i in range(a.repeats) for s in (0, 1)]
+    if a.analyze:
+        def staleness(run: Path) -> int:
+            return int(yaml.safe_load((run / "config.yaml").read_text())["rollout"]["max_staleness"])
+        results = [summary(Path(d), staleness(Path(d))) for d in a.analyze]
+    else:
+        results = [run(out / f"{a.setup}-s{s}-{i}", a.setup, a.steps, s, a.extra) for i in range(a.repeats) for s in (0, 1)]
     for r in results:
         print(f"staleness {r['staleness']}: step {r['step_s']:.1f} s (overlapped {r['step_s_overlapped'] or 0:.1f}, "
               f"plain {r['step_s_plain'] or 0:.1f}); rollouts {r['rollout_s']:.1f} s, waited {r['rollout_wait_s']:.1f} s; "
-              f"update {r['update_s']:.1f} s; run {r['wall_s']:.0f} s")
-    by = {s: statistics.median(r["step_s"] for r in results if r["staleness"] == s) for s in (0, 1)}
-    print(f"median seconds a step, staleness 1 / staleness 0: {by[1] / by[0]:.2f} ({by[1]:.1f} / {by[0]:.1f})")
+              f"update {r['update_s']:.1f} s; wall per step {r['wall_per_step_s']:.1f} s; run {r['wall_s']:.0f} s")
+    by = {s: statistics.median(r["wall_per_step_s"] for r in results if r["staleness"] == s) for s in (0, 1)}
+    print(f"median wall seconds a step, staleness 1 / staleness 0: {by[1] / by[0]:.2f} ({by[1]:.1f} / {by[0]:.1f})")
+    out.mkdir(parents=True, exist_ok=True)
     (out / "overlap.json").write_text(json.dumps({"setup": a.setup, "results": results, "ratio": by[1] / by[0]}, indent=1))
 
 
