@@ -208,6 +208,20 @@ def test_gae_critic_is_a_value_model_training_worker(tmp_path):
     assert (tmp_path / "run" / "checkpoint" / "learner" / "crew" / "critic" / "model_world_size_2_rank_1.pt").exists()
 
 
+def test_overlapped_rollouts_on_rank_0s_engine_train_within_the_bound(tmp_path):
+    """rollout.max_staleness=1 on the verl learner with its embedded engine (rank 0 of 2): the
+    next step's turns stay in rank 0's buffer through the update, none is trained past the bound,
+    and rollout correction (the `auto` choice there) weights every update."""
+    tasks = [json.loads(line) for line in WORDS_DATA.read_text().splitlines()]
+    cfg = load_config(overrides=[*VERL, "steps=3", "save_every=3", "eval_every=3", "rollout.tasks_per_step=2", "rollout.n=2",
+                                 "rollout.max_tokens=8", "rollout.max_staleness=1", "seed=2"])
+    rows = fit(f"{WORDS}:single", tasks[:4], cfg, tmp_path / "run")
+    train = [r for r in rows if r["kind"] == "train"]
+    assert [r["rollout/overlapped"] for r in train] == [0.0, 1.0, 1.0]
+    assert all(r["policy/solo/turns"] == 4 and r["policy/solo/turns/stale"] == 0 for r in train)
+    assert all("policy/solo/rollout_is_mean" in r for r in train)
+
+
 def test_a_master_port_taken_before_rank_0_binds_it_restarts_the_group(monkeypatch):
     """verl picks a group's master port by binding port 0 and letting it go; on a busy node another
     process can take it before rank 0's store binds it (CI saw EADDRINUSE). A group whose rank 0
