@@ -23,7 +23,7 @@ the last line is JSON with every case, and the exit status is 1 if any case fail
 skipped: NCCL needs GPUs), which is how the script is checked there.
 
     python bench/gpu_check.py [--cases torch,verl-grpo,verl-gae,nccl-sync,torch-overlap,verl-overlap] [--steps 3]
-                              [--shape qwen2.5-0.5b|qwen2.5-1.5b|tiny] [--device auto]
+                              [--shape qwen2.5-0.5b|qwen2.5-1.5b|tiny] [--device auto] [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -135,7 +135,8 @@ def run_case(case: str, args: argparse.Namespace, model: Path, params: int, peak
 
     run = Path(tempfile.mkdtemp(prefix=f"gpu-check-{case}-"))
     tasks = [json.loads(line) for line in DATA.read_text().splitlines()]
-    cfg = load_config(overrides=check_overrides(case, args.device, args.steps, args.tasks, args.n, str(model)))
+    cfg = load_config(overrides=[*check_overrides(case, args.device, args.steps, args.tasks, args.n, str(model)),
+                                 *getattr(args, "set", [])])
     t0 = time.perf_counter()
     rows = fit(f"{APP}:single", tasks, cfg, run)
     steps = [step_figures(r, trajectory_tokens(run, r["step"]), params, peak, cfg.learner.ppo_epochs)
@@ -160,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument("--tasks", type=int, default=8)
     parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override added to every case (repeatable)")
     args = parser.parse_args(argv)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = [c for c in cases if c not in CASES]

@@ -194,3 +194,17 @@ def test_one_failing_case_does_not_hide_the_others(load_bench, monkeypatch, caps
         ("torch", "ok"), ("verl-grpo", "failed"), ("verl-gae", "ok"), ("nccl-sync", "ok"), ("torch-overlap", "ok"),
         ("verl-overlap", "ok")]
     assert "RuntimeError: boom" in err and "Traceback" in err
+
+
+def test_set_adds_an_override_to_every_case(load_bench, monkeypatch, tmp_path):
+    check = load_bench("gpu_check")
+    seen = []
+
+    def fit(app, tasks, cfg, run):
+        seen.append(cfg.learner.old_logprobs)
+        return []
+
+    monkeypatch.setattr("mas_trainer.runtime.trainer.fit", fit)
+    args = argparse.Namespace(device="cpu", steps=1, tasks=2, n=2, set=["learner.old_logprobs=rollout_correction"])
+    assert check.run_case("torch", args, model=tmp_path, params=0, peak=None, gpus=0)["status"] == "ok"
+    assert seen == ["rollout_correction"]
