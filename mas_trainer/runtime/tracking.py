@@ -275,6 +275,20 @@ def wandb_history(root: str | Path, run_id: str) -> list[dict[str, Any]]:
     return rows
 
 
+def _next_second(root: Path, run_id: str, limit_s: float = 2.0) -> None:
+    """Wait until no offline log folder of run `run_id` is named after this second. W&B names
+    each attempt's folder `offline-run-YYYYmmdd_HHMMSS-ID` (local time): an attempt resumed within
+    the second of the one before would write into that one's folder, and the earlier attempt's
+    history (or this one's) would be lost to `wandb sync` and to `wandb_history`."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        now = time.time()
+        stamps = {time.strftime("%Y%m%d_%H%M%S", time.localtime(now)), time.strftime("%Y%m%d_%H%M%S", time.gmtime(now))}
+        if not any((Path(root, "wandb") / f"offline-run-{stamp}-{run_id}").exists() for stamp in stamps):
+            return
+        time.sleep(1.0 - now % 1.0 + 0.01)
+
+
 class _WandB:
     def __init__(self, root: Path, after_step: int, kept: list[dict[str, Any]], ids: dict[str, Any],
                  params: dict[str, Any]) -> None:
@@ -293,6 +307,8 @@ class _WandB:
                             self.skip[kind] = max(self.skip[kind], int(row.get("_step", -1)))
             except Exception as exc:  # noqa: BLE001 - an unreadable log: send every step again
                 log.warning("cannot read W&B's offline logs of run %s (%s): every step after the checkpoint is sent again", run_id, exc)
+        if not new:
+            _next_second(root, run_id)
         settings = wandb.Settings(silent=True, console="off", x_disable_stats=True, x_disable_meta=True,
                                   x_save_requirements=False, disable_git=True, save_code=False)
         # (WANDB_DISABLE_WEAVE: no advertisement for W&B Weave because openai is imported)

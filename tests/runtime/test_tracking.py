@@ -223,3 +223,21 @@ def expected_row(rows: list[dict], step: int) -> dict[str, float]:
         if r["step"] == step:
             merged.update(tracker_values(r))
     return merged
+
+
+def test_a_resumed_wandb_attempt_never_writes_into_the_folder_of_the_one_before(tmp_path, monkeypatch):
+    """W&B names an offline attempt's folder after the second it starts in: a resume within the
+    same second as the attempt before would share it, and one attempt's steps would be lost
+    (the flaky failure of the test above on a fast machine)."""
+    import time
+
+    from mas_trainer.runtime.tracking import _next_second
+
+    stamp = time.strftime("%Y%m%d_%H%M%S")
+    (tmp_path / "wandb" / f"offline-run-{stamp}-abc123").mkdir(parents=True)
+    _next_second(tmp_path, "abc123")
+    assert time.strftime("%Y%m%d_%H%M%S") != stamp
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    _next_second(tmp_path, "other")  # another run's folder: no wait
+    assert slept == []
