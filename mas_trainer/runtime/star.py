@@ -75,7 +75,7 @@ class ReplicaGroupHandle:
         self.fleet = fleet
         self._versions: dict[str, int] = {}
         self.engine = fleet.engine(tokenizer, on_output=self._answered)
-        self.turns = TurnStore(learner.policy)
+        self.turns = TurnStore(learner.policy, learner.plan.max_staleness)
         self.meter = EngineMeter(self.engine)
 
     def _answered(self, request_id: str, out: Any) -> None:
@@ -96,11 +96,10 @@ class ReplicaGroupHandle:
     async def train(self, records: Sequence[Any]) -> dict[str, float]:
         if self.engine.failure is not None:  # never train on a step a dead replica cut short
             raise self.engine.failure
-        bound = self.learner.plan.max_staleness
-        turns = {r.turn_id: t for r, t in self.turns.take(records, self.fleet.version - bound if bound else None)}
-        refused = self.turns.stale
+        turns = {r.turn_id: t for r, t in self.turns.take(records, self.fleet.version)}
+        refused = self.turns.stale_metrics()
         stale = sum(1 for t in turns.values() if t.version != self.fleet.version)
-        if not bound:  # nothing in flight: forget the versions of calls without a turn id too
+        if not self.turns.max_staleness:  # nothing in flight: forget the versions of calls without a turn id too
             self._versions.clear()
         await self.fleet.sleep(self.learner.group)
         metrics = await self.learner.train(records, turns)
@@ -109,8 +108,8 @@ class ReplicaGroupHandle:
         except Exception as exc:  # a replica gone during the sync: stop here, resumable
             raise self.engine.fail(f"weight sync: {type(exc).__name__}: {str(exc).strip()[:200]}") from exc
         metrics["replica/stale_turns"] = float(stale)
-        if bound:
-            metrics["turns/stale"] = metrics.get("turns/stale", 0.0) + refused
+        for key, n in refused.items():  # the ones refused here, beside any the learner refused
+            metrics[key] = metrics.get(key, 0.0) + n
         return {**metrics, **self.meter.read()}
 
     async def warm_start(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]], config: Any) -> dict[str, float]:

@@ -373,7 +373,7 @@ class _Fit:
                 update = asyncio.ensure_future(self.update(drawn))
                 # not past a held-out evaluation or a checkpoint: those see the update's weights and nothing in flight,
                 # so a resumed run continues exactly where the checkpoint left it
-                if c.rollout.max_staleness and not (evaluates or saves) and step < c.steps:
+                if c.rollout.max_staleness and not (evaluates or saves):  # the last step evaluates and saves
                     ahead = asyncio.ensure_future(self.collect(session, step + 1, position))
                 row = await update
                 # the wall time the step added: waiting for its rollouts (none when they ran during the last update), then the update

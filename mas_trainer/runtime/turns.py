@@ -8,7 +8,7 @@ record from another policy, or from before a restart), never trained on.
 Each turn carries the weights version (updates applied) that generated it. With
 `rollout.max_staleness=1` the next step's turns are generated while an update runs, so the
 update takes only its records' turns and leaves the others; a turn older than the bound is
-never trained on (`take(oldest=...)`).
+never trained on (`TurnStore(max_staleness=...)`, `take(records, version)`).
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ class BufferedTurn:
 class TurnStore:
     """Turn id -> `BufferedTurn` of one policy, from generation to the update."""
 
-    def __init__(self, policy: str) -> None:
-        self.policy = policy
+    def __init__(self, policy: str, max_staleness: int = 0) -> None:
+        self.policy, self.max_staleness = policy, max_staleness
         self._turns: dict[str, BufferedTurn] = {}
-        self.stale = 0  # turns the last `take` refused as older than `oldest`
+        self.stale = 0  # turns the last `take` refused as older than the bound
 
     def __len__(self) -> int:
         return len(self._turns)
@@ -58,21 +58,23 @@ class TurnStore:
         """Turns generated elsewhere (rollout replicas), sent with the records."""
         self._turns.update(turns)
 
-    def take(self, records: Sequence[Any], oldest: int | None = None) -> list[tuple[Any, BufferedTurn]]:
-        """(record, turn) of each record whose turn is here, in order.
+    def take(self, records: Sequence[Any], version: int = 0) -> list[tuple[Any, BufferedTurn]]:
+        """(record, turn) of each record whose turn is here, in order, for an update of weights
+        at `version`.
 
-        Without `oldest` the store is empty after. With it (overlapped rollouts), only the
-        records' turns leave, and every turn of a version below `oldest` goes too: a record
-        naming one is skipped (counted in `self.stale`, never trained on); the other turns, the
-        next step's being generated, stay."""
+        With `max_staleness` 0 the store is empty after. Otherwise (overlapped rollouts) only the
+        records' turns leave, and every turn older than `version - max_staleness` goes too: a
+        record naming one is skipped (counted in `self.stale`, never trained on); the other
+        turns, the next step's being generated, stay."""
         here = [r for r in records if r.turn_id in self._turns]
         if len(here) < len(records):
             log.warning("policy %s: %d of %d records name turns this worker group never generated; skipped",
                         self.policy, len(records) - len(here), len(records))
-        if oldest is None:
+        if not self.max_staleness:
             kept, self.stale = [(r, self._turns[r.turn_id]) for r in here], 0
             self._turns.clear()
             return kept
+        oldest = version - self.max_staleness
         pairs = [(r, self._turns.pop(r.turn_id)) for r in here]
         kept = [(r, t) for r, t in pairs if t.version >= oldest]
         self.stale = len(pairs) - len(kept)
@@ -82,6 +84,10 @@ class TurnStore:
         for tid in [tid for tid, t in self._turns.items() if t.version < oldest]:
             del self._turns[tid]  # nobody's record: never trainable now
         return kept
+
+    def stale_metrics(self) -> dict[str, float]:
+        """`turns/stale` of the last `take` (only where a bound is set: overlapped rollouts)."""
+        return {"turns/stale": float(self.stale)} if self.max_staleness else {}
 
     def clear(self) -> int:
         """Forget every turn (held-out rollouts, or turns nobody trained on); how many there were."""

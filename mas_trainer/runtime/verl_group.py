@@ -82,7 +82,7 @@ class PolicyWorker(Worker):
             for worker in self._trainable():
                 worker.to("cpu")
         self.updates = 0
-        self.turns = TurnStore(plan.policy)
+        self.turns = TurnStore(plan.policy, plan.max_staleness)
         self.engine = None
         self.meter: EngineMeter | None = None
         self.host_model = None  # replica engines: rank 0's full copy of the weights, gathered for each save
@@ -137,17 +137,13 @@ class PolicyWorker(Worker):
 
         t0 = time.perf_counter()
         shared: list[list[tuple[Any, BufferedTurn]] | None] = [None]
-        stale = 0
         if self.rank == 0:
             self.turns.add(turns or {})
-            # overlapped rollouts (rollout.max_staleness): the next step's turns stay; older ones are never trained
-            shared = [self.turns.take(records, self.updates - self.plan.max_staleness if self.plan.max_staleness else None)]
-            stale = self.turns.stale
+            shared = [self.turns.take(records, self.updates)]
         torch.distributed.broadcast_object_list(shared, src=0)
         pairs = shared[0]
         if not pairs:
-            return ({"turns": 0.0, **({"turns/stale": float(stale)} if self.plan.max_staleness else {})}
-                    if self.rank == 0 else None)
+            return {"turns": 0.0, **self.turns.stale_metrics()} if self.rank == 0 else None
         records = [r for r, _ in pairs]
         batch = [Turn(id=r.turn_id, prompt_ids=t.prompt_ids, response_ids=t.response_ids, old_logprobs=t.logprobs,
                       advantages=0.0) for r, t in pairs]
@@ -156,8 +152,7 @@ class PolicyWorker(Worker):
             if self.plan.engine == "embedded":
                 self._sync_engine()  # replica engines get the weights from update_weights, after this call
         metrics.update(turns=float(len(batch)), seconds=time.perf_counter() - t0, updates=float(self.updates))
-        if self.plan.max_staleness:
-            metrics["turns/stale"] = float(stale)
+        metrics.update(self.turns.stale_metrics())  # rank 0's is the one returned
         if self.rank != 0:
             return None
         return {**metrics, **(self.meter.read() if self.meter is not None else {})}  # replicas: their group adds theirs

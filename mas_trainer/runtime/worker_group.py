@@ -35,7 +35,7 @@ class WorkerGroup:
 
         if plan.torch_threads:
             torch.set_num_threads(plan.torch_threads)
-        self.policy, self.seed, self.max_staleness = plan.policy, plan.seed, plan.max_staleness
+        self.policy, self.seed = plan.policy, plan.seed
         learner = plan.learner
         # resuming a LoRA policy: the base again, and its saved adapter trains on (not merged into a new base)
         adapter = plan.model if learner.lora_rank and is_adapter(plan.model) else None
@@ -44,7 +44,7 @@ class WorkerGroup:
                                   max_batch_size=plan.max_batch_size, batch_wait_ms=plan.batch_wait_ms,
                                   bf16=plan.engine_bf16, device=plan.device, prefix_cache_mb=plan.prefix_cache_mb)
         model, self.tokenizer = self.engine.model, self.engine.tokenizer
-        self.turns = TurnStore(plan.policy)
+        self.turns = TurnStore(plan.policy, plan.max_staleness)
         self.meter = EngineMeter(self.engine)
         reference = None
         if learner.kl_coef > 0 and not learner.lora_rank and plan.reference is not None:  # resumed: the reference stays the base model
@@ -77,10 +77,8 @@ class WorkerGroup:
         from mas_trainer.algo.advantages import compute_policy_advantages
         from mas_trainer.learners.batch import Turn
 
-        # overlapped rollouts (rollout.max_staleness): the next step's turns stay; older ones are never trained
-        oldest = self.learner.updates - self.max_staleness if self.max_staleness else None
-        pairs = self.turns.take(records, oldest)
-        stale = {"turns/stale": float(self.turns.stale)} if self.max_staleness else {}
+        pairs = self.turns.take(records, self.learner.updates)
+        stale = self.turns.stale_metrics()
         if not pairs:
             return {"turns": 0.0, **stale}
         records = [r for r, _ in pairs]

@@ -36,19 +36,21 @@ def _gen(n=2):
 
 
 def test_an_update_takes_only_its_turns_and_never_one_past_the_bound():
-    store = TurnStore("p")
+    store = TurnStore("p", max_staleness=1)
     store.record("old", [1], [_gen()], version=3)  # two updates behind at the update from version 5
     store.record("mine", [1], [_gen()], version=4)
     store.record("next", [1], [_gen()], version=5)  # the next step's, generated during the update
     store.record("left", [1], [_gen()], version=3)  # nobody's record (a filtered group), too old now
-    pairs = store.take([_Rec("old"), _Rec("mine")], oldest=4)
+    pairs = store.take([_Rec("old"), _Rec("mine")], 5)  # an update of weights at version 5: 4 is the oldest
     assert [r.turn_id for r, _ in pairs] == ["mine"] and store.stale == 1
     assert len(store) == 1  # the next step's turn stays; the too-old unnamed one is gone
-    assert [r.turn_id for r, _ in store.take([_Rec("next")], oldest=5)] == ["next"] and store.stale == 0
+    assert [r.turn_id for r, _ in store.take([_Rec("next")], 6)] == ["next"] and store.stale == 0
+    assert store.stale_metrics() == {"turns/stale": 0.0}
     # without a bound (max_staleness=0) an update empties the store, as before
+    store = TurnStore("p")
     store.record("a", [1], [_gen()])
     store.record("b", [1], [_gen()])
-    assert len(store.take([_Rec("a")])) == 1 and len(store) == 0
+    assert len(store.take([_Rec("a")])) == 1 and len(store) == 0 and store.stale_metrics() == {}
 
 
 def test_the_bound_and_the_correction_are_decided_in_the_plan():
@@ -74,12 +76,12 @@ def test_overlap_where_it_cannot_run_is_refused_in_one_line(overrides, words):
 
 def test_next_rollouts_run_during_the_update_and_never_past_a_checkpoint(tmp_path, monkeypatch):
 
-    seen = []  # (step being updated, turn versions it trained, learner version before it)
+    seen = []  # (the oldest version an update may train, the versions it trained)
     real_take = TurnStore.take
 
-    def take(self, records, oldest=None):
-        pairs = real_take(self, records, oldest)
-        seen.append((oldest, sorted({t.version for _, t in pairs})))
+    def take(self, records, version=0):
+        pairs = real_take(self, records, version)
+        seen.append((version - self.max_staleness, sorted({t.version for _, t in pairs})))
         return pairs
 
     monkeypatch.setattr(TurnStore, "take", take)
@@ -92,7 +94,7 @@ def test_next_rollouts_run_during_the_update_and_never_past_a_checkpoint(tmp_pat
     assert [r["rollout/overlapped"] for r in train] == [0.0, 1.0, 0.0, 1.0]
     assert all(r["policy/solo/turns/stale"] == 0 for r in train)
     assert all("policy/solo/rollout_is_mean" in r and "policy/solo/logprob_diff" in r for r in train)  # corrected
-    assert all(oldest is not None and min(versions, default=oldest) >= oldest for oldest, versions in seen)
+    assert seen and all(min(versions, default=oldest) >= oldest for oldest, versions in seen)
     # every step's trajectories written once, the rollouts of each step under its own ids
     files = sorted(p.name for p in (out / "trajectories").iterdir() if "val" not in p.name)
     assert files == [f"step_{s:06d}.jsonl" for s in (1, 2, 3, 4)]

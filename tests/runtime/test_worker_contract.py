@@ -69,7 +69,7 @@ def _verl_rank0():
 def _replicas():
     engine = _Metered()
     fleet = SimpleNamespace(engine=lambda tokenizer, on_output: engine, version=3)
-    return ReplicaGroupHandle(SimpleNamespace(policy="p"), fleet, tokenizer=None)
+    return ReplicaGroupHandle(SimpleNamespace(policy="p", plan=SimpleNamespace(max_staleness=0)), fleet, tokenizer=None)
 
 
 @pytest.mark.parametrize("make", [_embedded, _verl_rank0, _replicas], ids=["embedded", "verl", "replicas"])
