@@ -19,6 +19,7 @@ The Ray proxies and the actors' life cycle are in `runtime/ray_group.py`.
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any, Protocol, Sequence
 
 from mas_trainer.engines.base import EngineMeter, Generation, SamplingParams, choice_id
@@ -82,9 +83,10 @@ class ReplicaGroupHandle:
         self._versions[request_id] = int(out.extra_fields.get("global_steps") or 0)
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, turn_id: str | None = None) -> list[Generation]:
-        gens = await self.engine.generate(prompt_ids, params, turn_id=turn_id)
+        call = turn_id or uuid.uuid4().hex  # named here, so a call without a turn leaves no version behind either
+        gens = await self.engine.generate(prompt_ids, params, turn_id=call)
+        answered = [self._versions.pop(choice_id(call, i), self.fleet.version) for i in range(len(gens))]
         if turn_id is not None:  # the oldest weights any of its choices came from
-            answered = [self._versions.pop(choice_id(turn_id, i), self.fleet.version) for i in range(len(gens))]
             self.turns.record(turn_id, prompt_ids, gens, min(answered, default=self.fleet.version))
         return gens
 
@@ -99,7 +101,7 @@ class ReplicaGroupHandle:
         turns = {r.turn_id: t for r, t in self.turns.take(records, self.fleet.version)}
         refused = self.turns.stale_metrics()
         stale = sum(1 for t in turns.values() if t.version != self.fleet.version)
-        if not self.turns.max_staleness:  # nothing in flight: forget the versions of calls without a turn id too
+        if not self.turns.max_staleness:  # nothing in flight: forget what cancelled calls left
             self._versions.clear()
         await self.fleet.sleep(self.learner.group)
         metrics = await self.learner.train(records, turns)

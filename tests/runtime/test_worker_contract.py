@@ -118,3 +118,28 @@ def test_engine_metrics_have_the_same_keys_on_every_engine():
         assert meter_keys == tuple(ENGINE_METRICS)
         m = engine.metrics()
         assert m["requests"] == 1 and m["tokens"] >= 1 and m["busy_s"] > 0
+
+
+def test_replicas_keep_no_answer_version_of_a_call_that_is_not_trained():
+    """Each replica answer reports its weights version; with overlap (nothing clears them at the
+    update) a call without a turn id (a held-out or untraced call) must not leave its behind."""
+    class _Answering(_Metered):
+        async def generate(self, prompt_ids, params, *, turn_id=None):
+            assert turn_id is not None  # the handle names every call, so it can collect its answers
+            for i in range(params.n):
+                self.on_output(choice_id(turn_id, i), SimpleNamespace(extra_fields={"global_steps": 2}))
+            return await super().generate(prompt_ids, params, turn_id=turn_id)
+
+    engine = _Answering()
+
+    def make_engine(tokenizer, on_output):
+        engine.on_output = on_output
+        return engine
+
+    fleet = SimpleNamespace(engine=make_engine, version=3)
+    group = ReplicaGroupHandle(SimpleNamespace(policy="p", plan=SimpleNamespace(max_staleness=1)), fleet, tokenizer=None)
+    asyncio.run(group.generate([7], SamplingParams(n=3), None))
+    asyncio.run(group.generate([5, 6], SamplingParams(n=2), "call"))
+    assert group._versions == {} and len(group.turns) == 2
+    (_, turn), _ = group.turns.take([SimpleNamespace(turn_id=choice_id("call", i)) for i in range(2)], 3)
+    assert turn.version == 2  # the version the replica answered with, not the fleet's current one
