@@ -94,11 +94,14 @@ class TorchEngine:
         max_grammars: int = 64,
         grammar_timeout_s: float = COMPILE_TIMEOUT_S,
         prefix_cache_mb: float = 0.0,
+        fast_kv: bool = True,
     ) -> None:
         """`max_grammars`: compiled JSON-schema grammars kept; `grammar_timeout_s`: how long
         one schema may compile before its request fails (see `mas_trainer.engines.grammar`);
         `prefix_cache_mb`: memory for the K/V of prompt prefixes shared across requests (0: off;
-        see `mas_trainer.engines.prefix_cache`)."""
+        see `mas_trainer.engines.prefix_cache`); `fast_kv`: decode with a K/V cache that grows in
+        place and grouped K/V heads read unrepeated (`mas_trainer.engines.kv`; False: Hugging
+        Face's plain cache and attention, the reference)."""
         self.model_name = model_name
         # bf16 autocast while decoding (CPU: ~1.5x faster). Log-probs then carry bf16 rounding,
         # like a learner's bf16 forward; off by default so they match an fp32 forward exactly.
@@ -146,6 +149,12 @@ class TorchEngine:
         self._continuous = bool(layers) and all(type(l).__name__ == "DynamicLayer" for l in layers)
         # Cached prefixes are laid into a batch's K/V per layer, as joining rows is: full attention only.
         self._prefix = PrefixCache(int(prefix_cache_mb * 2**20)) if prefix_cache_mb > 0 and self._continuous else None
+        # Growing layers replace DynamicLayers, so they too need full attention everywhere.
+        self.fast_kv = fast_kv and self._continuous
+        if self.fast_kv:
+            from mas_trainer.engines.kv import use_decode_attention
+
+            use_decode_attention(self._model)
         self._thread = threading.Thread(target=self._work, name=f"TorchEngine[{model_name}]", daemon=True)
         self._thread.start()
 
@@ -385,7 +394,7 @@ class TorchEngine:
     def _prefill(self, rows: list[_Row]) -> None:
         """Run the new prompts (each distinct prompt once; with the prefix cache, only what
         follows each one's cached prefix) in one batch and merge them into the running batch."""
-        from transformers import DynamicCache
+        from mas_trainer.engines.kv import new_cache
 
         distinct: dict[tuple[int, ...], int] = {}
         which = [distinct.setdefault(tuple(r.req.prompt_ids), len(distinct)) for r in rows]
@@ -404,7 +413,7 @@ class TorchEngine:
             mask[i, width_p - n:width_p] = 1
             mask[i, width_p + width_s - (len(p) - n):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        cache = DynamicCache(self._cached_prefixes(hits, width_p) if width_p else None, config=self._model.config)
+        cache = new_cache(self._model.config, self._cached_prefixes(hits, width_p) if width_p else None, grow=self.fast_kv)
         with self._autocast():
             out = self._model(
                 input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)[:, width_p:],

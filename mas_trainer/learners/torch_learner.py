@@ -173,7 +173,9 @@ class TorchLearner:
         self.pad_id = int(pad_id or 0)
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         attention = getattr(model.config, "_attn_implementation", None)
-        if config.share_prompts and attention not in ("sdpa", "eager"):
+        from mas_trainer.engines.kv import ATTENTION  # the embedded engine's sdpa (it may share this model)
+
+        if config.share_prompts and attention not in ("sdpa", "eager", ATTENTION):
             raise UserError(f"learner.share_prompts needs attention that takes a 4D mask (sdpa or eager); this model "
                             f"uses {attention!r}: load it with attn_implementation='sdpa', or set learner.share_prompts=false")
         self.updates = 0  # update() calls that trained on at least one turn
