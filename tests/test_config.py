@@ -83,7 +83,8 @@ def test_the_same_keys_load_where_they_are_read():
     load_config(overrides=["runtime.learner=torch", "learner.fused_adamw=true", "runtime.worker_cpus=1", "runtime.torch_threads=2"])
 
 
-@pytest.mark.parametrize("key, value", [("batch_wait_ms", 5), ("engine_bf16", "true"), ("prefix_cache_mb", 64)])
+@pytest.mark.parametrize("key, value", [("batch_wait_ms", 5), ("engine_bf16", "true"), ("prefix_cache_mb", 64),
+                                        ("fast_decode", "false")])
 def test_an_embedded_engine_key_is_refused_when_every_policy_runs_on_vllm(key, value):
     with pytest.raises(ConfigError, match=rf"^runtime.{key} sets the embedded and torch-replica engines; every policy here "
                        r"runs on vllm \(.*\): drop the key$"):
@@ -100,7 +101,7 @@ def test_embedded_engine_keys_load_where_an_engine_reads_them():
     load_config(overrides=["runtime.engine=torch-replica", "runtime.engine_bf16=false", "runtime.prefix_cache_mb=64"])
     from mas_trainer.config import describe_keys
 
-    for key in ("max_batch_size", "batch_wait_ms", "prefix_cache_mb", "engine_bf16"):
+    for key in ("max_batch_size", "batch_wait_ms", "prefix_cache_mb", "fast_decode", "engine_bf16"):
         (line,) = [line for line in describe_keys() if line.startswith(f"  runtime.{key} = ")]
         assert "embedded and torch-replica engines: " in line, line
 

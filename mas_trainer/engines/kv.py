@@ -13,8 +13,8 @@ hundred tokens long (an agent's growing conversation), more than the weights the
   cache unrepeated. Anything but a no-grad single-token step goes to Hugging Face's own
   function unchanged, so a learner sharing the model trains exactly as before.
 
-Both give the same numbers as the plain path (tests/engines/test_kv.py compares them);
-`TorchEngine(..., fast_kv=False)` keeps the plain path, the reference the benches compare with.
+Both give the same numbers as the plain path (tests/engines/test_fast_decode.py compares them);
+`TorchEngine(..., fast_decode=False)` keeps the plain path, the reference the benches compare with.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ class TorchRolloutServer(Worker):
             torch.set_num_threads(int(opts["torch_threads"]))
         device = torch.device("cuda", torch.cuda.current_device()) if opts.get("device") == "cuda" else torch.device("cpu")
         # the fleet always sends the policy's engine settings (`torch_opts`); absent ones keep the engine's defaults
-        settings = {k: opts[k] for k in ("max_batch_size", "batch_wait_ms", "bf16", "prefix_cache_mb") if opts.get(k) is not None}
+        settings = {k: opts[k] for k in ("max_batch_size", "batch_wait_ms", "bf16", "prefix_cache_mb", "fast_decode") if opts.get(k) is not None}
         self.engine = load_engine(model_config.local_path, name=f"replica-{replica_rank}", device=device, **settings)
         self.replica_rank = replica_rank
         self.global_steps: int | None = None

@@ -38,6 +38,8 @@ class EngineSettings(Protocol):
     @property
     def prefix_cache_mb(self) -> float: ...
     @property
+    def fast_decode(self) -> bool: ...
+    @property
     def engine_bf16(self) -> bool | str: ...  # True | False | "auto"
     @property
     def device(self) -> str: ...  # auto | cpu | cuda
@@ -45,7 +47,7 @@ class EngineSettings(Protocol):
 
 def torch_backend(model: str, *, seed: int = 0, **settings: Any) -> PolicyBackend:
     """The embedded engine on `model` (tiny | default | folder), its own copy of the weights;
-    `settings`: `load_engine`'s (max_batch_size, batch_wait_ms, bf16, device, prefix_cache_mb)."""
+    `settings`: `load_engine`'s (max_batch_size, batch_wait_ms, bf16, device, prefix_cache_mb, fast_decode)."""
     from mas_trainer.engines.chat import HFChatFormat
     from mas_trainer.engines.torch_engine import load_engine
 
@@ -132,7 +134,8 @@ def policy_backends(
         log.info("policy %s: engine on %s (%s, bf16 %s, %d rows a batch)", name, model, device, settings.engine_bf16,
                  settings.max_batch_size)
         return torch_backend(model, seed=seed, max_batch_size=settings.max_batch_size, bf16=settings.engine_bf16,
-                             batch_wait_ms=settings.batch_wait_ms, device=device, prefix_cache_mb=settings.prefix_cache_mb)
+                             batch_wait_ms=settings.batch_wait_ms, device=device, prefix_cache_mb=settings.prefix_cache_mb,
+                             fast_decode=settings.fast_decode)
 
     served, checkpoints = served or {}, checkpoints or {}
     out: dict[str, PolicyBackend] = {}

@@ -38,6 +38,7 @@ class WorkerPlan(BaseModel):
     max_batch_size: int = 8
     batch_wait_ms: float = 50.0  # runtime.batch_wait_ms' default
     prefix_cache_mb: float = 0.0
+    fast_decode: bool = True
     engine_bf16: bool | Literal["auto"] = False
     torch_threads: int | None = None
     engine: Literal["embedded", "vllm", "torch-replica"] = Field(
@@ -110,7 +111,7 @@ def resolve_plan(cfg: FitConfig, models: Mapping[str, tuple[str, str]], *, machi
                                  update={"old_logprobs": old_logprobs_mode(cfg.learner_for(p), learner, stale)}),
                              critic=cfg.critic_for(p), seed=cfg.seed, device=device, resources=cfg.resources_for(p),
                              max_batch_size=rt.max_batch_size, batch_wait_ms=rt.batch_wait_ms, engine_bf16=rt.engine_bf16,
-                             prefix_cache_mb=rt.prefix_cache_mb,
+                             prefix_cache_mb=rt.prefix_cache_mb, fast_decode=rt.fast_decode,
                              engine=cfg.engine_for(p), replica=rt.replica)
                for p, (model, base) in models.items()}
     if any(w.engine == "vllm" for w in workers.values()):  # before minutes of start-up, not after

@@ -199,7 +199,7 @@ def _with_replicas(learner: VerlGroup) -> ReplicaGroupHandle:
     plan = learner.plan
     model_dir = str(materialize(plan.model, seed=plan.seed))
     opts = {"max_batch_size": plan.max_batch_size, "batch_wait_ms": plan.batch_wait_ms, "bf16": plan.engine_bf16,
-            "prefix_cache_mb": plan.prefix_cache_mb,
+            "prefix_cache_mb": plan.prefix_cache_mb, "fast_decode": plan.fast_decode,
             "torch_threads": plan.torch_threads}
     try:
         fleet = RolloutFleet(plan.policy, model_dir, plan.engine, plan.replica,
@@ -226,7 +226,7 @@ def serving_backends(checkpoints: dict[str, Any], kind: str, runtime: Any) -> di
     cfg: ReplicaConfig = runtime.replica.model_copy(update={"placement": "separate"})
     init_ray_for(device, runtime, cfg.replicas * len(checkpoints))
     opts = {"max_batch_size": runtime.max_batch_size, "batch_wait_ms": runtime.batch_wait_ms, "bf16": runtime.engine_bf16,
-            "prefix_cache_mb": runtime.prefix_cache_mb}
+            "prefix_cache_mb": runtime.prefix_cache_mb, "fast_decode": runtime.fast_decode}
     backends: dict[str, Any] = {}
     fleets: list[RolloutFleet] = []
     try:

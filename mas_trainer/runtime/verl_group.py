@@ -92,7 +92,7 @@ class PolicyWorker(Worker):
 
             self.engine = load_engine(model_dir, name=plan.policy, max_batch_size=plan.max_batch_size,
                                       batch_wait_ms=plan.batch_wait_ms, bf16=plan.engine_bf16, device=_device(plan.device),
-                                      prefix_cache_mb=plan.prefix_cache_mb)
+                                      prefix_cache_mb=plan.prefix_cache_mb, fast_decode=plan.fast_decode)
             self.tokenizer, self.meter = self.engine.tokenizer, EngineMeter(self.engine)
         elif self.rank == 0:
             from mas_trainer.engines.models import load_model

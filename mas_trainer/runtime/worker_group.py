@@ -42,7 +42,8 @@ class WorkerGroup:
         weights = (plan.reference or adapter_base(adapter)) if adapter else plan.model
         self.engine = load_engine(weights, name=plan.policy, seed=plan.seed,
                                   max_batch_size=plan.max_batch_size, batch_wait_ms=plan.batch_wait_ms,
-                                  bf16=plan.engine_bf16, device=plan.device, prefix_cache_mb=plan.prefix_cache_mb)
+                                  bf16=plan.engine_bf16, device=plan.device, prefix_cache_mb=plan.prefix_cache_mb,
+                                  fast_decode=plan.fast_decode)
         model, self.tokenizer = self.engine.model, self.engine.tokenizer
         self.turns = TurnStore(plan.policy, plan.max_staleness)
         self.meter = EngineMeter(self.engine)

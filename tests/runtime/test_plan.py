@@ -113,3 +113,9 @@ def test_engine_vllm_without_vllm_is_refused_by_the_plan(monkeypatch):
     with pytest.raises(UserError, match=r"engine vllm needs vLLM, which is not installed here: pip install -c mas-trainer/constraints-gpu.txt"):
         _plan("runtime.engine=vllm", "runtime.learner=verl", gpus=2)
     _plan("policies.lead.engine=embedded", gpus=2)  # no vllm policy: nothing asked
+
+
+def test_engine_settings_reach_every_worker_plan():
+    plan = _plan("runtime.fast_decode=false", "runtime.prefix_cache_mb=64", "runtime.batch_wait_ms=5")
+    assert {(w.fast_decode, w.prefix_cache_mb, w.batch_wait_ms) for w in plan.workers.values()} == {(False, 64.0, 5.0)}
+    assert {w.fast_decode for w in _plan().workers.values()} == {True}  # the default

@@ -1,6 +1,7 @@
-"""The engine's fast decode K/V (growing cache, unrepeated grouped K/V heads) against Hugging
-Face's plain cache and attention: the same tokens and log-probs, in batches rows join and
-leave, across a buffer growth, with cached prefixes; and a learner sharing the model unchanged."""
+"""The engine's fast decode (K/V grown in place, grouped K/V heads unrepeated, top-p from the
+top k) against the reference path (Hugging Face's plain cache and attention, a full sort): the
+same tokens and log-probs, in batches rows join and leave, across a buffer growth, with cached
+prefixes; the same nucleus; and a learner sharing the model unchanged."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from mas_trainer.engines.base import SamplingParams  # noqa: E402
 from mas_trainer.engines.kv import ATTENTION, SPARE, GrowingLayer, new_cache, use_decode_attention  # noqa: E402
 from mas_trainer.engines.models import load_model  # noqa: E402
-from mas_trainer.engines.torch_engine import TorchEngine  # noqa: E402
+from mas_trainer.engines.torch_engine import TOP_K_FIRST, TorchEngine, top_p_filter  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -45,20 +46,20 @@ async def _workload(eng: TorchEngine) -> list[list[int]]:
     await steps(3)
     wide = asyncio.ensure_future(eng.generate(list(range(30, 90)), SamplingParams(max_tokens=12, seed=2, n=2, ignore_eos=True)))
     await steps(5)
-    narrow = asyncio.ensure_future(eng.generate([7, 8, 9], SamplingParams(max_tokens=30, seed=3, ignore_eos=True)))
+    narrow = asyncio.ensure_future(eng.generate([7, 8, 9], SamplingParams(max_tokens=30, seed=3, top_p=0.8, ignore_eos=True)))
     shared = [eng.generate(list(range(100, 140)) + [i], SamplingParams(max_tokens=6, seed=4 + i)) for i in range(3)]
     gens = [g for task in (long, wide, narrow, *shared) for g in await task]
     return [g.token_ids for g in gens] + [g.logprobs for g in gens]  # type: ignore[misc]
 
 
 @pytest.mark.parametrize("prefix_cache_mb", [0, 16])
-async def test_fast_kv_decodes_exactly_as_the_plain_cache(gqa, prefix_cache_mb):
+async def test_fast_decode_decodes_exactly_as_the_plain_cache(gqa, prefix_cache_mb):
     model, tok = gqa
     runs = []
     for fast in (False, True):  # float64: any difference is the method's, not fp32 rounding
         with TorchEngine(copy.deepcopy(model), tok, model_name="kv", max_batch_size=8, dtype=torch.float64,
-                         fast_kv=fast, prefix_cache_mb=prefix_cache_mb) as eng:
-            assert eng.fast_kv is fast and (eng.model.config._attn_implementation == ATTENTION) is fast
+                         fast_decode=fast, prefix_cache_mb=prefix_cache_mb) as eng:
+            assert eng.fast_decode is fast and (eng.model.config._attn_implementation == ATTENTION) is fast
             runs.append(await _workload(eng))
             assert max(eng.stats["batch_sizes"]) >= 4  # the rows really shared a batch
     plain, fast = runs
@@ -141,3 +142,25 @@ def test_a_learner_sharing_the_engines_model_keeps_shared_prompts(gqa):
     plain = TorchLearner(copy.deepcopy(model), cfg.model_copy(update={"share_prompts": False})).log_probs(turns)
     for a, b in zip(shared, plain):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_top_p_from_the_top_k_keeps_the_same_nucleus_as_a_full_sort():
+    """Peaked rows (the top 256 hold the mass), wider ones (4096 needed), flat ones (the whole
+    sort), top_p 0 to nearly 1, in one batch and alone: the same probabilities, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    vocab = 49152
+    logits = torch.randn(8, vocab, generator=g)
+    logits[:3] *= 8  # peaked
+    logits[3:5] *= 3
+    logits[5:7] *= 0.05  # nearly flat
+    probs = torch.softmax(logits, -1)
+    for top_p in ([0.0, 0.5, 0.9, 0.95, 0.99, 0.999, 0.9, 0.5], [0.95] * 8):
+        p = torch.tensor(top_p)
+        want = top_p_filter(probs, p, first_k=())
+        assert torch.equal(top_p_filter(probs, p), want)
+        for i in range(8):
+            assert torch.equal(top_p_filter(probs[i:i + 1], p[i:i + 1]), want[i:i + 1])
+        kept = (want > 0).sum(-1)
+        if top_p[0] == 0.0:  # rows alone took every path: the first k, the second, the whole sort
+            assert kept[0] == 1 and kept[2] <= TOP_K_FIRST[0] < kept[3] <= TOP_K_FIRST[1] < kept[4]
+    assert torch.equal(want[want > 0], probs[want > 0])  # the nucleus keeps its probabilities (sampling renormalises)
