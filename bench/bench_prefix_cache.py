@@ -1,28 +1,32 @@
-"""Rollout-shaped engine work with the prefix cache off and on, in one process.
+"""Rollout-shaped engine work with the prefix cache and the fast decode off and on, in one process.
 
 An agentic step as the engine sees it: G tasks x n samples, each a conversation of T turns
 with one system prompt; turn t re-sends the system prompt, the question and every earlier turn
 (answer + tool result). Each turn's requests of all rollouts go out together, as a graph's
 node calls do; every request decodes `--max-tokens` tokens (seeded sampling, end of turn
-ignored), so both engines do the same decoding and differ only in what they prefill.
+ignored), so every engine does the same decoding. Four engines, each on its own copy of the
+weights: `before` (the engine before issue #30: Hugging Face's cache and attention, a full sort
+for top-p, no prefix cache), `cache` (the prefix cache alone), `fast_decode` (alone), `both`.
 
     .venv/bin/python bench/bench_prefix_cache.py [--model default|tiny|PATH] [--tasks 4] [--n 4] [--turns 4] \
         [--max-tokens 16] [--repeats 2]
-    .venv/bin/python bench/bench_prefix_cache.py --fit agentic_search [--steps 2] [--out runs/prefix]
+    .venv/bin/python bench/bench_prefix_cache.py --fit agentic_search [--steps 2] [--arms before,both] [--out runs/prefix]
 
 `--fit NAME` instead runs `mas-trainer fit` on an example app (``agentic_search``: its README
-command; ``rag_qa``: the main command's settings) for `--steps` steps, once with the cache off
-and once on, and prints each step's rollout seconds (`time/rollout_s`) side by side.
+command; ``rag_qa``: the main command's settings) for `--steps` steps with each of `--arms`
+(`runtime.fast_decode` and `runtime.prefix_cache_mb` set as the arm says), one after the other,
+and prints each step's rollout seconds (`time/rollout_s`) side by side, as ratios to the first.
 
-Prints seconds per step for each engine (best of `--repeats`, the two alternating), the
-on/off ratio (goal: <= 0.6 on agentic-search-shaped work), the hit rate and prefill tokens
-saved, and a final JSON line.
+Prints seconds per step for each engine (best of `--repeats`, the engines alternating), the
+ratios to `before` (goal for `both`: <= 0.6 on agentic-search-shaped work), the hit rate and
+prefill tokens saved, and a final JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import subprocess
 import time
@@ -77,23 +81,36 @@ FITS = {
 }
 
 
-def fit_side_by_side(name: str, steps: int, out: Path, cache_mb: float) -> None:
-    """Rollout seconds per step of the same fit with the prefix cache off, then on."""
+ARMS = {  # runtime overrides: the engine before this work, the prefix cache alone, the fast decode alone, both
+    "before": ["runtime.fast_decode=false", "runtime.prefix_cache_mb=0"],
+    "cache": ["runtime.fast_decode=false", "runtime.prefix_cache_mb={mb}"],
+    "fast_decode": ["runtime.fast_decode=true", "runtime.prefix_cache_mb=0"],
+    "both": ["runtime.fast_decode=true", "runtime.prefix_cache_mb={mb}"],
+}
+
+
+def fit_side_by_side(name: str, steps: int, out: Path, cache_mb: float, arms: list[str]) -> None:
+    """Rollout seconds per step of the same fit with each engine arm, one after the other."""
     rows = {}
-    for arm, mb in (("off", 0), ("on", cache_mb)):
+    for arm in arms:
         run = out / f"{name}-{arm}"
         cmd = [str(ROOT / ".venv" / "bin" / "mas-trainer"), "fit", *FITS[name], "--model", "default", "--output", str(run),
                f"steps={steps}", f"save_every={steps}", "eval_every=1000", "runtime.execution=local", "logger=[console]",
-               f"runtime.prefix_cache_mb={mb}", "seed=0"]
+               *(o.format(mb=cache_mb) for o in ARMS[arm]), "seed=0"]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         rows[arm] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"train"' in line]
-    for off, on in zip(rows["off"], rows["on"]):
-        rate = next((v for k, v in on.items() if k.endswith("engine/prefix_hit_rate")), 0.0)
-        print(f"{name} step {off['step']}: rollouts off {off['time/rollout_s']:.1f} s, on {on['time/rollout_s']:.1f} s "
-              f"= {on['time/rollout_s'] / off['time/rollout_s']:.2f}; hit rate {rate:.0%}")
+    base = arms[0]
+    for i, first in enumerate(rows[base]):
+        cells = []
+        for arm in arms:
+            row = rows[arm][i]
+            rate = next((v for k, v in row.items() if k.endswith("engine/prefix_hit_rate")), None)
+            cells.append(f"{arm} {row['time/rollout_s']:.1f} s ({row['time/rollout_s'] / first['time/rollout_s']:.2f}"
+                         + (f", hit rate {rate:.0%})" if rate is not None else ")"))
+        print(f"{name} step {first['step']}: rollouts " + ", ".join(cells))
     total = {arm: sum(r["time/rollout_s"] for r in rs) for arm, rs in rows.items()}
-    print(json.dumps({"fit": name, "steps": steps, "rollout_s_off": total["off"], "rollout_s_on": total["on"],
-                      "ratio": total["on"] / total["off"]}))
+    print(json.dumps({"fit": name, "steps": steps, **{f"rollout_s_{arm}": total[arm] for arm in arms},
+                      **{f"ratio_{arm}": total[arm] / total[base] for arm in arms[1:]}}))
 
 
 def main() -> None:
@@ -108,14 +125,19 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--cache-mb", type=float, default=256)
+    ap.add_argument("--arms", default="before,both", help=f"--fit: engine arms, the first the baseline ({', '.join(ARMS)})")
     args = ap.parse_args()
     if args.fit:
-        return fit_side_by_side(args.fit, args.steps, Path(args.out), args.cache_mb)
+        return fit_side_by_side(args.fit, args.steps, Path(args.out), args.cache_mb, args.arms.split(","))
     model, tok = load_model(args.model)
     fmt = HFChatFormat(tok)
     prompts = [[fmt.render(m) for m in conv] for conv in conversations(args.tasks, args.turns)]
-    engines = {"off": TorchEngine(model, tok, model_name="off", max_batch_size=args.tasks * args.n),
-               "on": TorchEngine(model, tok, model_name="on", max_batch_size=args.tasks * args.n, prefix_cache_mb=args.cache_mb)}
+    # the engine before this work (Hugging Face's cache, no prefix cache), then each change alone and both;
+    # each engine its own copy of the weights: fast_decode routes its model's attention (engines/kv.py)
+    arms = {"before": dict(fast_decode=False), "cache": dict(fast_decode=False, prefix_cache_mb=args.cache_mb),
+            "fast_decode": dict(fast_decode=True), "both": dict(fast_decode=True, prefix_cache_mb=args.cache_mb)}
+    engines = {name: TorchEngine(copy.deepcopy(model), tok, model_name=name, max_batch_size=args.tasks * args.n, **opts)
+               for name, opts in arms.items()}
     best = {name: float("inf") for name in engines}
     try:
         for r in range(args.repeats):
@@ -127,17 +149,19 @@ def main() -> None:
                 best[name] = min(best[name], seconds)
                 asked = engine.stats["prompt_tokens"] - before["prompt_tokens"]
                 saved = engine.stats["cached_tokens"] - before["cached_tokens"]
-                print(f"repeat {r} cache {name:>3}: {seconds:6.2f} s, prompt tokens {asked}, prefill saved {saved}"
+                print(f"repeat {r} {name:>7}: {seconds:6.2f} s, prompt tokens {asked}, prefill saved {saved}"
                       f" ({saved / asked:.0%})", flush=True)
     finally:
         for engine in engines.values():
             engine.close()
-    ratio = best["on"] / best["off"]
-    on = engines["on"].stats
+    ratios = {name: best[name] / best["before"] for name in engines}
+    on = engines["both"].stats
     print(f"{args.model}: {args.tasks} tasks x {args.n} samples x {args.turns} turns, {args.max_tokens} tokens a turn, "
-          f"{torch.get_num_threads()} threads: cache on {best['on']:.2f} s / off {best['off']:.2f} s = {ratio:.2f} (goal <= 0.6)")
+          f"{torch.get_num_threads()} threads, best of {args.repeats}, seconds a step / the engine before:")
+    for name in engines:
+        print(f"  {name:>7}: {best[name]:6.2f} s = {ratios[name]:.2f}" + ("  (goal <= 0.6)" if name == "both" else ""))
     print(json.dumps({"model": args.model, "tasks": args.tasks, "n": args.n, "turns": args.turns, "max_tokens": args.max_tokens,
-                      "off_s": best["off"], "on_s": best["on"], "ratio": ratio,
+                      **{f"{name}_s": best[name] for name in engines}, "ratio": ratios["both"],
                       "hit_rate": on["cached_tokens"] / max(1, on["prompt_tokens"])}))
 
 
