@@ -81,12 +81,9 @@ FITS = {
 }
 
 
-ARMS = {  # runtime overrides: the engine before this work, the prefix cache alone, the fast decode alone, both
-    "before": ["runtime.fast_decode=false", "runtime.prefix_cache_mb=0"],
-    "cache": ["runtime.fast_decode=false", "runtime.prefix_cache_mb={mb}"],
-    "fast_decode": ["runtime.fast_decode=true", "runtime.prefix_cache_mb=0"],
-    "both": ["runtime.fast_decode=true", "runtime.prefix_cache_mb={mb}"],
-}
+# the engine before this work (Hugging Face's cache and attention, a full sort for top-p, no prefix cache), the
+# prefix cache alone, the fast decode alone, both: arm -> (runtime.fast_decode, prefix cache on)
+ARMS = {"before": (False, False), "cache": (False, True), "fast_decode": (True, False), "both": (True, True)}
 
 
 def fit_side_by_side(name: str, steps: int, out: Path, cache_mb: float, arms: list[str]) -> None:
@@ -96,7 +93,8 @@ def fit_side_by_side(name: str, steps: int, out: Path, cache_mb: float, arms: li
         run = out / f"{name}-{arm}"
         cmd = [str(ROOT / ".venv" / "bin" / "mas-trainer"), "fit", *FITS[name], "--model", "default", "--output", str(run),
                f"steps={steps}", f"save_every={steps}", "eval_every=1000", "runtime.execution=local", "logger=[console]",
-               *(o.format(mb=cache_mb) for o in ARMS[arm]), "seed=0"]
+               f"runtime.fast_decode={str(ARMS[arm][0]).lower()}", f"runtime.prefix_cache_mb={cache_mb if ARMS[arm][1] else 0}",
+               "seed=0"]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         rows[arm] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"train"' in line]
     base = arms[0]
@@ -132,12 +130,10 @@ def main() -> None:
     model, tok = load_model(args.model)
     fmt = HFChatFormat(tok)
     prompts = [[fmt.render(m) for m in conv] for conv in conversations(args.tasks, args.turns)]
-    # the engine before this work (Hugging Face's cache, no prefix cache), then each change alone and both;
     # each engine its own copy of the weights: fast_decode routes its model's attention (engines/kv.py)
-    arms = {"before": dict(fast_decode=False), "cache": dict(fast_decode=False, prefix_cache_mb=args.cache_mb),
-            "fast_decode": dict(fast_decode=True), "both": dict(fast_decode=True, prefix_cache_mb=args.cache_mb)}
-    engines = {name: TorchEngine(copy.deepcopy(model), tok, model_name=name, max_batch_size=args.tasks * args.n, **opts)
-               for name, opts in arms.items()}
+    engines = {name: TorchEngine(copy.deepcopy(model), tok, model_name=name, max_batch_size=args.tasks * args.n,
+                                 fast_decode=fast, prefix_cache_mb=args.cache_mb if cache else 0)
+               for name, (fast, cache) in ARMS.items()}
     best = {name: float("inf") for name in engines}
     try:
         for r in range(args.repeats):

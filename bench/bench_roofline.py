@@ -2,13 +2,15 @@
 
 Measures, in one process: the machine's fp32 matmul FLOP/s (torch.mm on square matrices, the
 best of a few sizes), then the engine's prefill tokens/s (a batch of prompts, one forward) and
-decode tokens/s (a full batch of rows, greedy, end of turn ignored). A token costs about
+decode tokens/s (a full batch of rows sampled at temperature 0.7 and `--top-p`, end of turn
+ignored, timed from every row's first token to the last), for the reference path
+(`fast_decode=False`) and the engine's default, with their ratio. A token costs about
 2 x (parameters outside the embedding) FLOPs plus the attention's 4 x layers x hidden x
 context; the share of the matmul limit each phase reaches is the roofline share: how far the
 engine is from what the hardware can do (decode is memory-bound at small batches, so its share
 is expected to be low).
 
-    .venv/bin/python bench/bench_roofline.py [--model default|tiny|PATH] [--batch 16] [--prompt 256] [--tokens 32]
+    .venv/bin/python bench/bench_roofline.py [--model default|tiny|PATH] [--batch 16] [--prompt 256] [--tokens 32] [--top-p 0.95] [--repeats 3]
 """
 
 from __future__ import annotations
