@@ -213,12 +213,12 @@ def serve(run: str | Path, *, host: str = "127.0.0.1", port: int = 8000, routes:
 
 
 def view(path: str | Path, *, port: int = 8765, html: str | Path | None = None, steps: str | None = None,
-         tokenizer: str | None = None, advantages: bool = True) -> Path | None:
+         tokenizer: str | None = None) -> Path | None:
     """Browse a run directory (or one trajectories file): serve the viewer on 127.0.0.1:`port`
     until Ctrl-C, or with `html` write one self-contained page (the `steps` chosen) and return it."""
     from mas_trainer.view import ViewSource, serve_view, write_html
 
-    source = ViewSource(path, tokenizer=tokenizer, advantages=advantages)
+    source = ViewSource(path, tokenizer=tokenizer)
     if html is not None:
         return write_html(source, html, steps=steps)
     if steps:

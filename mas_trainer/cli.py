@@ -245,8 +245,7 @@ def cmd_view(args: argparse.Namespace) -> int:
 
     if args.steps and not args.html:
         raise UsageError("--steps chooses what --html embeds; the server shows every step")
-    out = view(args.path, port=args.port, html=args.html or None, steps=args.steps, tokenizer=args.tokenizer,
-               advantages=not args.no_advantages)
+    out = view(args.path, port=args.port, html=args.html or None, steps=args.steps, tokenizer=args.tokenizer)
     if out is not None:
         print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB): one self-contained page, open it in any browser")
     return 0
@@ -414,7 +413,6 @@ def _parser() -> argparse.ArgumentParser:
                                                  "file names (e.g. 1,10,step_000010_val)")
     p.add_argument("--tokenizer", default=None, help="decode response tokens with this tokenizer (tiny | default | PATH | HF id; "
                                                      "default: each policy's checkpoint, else its base model)")
-    p.add_argument("--no-advantages", action="store_true", help="do not recompute advantages (skips importing verl)")
     p.set_defaults(func=cmd_view)
     return parser
 

@@ -10,15 +10,9 @@ Everything the page needs is plain JSON built here, so it can be tested without 
   response tokens decoded piece by piece with the policy's tokenizer, their log-probs and
   advantages), tool calls and rewards at the three levels with the allocator's audit trail.
 
-Advantages are not written into trajectories by ``fit``. For a training step of a run
-directory they are recomputed exactly as ``fit`` computed them: the same thin records
-(:func:`mas_trainer.algo.advantages.turn_records`, grouped by task x role), the same verl
-estimator with the run's ``advantage`` settings per policy
-(:func:`~mas_trainer.algo.advantages.compute_policy_advantages`). GAE cannot be recomputed (it
-needs the critic's values of that moment); held-out files and bare trajectory files have no
-advantages. Where there are none, the page colours by the call's allocated reward and says so.
-A trajectory that carries its own (``rewards.detail.calls[ID].advantage`` or ``advantages``)
-is shown as recorded.
+Advantages are those ``fit`` recorded for each trained call (``rewards.detail.calls[ID].advantages``,
+one per response token); the viewer never recomputes them, since only training knew the values
+it trained on. Where a file records none the page says why and colours by allocated reward.
 
 Nothing here trusts the files' contents: the page renders every string as text. Numbers that
 JSON cannot carry (NaN, infinities) become the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``.
@@ -44,6 +38,7 @@ from typing import Any, Iterable
 import yaml
 
 from mas_trainer.errors import UserError
+from mas_trainer.rewards.allocators import rollout_reward
 
 __all__ = ["ViewSource", "build_charts", "token_pieces", "finite_json", "fork_tree", "read_jsonl", "STEP_NAME", "MAX_DEPTH"]
 
@@ -252,13 +247,12 @@ class ViewSource:
     policy's checkpoint folder in the run, else its base model from ``app.json``.
     """
 
-    def __init__(self, path: str | Path, *, tokenizer: str | None = None, advantages: bool = True) -> None:
+    def __init__(self, path: str | Path, *, tokenizer: str | None = None) -> None:
         p = Path(path).expanduser()
         if not p.exists():
             raise UserError(f"{path}: no such run directory or trajectories file")
         self.path = p
         self.tokenizer_model = tokenizer
-        self.advantages_enabled = advantages
         self._lock = threading.RLock()
         self._tokenizers: dict[str, tuple[Any, str]] = {}
         self._summaries: dict[str, tuple[tuple[int, int], dict[str, Any]]] = {}
@@ -496,86 +490,28 @@ class ViewSource:
         })
 
     # --- advantages ----------------------------------------------------------------------------
-    def _fit_config(self) -> Any:
-        cfg = self.config()
-        if cfg is None:
-            return None
-        from mas_trainer.config import FitConfig
-
-        try:
-            return FitConfig.model_validate(cfg)
-        except Exception:  # a config of another version: no advantage settings, nothing else breaks
-            return None
-
     def _advantage_settings(self) -> dict[str, Any]:
-        cfg, app = self._fit_config(), self.app() or {}
-        if cfg is None:
-            return {}
+        """Each trained policy's `advantage` settings as config.yaml has them (fit writes every key)."""
+        cfg = self.config() or {}
         out = {}
-        for p, rec in sorted(_dict(app.get("policies")).items()):
+        for p, rec in sorted(_dict(_dict(self.app()).get("policies")).items()):
             if _dict(rec).get("trainable"):
-                a = cfg.advantage_for(p)
-                out[p] = {"estimator": a.estimator, "norm_adv_by_std_in_grpo": a.norm_adv_by_std_in_grpo,
-                          "rollout_norm": a.rollout_norm, "gamma": a.gamma, "lam": a.lam}
+                a = {**_dict(cfg.get("advantage")), **_dict(_dict(_dict(cfg.get("policies")).get(p)).get("advantage"))}
+                if isinstance(a.get("estimator"), str):
+                    out[p] = {k: a.get(k) for k in ("estimator", "norm_adv_by_std_in_grpo", "rollout_norm", "gamma", "lam")}
         return out
 
-    def _advantages(self, s: _StepFile, trajs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, list[float]]]:
-        """(status, call id -> per-token advantages) of one file."""
-        recorded: dict[str, list[float]] = {}
-        for t in trajs:
-            for cid, item in _dict(_dict(_dict(t.get("rewards")).get("detail")).get("calls")).items():
-                item = _dict(item)
-                n = len(_list(_dict(_call_by_id(t, cid)).get("response_ids")))
-                if isinstance(item.get("advantages"), list):
-                    recorded[cid] = [float(x) for x in item["advantages"] if _num(x) is not None]
-                elif _num(item.get("advantage")) is not None:
-                    recorded[cid] = [float(item["advantage"])] * max(n, 1)
+    def _advantages(self, s: _StepFile, trajs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, list[float | None]]]:
+        """(status, call id -> per-token advantages) as the file records them."""
+        recorded = {cid: adv for t in trajs for cid, adv in _recorded_advantages(t).items()}
         if recorded:
-            return {"status": "recorded", "note": "advantages as recorded in the trajectories"}, recorded
-        if s.kind != "train" or self.root is None:
-            why = ("held-out rollouts are not trained on" if s.kind == "val"
-                   else "forked continuations are scored for counterfactual credit, not recomputed here" if s.kind == "forks"
-                   else "a trajectories file outside a run directory has no training settings")
-            return {"status": "none", "note": f"no advantages: {why}; colours show each call's allocated reward"}, {}
-        if not self.advantages_enabled:
-            return {"status": "none", "note": "advantages not computed (--no-advantages); colours show each call's allocated reward"}, {}
-        cfg = self._fit_config()
-        if cfg is None:
-            return {"status": "none", "note": "no readable config.yaml: advantages cannot be recomputed; colours show allocated reward"}, {}
-        try:
-            from mas_trainer.algo.advantages import compute_policy_advantages, turn_records
-            from mas_trainer.trace.schema import Trajectory
-
-            # rollouts that rollout.filter_groups left out were not trained on
-            trained = [t for t in trajs if not _dict(_dict(t.get("rewards")).get("detail")).get("left_out")]
-            models = [Trajectory.model_validate(t) for t in trained]
-            task_index = [_group_key(t) for t in trained]
-            by_policy: dict[str, list[Any]] = defaultdict(list)
-            for rec in turn_records(models, task_indices=task_index):
-                by_policy[rec.policy].append(rec)
-            out: dict[str, list[float]] = {}
-            estimators, skipped = {}, []
-            trainable = {p for p, rec in _dict(_dict(self.app()).get("policies")).items() if _dict(rec).get("trainable")}
-            for p, recs in sorted(by_policy.items()):
-                if trainable and p not in trainable:
-                    continue
-                acfg = cfg.advantage_for(p)
-                if acfg.estimator == "gae":
-                    skipped.append(p)
-                    continue
-                batch = compute_policy_advantages(recs, acfg)
-                estimators[p] = acfg.estimator
-                out.update({tid: a.advantages.tolist() for tid, a in batch.per_turn().items()})
-        except Exception as exc:  # noqa: BLE001 - the page still shows everything else
-            log.info("advantages of %s not recomputed: %s", s.path, exc)
-            return {"status": "none", "note": f"advantages could not be recomputed ({type(exc).__name__}: {str(exc)[:200]}); "
-                                              "colours show allocated reward"}, {}
-        note = ("recomputed as fit computed them: " + ", ".join(f"{p} {e}" for p, e in estimators.items())
-                + " (verl estimator on the allocated rewards, grouped by task x role)") if estimators else ""
-        if skipped:
-            note += ("; " if note else "") + (f"{', '.join(skipped)}: GAE needs the critic's values, which are not recorded: "
-                                              "colours show allocated reward")
-        return {"status": "recomputed" if estimators else "none", "note": note, "estimators": estimators}, out
+            return {"status": "recorded", "note": "as fit recorded them; a call without any was not trained on (a frozen "
+                                                  "policy, a dropped rollout, a group rollout.filter_groups left out)"}, recorded
+        if s.kind == "train" and trajs and all(_dict(_dict(t.get("rewards")).get("detail")).get("left_out") for t in trajs):
+            why = "rollout.filter_groups left every group out"
+        else:
+            why = _NO_ADVANTAGES.get(s.kind if self.root is not None else "trace", _NO_ADVANTAGES["trace"])
+        return {"status": "none", "note": f"no advantages: {why}; colours show each call's allocated reward"}, {}
 
     # --- tokenizers ----------------------------------------------------------------------------
     def _tokenizer(self, policy: str) -> tuple[Any, str]:
@@ -643,7 +579,7 @@ class ViewSource:
                          "advantages": adv_status, "tokenizers": tokenizers, "groups": list(groups.values()),
                          "rollouts": rollouts, "warnings": warnings})
 
-    def _rollout(self, t: dict[str, Any], advantages: dict[str, list[float]], tokenizers: dict[str, str]) -> dict[str, Any]:
+    def _rollout(self, t: dict[str, Any], advantages: dict[str, list[float | None]], tokenizers: dict[str, str]) -> dict[str, Any]:
         rewards = _dict(t.get("rewards"))
         turns = _dict(rewards.get("turns"))
         detail_calls = _dict(_dict(rewards.get("detail")).get("calls"))
@@ -760,8 +696,26 @@ def _list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else []
 
 
-def _call_by_id(t: dict[str, Any], cid: str) -> dict[str, Any] | None:
-    return next((c for c in _list(t.get("llm_calls")) if _dict(c).get("id") == cid), None)
+_NO_ADVANTAGES = {
+    "val": "held-out rollouts are not trained on",
+    "forks": "counterfactual credit's continuations record none",
+    "train": "none recorded (a run written before fit recorded advantages, or nothing here was trained)",
+    "trace": "this file records none",
+}
+
+
+def _recorded_advantages(t: dict[str, Any]) -> dict[str, list[float | None]]:
+    """Call id -> the advantage of each response token that `t` records. Untrusted: a value that is
+    no finite number shows as None, a list is cut to the call's response, one with no number is none."""
+    sizes = {_dict(c).get("id"): len(_list(_dict(c).get("response_ids"))) for c in _list(t.get("llm_calls"))}
+    out = {}
+    for cid, item in _dict(_dict(_dict(t.get("rewards")).get("detail")).get("calls")).items():
+        item, n = _dict(item), sizes.get(cid, 0)
+        given = item.get("advantages")
+        adv = [_num(x) for x in given[:n]] if isinstance(given, list) else [_num(item.get("advantage"))] * n
+        if any(a is not None for a in adv):
+            out[cid] = adv
+    return out
 
 
 def _group_key(t: dict[str, Any]) -> str:
@@ -775,10 +729,5 @@ def _group_key(t: dict[str, Any]) -> str:
 def _traj_reward(t: dict[str, Any]) -> float | None:
     """The rollout's reward as `fit`'s metrics count it: the trajectory level, else the mean call reward."""
     rewards = _dict(t.get("rewards"))
-    if _dict(rewards.get("detail")).get("dropped"):
-        return None
-    v = _num(rewards.get("trajectory"))
-    if v is not None:
-        return v
     turns = [x for x in map(_num, _dict(rewards.get("turns")).values()) if x is not None]
-    return statistics.fmean(turns) if turns else None
+    return rollout_reward(_num(rewards.get("trajectory")), turns, bool(_dict(rewards.get("detail")).get("dropped")))

@@ -347,9 +347,6 @@ def serve_view(source: ViewSource, port: int = 8765, *, announce: Any = print, i
                max_connections: int = MAX_CONNECTIONS) -> None:
     """Serve until Ctrl-C."""
     server = ViewServer(source, port, idle_timeout=idle_timeout, max_connections=max_connections)
-    if source.advantages_enabled and source.root is not None:
-        # verl's estimators take seconds to import: do it now, not on the first click
-        threading.Thread(target=_warm_up, daemon=True).start()
     announce(f"viewing {source.path} at {server.url} (127.0.0.1 only; Ctrl-C to stop)")
     try:
         server.serve_forever()
@@ -358,10 +355,3 @@ def serve_view(source: ViewSource, port: int = 8765, *, announce: Any = print, i
     finally:
         server.server_close()
 
-
-def _warm_up() -> None:
-    try:
-        import mas_trainer.algo.advantages  # noqa: F401
-        import verl.trainer.ppo.core_algos  # noqa: F401
-    except Exception:  # noqa: BLE001 - the step will say why
-        pass

@@ -139,6 +139,8 @@ def _fake_run(out: Path, app: str | Callable, tasks: list[dict], *, steps: int =
                 trajs = session.loop.run_until_complete(session.rollouts(tasks, n=k, ids=ids))
                 for t in trajs:
                     assign_rewards(t, spec, allocator=allocator, options=options, on_failure=on_failure)
+                    if kind == "train":
+                        _record_advantages(t)
                 run.write_trajectories(step, (t.to_json() for t in trajs), name=f"step_{step:06d}_val" if kind == "val" else None)
                 row = {"kind": kind, "step": step, **summarize(trajs)}
                 if kind == "train":
@@ -146,6 +148,13 @@ def _fake_run(out: Path, app: str | Callable, tasks: list[dict], *, steps: int =
                                | {"perf/tokens_per_s": 100.0 + step, "learning/nan": float("nan")})
                 run.append_metrics(row)
     return out
+
+
+def _record_advantages(t) -> None:
+    """As fit records them: one value per response token of each trained call."""
+    for c in t.llm_calls:
+        detail = t.rewards.detail.setdefault("calls", {}).setdefault(c.id, {})
+        detail["advantages"] = [round(0.1 * (i % 5) - 0.2, 3) for i in range(len(c.response_ids))]
 
 
 @pytest.fixture(scope="module")
@@ -227,10 +236,15 @@ def test_map_reduce_send_branches_groups_tokens_and_rewards(runs):
     assert call["role"] == "planner" and "".join(call["pieces"]).startswith("Paris is the answer")
     assert len(call["pieces"]) == len(call["response_ids"]) == len(call["logprobs"])
     assert call["reward"] == r["rewards"]["trajectory"] == call["reward_detail"]["parts"]["trajectory"]["contribution"]
-    # advantages: recomputed with the run's estimator, one value per token
-    assert step["advantages"]["status"] == "recomputed" and step["advantages"]["estimators"] == {"planner": "grpo", "worker": "grpo"}
-    assert len(call["advantages"]) == len(call["response_ids"])
-    assert src.step("step_000001_val")["advantages"]["status"] == "none"
+    # advantages: as recorded, one value per token; none on held-out rollouts
+    assert step["advantages"]["status"] == "recorded"
+    assert call["advantages"] == [round(0.1 * (i % 5) - 0.2, 3) for i in range(len(call["response_ids"]))]
+    assert index["advantage_config"] == {p: {"estimator": "grpo", "norm_adv_by_std_in_grpo": True, "rollout_norm": False,
+                                             "gamma": 1.0, "lam": 1.0} for p in ("planner", "worker")}
+    val = src.step("step_000001_val")
+    assert val["advantages"] == {"status": "none", "note": "no advantages: held-out rollouts are not trained on; "
+                                                           "colours show each call's allocated reward"}
+    assert all(c["advantages"] is None for r in val["rollouts"] for c in r["llm_calls"])
     assert src.step("../config") is None and src.step("nope") is None
 
 
@@ -271,7 +285,7 @@ def test_trajectories_file_alone_and_tokenizer_option(runs, tmp_path):
     index = src.index()
     assert index["kind"] == "file" and index["charts"] == [] and index["notes"]
     step = src.step("trajectories")
-    assert step["advantages"]["status"] == "none"
+    assert step["advantages"]["status"] == "recorded"  # the file carries them, wherever it lies
     cut = step["warnings"]
     assert len(cut) == 1 and re.fullmatch(r"trajectories\.jsonl line \d+: not valid JSON \(.*\); skipped", cut[0]), cut
     assert index["warnings"] == cut
@@ -280,26 +294,27 @@ def test_trajectories_file_alone_and_tokenizer_option(runs, tmp_path):
     assert "".join(ViewSource(lone, tokenizer="tiny").step("trajectories")["rollouts"][0]["llm_calls"][0]["pieces"]).startswith("Paris")
     # a file inside a run directory still finds the run's settings
     inside = ViewSource(runs["map_reduce"] / "trajectories" / "step_000001.jsonl")
-    assert inside.index()["app"] is not None and inside.step("step_000001")["advantages"]["status"] == "recomputed"
+    assert inside.index()["app"] is not None and inside.step("step_000001")["advantages"]["status"] == "recorded"
 
 
-def test_recomputed_advantages_are_the_ones_fit_trained_on(words_run):
-    """The token-mean of the recomputed advantages per policy equals what the worker groups logged."""
+def test_recorded_advantages_are_the_ones_fit_trained_on(words_run):
+    """The token-mean of the advantages fit recorded per policy equals what the worker groups logged."""
     src = ViewSource(words_run)
     step = src.step("step_000001")
-    assert step["advantages"]["status"] == "recomputed"
+    assert step["advantages"]["status"] == "recorded"
     assert step["tokenizers"] == {"lead": "checkpoint/policies/lead", "crew": "checkpoint/policies/crew"}
     row = [r for r in src.metrics() if r["kind"] == "train"][0]
     for policy in ("lead", "crew"):
-        adv = [a for r in step["rollouts"] for c in r["llm_calls"] if c["policy"] == policy for a in c["advantages"]]
+        calls = [c for r in step["rollouts"] for c in r["llm_calls"] if c["policy"] == policy]
+        assert all(len(c["advantages"]) == len(c["response_ids"]) for c in calls)
+        adv = [a for c in calls for a in c["advantages"]]
         assert math.isclose(sum(abs(a) for a in adv) / len(adv), row[f"policy/{policy}/adv_abs_mean"], rel_tol=1e-4, abs_tol=1e-6)
         assert math.isclose(sum(adv) / len(adv), row[f"policy/{policy}/adv_mean"], abs_tol=1e-5)
-    assert ViewSource(words_run, advantages=False).step("step_000001")["advantages"]["status"] == "none"
 
 
 def test_filter_groups_runs_show_each_draw_and_what_was_left_out(tmp_path):
     """rollout.filter_groups: a later draw's groups stay apart (ids s..d1-), left-out groups are
-    marked, and the recomputed advantages are those of the trained groups only, as logged."""
+    marked and have no advantages; those of the trained groups are the ones logged."""
     order = take_tasks(8, 0, 3, 3)  # draws of 2 tasks, then 1
     flat = {order[1]}
     tasks = [{"question": t["question"], "flat": i in flat} for i, t in enumerate(WORDS)]
@@ -316,6 +331,51 @@ def test_filter_groups_runs_show_each_draw_and_what_was_left_out(tmp_path):
     assert math.isclose(sum(abs(a) for a in adv) / len(adv), row["policy/solo/adv_abs_mean"], rel_tol=1e-4)
     assert all(not c["advantages"] for g in step["groups"] if g["left_out"] for i in g["rollouts"]
                for c in step["rollouts"][i]["llm_calls"])
+
+
+def _rewrite_calls(path: Path, edit: Callable[[dict, dict], None]) -> None:
+    """Each line of a trajectory file with `edit(call, its rewards.detail.calls entry)` applied to every call."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for t in rows:
+        for c in t["llm_calls"]:
+            edit(c, t["rewards"]["detail"]["calls"].setdefault(c["id"], {}))
+    path.write_text("".join(json.dumps(t) + "\n" for t in rows))
+
+
+def test_a_run_without_recorded_advantages_shows_none_and_says_why(runs, tmp_path):
+    run = shutil.copytree(runs["map_reduce"], tmp_path / "run")
+    _rewrite_calls(run / "trajectories" / "step_000001.jsonl", lambda c, d: d.pop("advantages", None))
+    step = ViewSource(run).step("step_000001")
+    assert step["advantages"]["status"] == "none" and "none recorded" in step["advantages"]["note"]
+    assert "allocated reward" in step["advantages"]["note"]
+    assert all(c["advantages"] is None for r in step["rollouts"] for c in r["llm_calls"])
+
+
+def test_recorded_advantages_are_untrusted_input(runs, tmp_path):
+    """Strings, nested lists, NaN and lists longer than the response: never an error, never more
+    values than tokens, a value that is no finite number shows as none (null)."""
+    run = shutil.copytree(runs["map_reduce"], tmp_path / "run")
+    bad = [["0.5"], [[1.0, 2.0], 0.5, float("nan"), "x", None, True, 1e400], [0.25] * 100_000, "0.5", {"a": 1}, [], ["x"]]
+    seen: list[dict] = []
+
+    def edit(call: dict, detail: dict) -> None:
+        detail["advantages"] = bad[len(seen) % len(bad)]
+        seen.append(call)
+
+    _rewrite_calls(run / "trajectories" / "step_000001.jsonl", edit)
+    step = ViewSource(run).step("step_000001")
+    shown = {c["id"]: c for r in step["rollouts"] for c in r["llm_calls"]}
+    assert len(seen) >= len(bad) and step["advantages"]["status"] == "recorded"
+    for k, call in enumerate(seen):
+        adv, n = shown[call["id"]]["advantages"], len(call["response_ids"])
+        kind = k % len(bad)
+        if kind == 1:
+            assert adv == [None, 0.5, None, None, None, None, None][:n]
+        elif kind == 2:
+            assert adv == [0.25] * n
+        else:  # no number in it: no advantages
+            assert adv is None, (kind, adv)
+    json.dumps(step, allow_nan=False)  # what the server sends is plain JSON
 
 
 # --- the page, the static file, the server ------------------------------------------------------------
@@ -436,7 +496,7 @@ def test_browser_renders_a_real_run(words_run, tmp_path):
         assert f'data-role="{role}"' in dom and f'data-node="{role}"' in dom
     assert dom.count('class="chart"') >= 3 and "<polyline" in dom and "reward per role (training)" in dom
     assert len(re.findall(r'<span class="tok[ "]', dom)) >= 2 * 3 * 6 and 'class="tok id"' not in dom  # decoded tokens
-    assert "checkpoint/policies/lead" in dom and "recomputed as fit computed them" in dom
+    assert "checkpoint/policies/lead" in dom and "as fit recorded them" in dom
     assert 'data-step="step_000001_val"' in val and "held-out rollouts are not trained on" in val
 
 
