@@ -23,6 +23,7 @@ from mas_trainer.engines.base import SamplingParams
 from mas_trainer.engines.chat import HFChatFormat
 from mas_trainer.engines.models import load_model
 from mas_trainer.engines.torch_engine import TorchEngine
+from mas_trainer.engines.config import EngineSettings
 
 __all__ = ["main"]
 
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = [fmt.render([{"role": "user", "content": q}]) for q in QUESTIONS]
     batch = [prompts[i % len(prompts)] for i in range(args.concurrency)]
 
-    with TorchEngine(model, tok, model_name=args.model, max_batch_size=args.concurrency) as engine:
+    with TorchEngine(model, tok, model_name=args.model, settings=EngineSettings(max_batch_size=args.concurrency, engine_bf16=False)) as engine:
         # The baseline runs on the engine's own thread: torch compute on a second thread
         # (here: main) would give this process two OpenMP pools on 2 cores, and libgomp then
         # throttles spinning for both, which slows whichever runs second by ~25%.

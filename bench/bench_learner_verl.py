@@ -72,9 +72,9 @@ def time_verl(model_ref: str, world: int, turns: list, records: list, reps: int)
 
     from mas_trainer.learners.verl_cpu import worker_env
     from mas_trainer.config import Resources
-    from mas_trainer.runtime.plan import WorkerPlan
-    from mas_trainer.runtime.turns import BufferedTurn
-    from mas_trainer.runtime.verl_group import PolicyWorker
+    from mas_trainer.policy.contract import WorkerPlan
+    from mas_trainer.policy.turns import BufferedTurn
+    from mas_trainer.policy.verl_rank import PolicyWorker
 
     n = len(turns)
     plan = WorkerPlan(policy="p", model=model_ref, learner={"lr": 1e-7, "mini_batch_size": n, "micro_batch_size": n // world,

@@ -38,6 +38,7 @@ from mas_trainer.engines.base import SamplingParams
 from mas_trainer.engines.chat import HFChatFormat
 from mas_trainer.engines.models import load_model
 from mas_trainer.engines.torch_engine import TorchEngine
+from mas_trainer.engines.config import EngineSettings
 
 SYSTEM = ("You are a research agent. Answer the user's question about the fictional world in the corpus. "
           "Think step by step. To search the corpus, reply with a line SEARCH: <query>; the tool answers with "
@@ -131,8 +132,7 @@ def main() -> None:
     fmt = HFChatFormat(tok)
     prompts = [[fmt.render(m) for m in conv] for conv in conversations(args.tasks, args.turns)]
     # each engine its own copy of the weights: fast_decode routes its model's attention (engines/kv.py)
-    engines = {name: TorchEngine(copy.deepcopy(model), tok, model_name=name, max_batch_size=args.tasks * args.n,
-                                 fast_decode=fast, prefix_cache_mb=args.cache_mb if cache else 0)
+    engines = {name: TorchEngine(copy.deepcopy(model), tok, model_name=name, settings=EngineSettings(max_batch_size=args.tasks * args.n, prefix_cache_mb=args.cache_mb if cache else 0, fast_decode=fast, engine_bf16=False))
                for name, (fast, cache) in ARMS.items()}
     best = {name: float("inf") for name in engines}
     try:

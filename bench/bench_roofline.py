@@ -27,6 +27,7 @@ import torch
 from mas_trainer.engines.base import SamplingParams
 from mas_trainer.engines.models import load_model
 from mas_trainer.engines.torch_engine import TorchEngine
+from mas_trainer.engines.config import EngineSettings
 
 
 def matmul_flops(sizes: tuple[int, ...] = (512, 1024, 2048), repeats: int = 5) -> float:
@@ -91,7 +92,7 @@ def main() -> None:
     results = {}
     # the reference path (Hugging Face's cache and attention, a full sort for top-p), then the engine's default
     for name, fast in (("reference", False), ("fast_decode", True)):
-        with TorchEngine(copy.deepcopy(model), tok, model_name=args.model, max_batch_size=args.batch, fast_decode=fast) as engine:
+        with TorchEngine(copy.deepcopy(model), tok, model_name=args.model, settings=EngineSettings(max_batch_size=args.batch, fast_decode=fast, engine_bf16=False)) as engine:
             asyncio.run(_gather(engine, prompts[:2], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)))  # warm-up
             prefill, decode = [], []
             for _ in range(args.repeats):

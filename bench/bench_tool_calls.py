@@ -130,13 +130,14 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.quick:
         args.prompts, args.samples, args.forced_samples = args.prompts or 6, min(args.samples, 2), min(args.forced_samples, 2)
+    from mas_trainer.engines.config import EngineSettings
     from mas_trainer.runtime.backends import torch_backend
 
     cpu = [ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")][:1]
     print(f"{datetime.date.today()}; {(cpu or [platform.machine()])[0]}, {os.cpu_count()} cores; model {args.model}")
     prompts = capture_prompts()[: args.prompts]
     print(f"{len(prompts)} prompts:", ", ".join(f"{p} x{n}" for p, n in collections.Counter(c["policy"] for c in prompts).items()))
-    backend = torch_backend(args.model, max_batch_size=8)
+    backend = torch_backend(args.model, settings=EngineSettings(max_batch_size=8, engine_bf16=False))
     probes = [("free", False, args.samples, args.max_tokens or 96)] * (not args.skip_free)
     summary, table = {"model": args.model, "prompts": len(prompts)}, []
     try:

@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from mas_trainer.algo.config import AdvantageConfig
+from mas_trainer.engines.config import EngineSettings
 from mas_trainer.errors import UserError, did_you_mean
 from mas_trainer.learners.config import CriticConfig, LearnerConfig
 from mas_trainer.rewards.allocators import LevelWeights, allocator_names, check_allocator
@@ -166,7 +167,9 @@ class PolicyConfig(_Strict):
                                        "(steps, lr, batch_size, min_score; the data file is shared)")
 
 
-class RuntimeConfig(_Strict):
+class RuntimeConfig(_Strict, EngineSettings):
+    """Where and how the policies run; the engine settings (`EngineSettings`) are its own keys too."""
+
     learner: Literal["auto", "verl", "torch"] = Field(
         "auto", description="verl: verl's FSDP2 training workers, a Ray worker group per policy; torch: the embedded "
         "learner, one process per policy; auto: verl where there are GPUs, torch on CPU only (faster there, see docs)")
@@ -185,21 +188,6 @@ class RuntimeConfig(_Strict):
                                "torch learner on Ray only (verl's ranks take their pool's bundles)")
     torch_threads: int | None = Field(None, ge=1, description="torch threads per worker process (default: on CPU cores / "
                                       "processes: policies, or verl ranks); runtime.execution=ray only")
-    max_batch_size: int = Field(8, ge=1, description="embedded and torch-replica engines: rows decoded together; on every "
-                                "engine also rollout.max_in_flight's default (vllm batches up to runtime.replica.max_num_seqs)")
-    batch_wait_ms: float = Field(50.0, ge=0, description="embedded and torch-replica engines: how long an idle engine waits for "
-                                 "more requests to fill a batch")
-    prefix_cache_mb: float = Field(
-        0.0, ge=0, description="embedded and torch-replica engines: MiB for the K/V of prompt prefixes reused across requests "
-        "(a group's prompt, shared system prompts, earlier turns); cleared at every weight update; 0: off. Log-probs equal a "
-        "full recompute within fp32 rounding, which can flip a rare sample: a resumed run may then differ from an uninterrupted one")
-    fast_decode: bool = Field(
-        True, description="embedded and torch-replica engines: decode with a K/V cache grown in place, grouped K/V heads read "
-        "unrepeated and top-p from the top k (the same tokens and log-probs; decoding 1.2x as fast on the bundled model); false: "
-        "Hugging Face's plain cache and attention and a full sort (the reference)")
-    engine_bf16: bool | Literal["auto"] = Field(
-        "auto", description="embedded and torch-replica engines: bf16 autocast while generating (auto: where bf16 is fast: GPUs, "
-        "CPUs with AVX512-BF16/AMX; log-probs then carry bf16 rounding like the learner's); vllm: runtime.replica.dtype")
 
 
 class FitConfig(_Strict):

@@ -39,14 +39,13 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 import torch
 
+from mas_trainer.engines.config import EngineSettings
 from mas_trainer.engines.base import Delta, FinishReason, Generation, SamplingParams, cut_at_stop
 from mas_trainer.engines.grammar import COMPILE_TIMEOUT_S, SchemaGrammars
 from mas_trainer.engines.prefix_cache import PrefixCache
 from mas_trainer.engines.streaming import TextStream
 
-__all__ = ["TorchEngine", "BATCH_WAIT_MS", "TOP_K_FIRST", "load_engine", "top_p_filter"]
-
-BATCH_WAIT_MS = 50.0  # `runtime.batch_wait_ms`' default: what every engine waits unless configured
+__all__ = ["TorchEngine", "TOP_K_FIRST", "load_engine", "top_p_filter"]
 
 
 @dataclass(eq=False)
@@ -86,43 +85,34 @@ class TorchEngine:
         tokenizer: Any,
         *,
         model_name: str,
-        max_batch_size: int = 8,
-        batch_wait_ms: float = BATCH_WAIT_MS,
+        settings: EngineSettings | None = None,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
-        bf16: bool | str = False,
         max_grammars: int = 64,
         grammar_timeout_s: float = COMPILE_TIMEOUT_S,
-        prefix_cache_mb: float = 0.0,
-        fast_decode: bool = True,
     ) -> None:
-        """`max_grammars`: compiled JSON-schema grammars kept; `grammar_timeout_s`: how long
-        one schema may compile before its request fails (see `mas_trainer.engines.grammar`);
-        `prefix_cache_mb`: memory for the K/V of prompt prefixes shared across requests (0: off;
-        see `mas_trainer.engines.prefix_cache`); `fast_decode`: decode with a K/V cache that grows in
-        place, grouped K/V heads read unrepeated (`mas_trainer.engines.kv`) and top-p from the
-        top k (`top_p_filter`); False: Hugging Face's plain cache and attention and a full sort,
-        the reference (the same tokens and log-probs)."""
+        """`settings`: how it batches, caches and computes (`EngineSettings`: the prefix cache is
+        `engines/prefix_cache.py`, fast decode `engines/kv.py` and `top_p_filter`); `max_grammars`:
+        compiled JSON-schema grammars kept; `grammar_timeout_s`: how long one schema may compile
+        before its request fails (`engines/grammar.py`)."""
+        # a bare engine (tests, benchmarks) computes in fp32, so its log-probs match an fp32 forward
+        settings = settings or EngineSettings(engine_bf16=False)
         self.model_name = model_name
         # bf16 autocast while decoding (CPU: ~1.5x faster). Log-probs then carry bf16 rounding,
-        # like a learner's bf16 forward; off by default so they match an fp32 forward exactly.
-        # "auto": where bf16 is fast on the device (not on AVX2-only CPUs)
-        if bf16 == "auto":
+        # like a learner's bf16 forward. "auto": where bf16 is fast on the device (not on AVX2-only CPUs)
+        if settings.engine_bf16 == "auto":
             from mas_trainer.engines.models import bf16_is_fast
 
-            bf16 = bf16_is_fast(device)
-        self.bf16 = bool(bf16)
+            self.bf16 = bf16_is_fast(device)
+        else:
+            self.bf16 = bool(settings.engine_bf16)
         self.tokenizer = tokenizer
-        self.max_batch_size = max_batch_size
-        self.batch_wait_s = batch_wait_ms / 1000
+        self.max_batch_size = settings.max_batch_size
+        self.batch_wait_s = settings.batch_wait_ms / 1000
         self.device = torch.device(device)
         self._model = model.to(device=self.device, dtype=dtype).eval()
-        config = model.config
-        self.max_positions = getattr(config, "max_position_embeddings", None) or 1 << 30
-        eos = {tokenizer.eos_token_id, config.eos_token_id}
-        gen_eos = getattr(model.generation_config, "eos_token_id", None) if model.generation_config else None
-        eos |= set(gen_eos) if isinstance(gen_eos, (list, tuple)) else {gen_eos}
-        self.eos_ids = frozenset(i for i in eos if i is not None)
+        self.max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+        self.eos_ids = _end_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids, default=0)
         self.stats: dict[str, Any] = {"decode_steps": 0, "prefills": 0, "tokens": 0, "requests": 0, "busy_s": 0.0,
                                       "prompt_tokens": 0, "cached_tokens": 0, "batch_sizes": collections.Counter()}
@@ -142,23 +132,27 @@ class TorchEngine:
         self._mask: torch.Tensor | None = None
         self._pos: torch.Tensor | None = None
         self._next: torch.Tensor | None = None
+        self._decode_paths(settings)
+        self._thread = threading.Thread(target=self._work, name=f"TorchEngine[{model_name}]", daemon=True)
+        self._thread.start()
+
+    def _decode_paths(self, settings: EngineSettings) -> None:
+        """Continuous batching, the prefix cache and fast decode, where the model allows them."""
         # Joining rows to a running batch edits the KV cache per layer, which is only sound
         # for full-attention layers; models with sliding windows fall back to static batches.
         from transformers import DynamicCache
 
-        layers = DynamicCache(config=config).layers
+        layers = DynamicCache(config=self._model.config).layers
         self._continuous = bool(layers) and all(type(l).__name__ == "DynamicLayer" for l in layers)
         # Cached prefixes are laid into a batch's K/V per layer, as joining rows is: full attention only.
-        self._prefix = PrefixCache(int(prefix_cache_mb * 2**20)) if prefix_cache_mb > 0 and self._continuous else None
-        self.fast_decode = fast_decode
+        self._prefix = PrefixCache(int(settings.prefix_cache_mb * 2**20)) if settings.prefix_cache_mb > 0 and self._continuous else None
+        self.fast_decode = settings.fast_decode
         # Growing layers replace DynamicLayers, so they too need full attention everywhere.
-        self._grow = fast_decode and self._continuous
+        self._grow = settings.fast_decode and self._continuous
         if self._grow:
             from mas_trainer.engines.kv import use_decode_attention
 
             use_decode_attention(self._model)
-        self._thread = threading.Thread(target=self._work, name=f"TorchEngine[{model_name}]", daemon=True)
-        self._thread.start()
 
     # ---------------------------------------------------------------- public API
 
@@ -669,9 +663,16 @@ def _row_kv(cache: Any, i: int, real: torch.Tensor) -> list[tuple[torch.Tensor, 
     return [(layer.keys[i][:, real], layer.values[i][:, real]) for layer in cache.layers]
 
 
-def load_engine(model: str, *, name: str, seed: int = 0, max_batch_size: int = 8, batch_wait_ms: float = BATCH_WAIT_MS,
-                bf16: bool | str = False, device: str | torch.device = "cpu", prefix_cache_mb: float = 0.0,
-                fast_decode: bool = True) -> TorchEngine:
+def _end_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """Every id that ends a response: the tokenizer's, the config's and the generation config's eos."""
+    eos = {tokenizer.eos_token_id, model.config.eos_token_id}
+    gen_eos = getattr(model.generation_config, "eos_token_id", None) if model.generation_config else None
+    eos |= set(gen_eos) if isinstance(gen_eos, (list, tuple)) else {gen_eos}
+    return frozenset(i for i in eos if i is not None)
+
+
+def load_engine(model: str, *, name: str, seed: int = 0, settings: EngineSettings | None = None,
+                device: str | torch.device = "cpu") -> TorchEngine:
     """The embedded engine on `model` (tiny | default | folder | hub id) with its own copy of
     the weights: the one way worker groups, verl's rank 0, rollout replicas and the verbs'
     engines build it, so all of them batch and sample alike."""
@@ -679,5 +680,4 @@ def load_engine(model: str, *, name: str, seed: int = 0, max_batch_size: int = 8
 
     weights, tokenizer = load_model(model, seed=seed)
     # the engine places the weights itself: a model moved beforehand would be moved back to its default, the CPU
-    return TorchEngine(weights, tokenizer, model_name=name, max_batch_size=max_batch_size, batch_wait_ms=batch_wait_ms,
-                       bf16=bf16, device=device, prefix_cache_mb=prefix_cache_mb, fast_decode=fast_decode)
+    return TorchEngine(weights, tokenizer, model_name=name, settings=settings, device=device)

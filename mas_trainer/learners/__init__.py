@@ -14,11 +14,11 @@ from mas_trainer.learners.config import LearnerConfig
 
 if TYPE_CHECKING:  # pragma: no cover
     from mas_trainer.learners.batch import PackedTurns, Turn, pack_turns
-    from mas_trainer.learners.torch_learner import TorchLearner, build_actor_config
+    from mas_trainer.learners.torch_learner import TorchLearner
 
-__all__ = ["LearnerConfig", "PackedTurns", "TorchLearner", "Turn", "build_actor_config", "pack_turns"]
+__all__ = ["LearnerConfig", "PackedTurns", "TorchLearner", "Turn", "pack_turns"]
 
 __getattr__ = lazy_exports(__name__, {
     "mas_trainer.learners.batch": ["PackedTurns", "Turn", "pack_turns"],
-    "mas_trainer.learners.torch_learner": ["TorchLearner", "build_actor_config"],
+    "mas_trainer.learners.torch_learner": ["TorchLearner"],
 })

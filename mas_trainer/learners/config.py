@@ -11,9 +11,12 @@ happens when the learner is built, not when the config is parsed.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from mas_trainer.errors import UserError
 
 __all__ = ["LearnerConfig", "CriticConfig", "LOSS_AGG_MODES", "KL_PENALTIES"]
 
@@ -113,6 +116,59 @@ class LearnerConfig(BaseModel):
         if value.removesuffix("+") not in KL_PENALTIES:
             raise ValueError(f"unknown kl_penalty {value!r}; valid: {', '.join(KL_PENALTIES)} (optionally with '+')")
         return value
+
+    def actor_config(self) -> Any:
+        """verl's ``ActorConfig`` for its policy-loss functions (both learners pass it to them).
+
+        The loss functions read ``clip_ratio*``, ``policy_loss.*``, ``tau_*``, ``loss_agg_mode``
+        and ``global_batch_info`` (filled per mini-batch). ``strategy="torch"`` names this
+        learner; ``rollout_n`` and the micro-batch fields are required by the dataclass but
+        never read by the losses. ``policy_loss_options`` go to ``PolicyLossConfig`` when it
+        has the field, else to ``ActorConfig``.
+        """
+        from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+        from verl.workers.config import ActorConfig, PolicyLossConfig
+
+        if self.policy_loss not in POLICY_LOSS_REGISTRY:
+            raise UserError(
+                f"unknown policy_loss {self.policy_loss!r}; verl knows: {', '.join(sorted(POLICY_LOSS_REGISTRY))}"
+            )
+        loss_fields = {f.name for f in dataclasses.fields(PolicyLossConfig)} - {"loss_mode"}
+        reserved = set(LearnerConfig.model_fields) | {"policy_loss", "global_batch_info", "strategy", "rollout_n"}
+        actor_fields = {f.name for f in dataclasses.fields(ActorConfig)} - reserved
+        loss_kw, actor_kw = {}, {}
+        for key, value in self.policy_loss_options.items():
+            if key in loss_fields:
+                loss_kw[key] = value
+            elif key in actor_fields:
+                actor_kw[key] = value
+            else:
+                raise UserError(
+                    f"unknown policy_loss_options key {key!r}; valid: {', '.join(sorted(loss_fields | actor_fields))}"
+                )
+        return ActorConfig(
+            strategy="torch",
+            rollout_n=1,
+            ppo_mini_batch_size=self.mini_batch_size,
+            ppo_micro_batch_size_per_gpu=self.micro_batch_size,
+            ppo_epochs=self.ppo_epochs,
+            shuffle=self.shuffle,
+            data_loader_seed=self.seed,
+            clip_ratio=self.clip_ratio_low,
+            clip_ratio_low=self.clip_ratio_low,
+            clip_ratio_high=self.clip_ratio_high,
+            clip_ratio_c=self.clip_ratio_c,
+            loss_agg_mode=self.loss_agg_mode,
+            loss_scale_factor=self.loss_scale_factor,
+            entropy_coeff=self.entropy_coeff,
+            calculate_entropy=self.calculate_entropy or self.entropy_coeff != 0,
+            use_kl_loss=self.kl_coef > 0,
+            kl_loss_coef=self.kl_coef,
+            kl_loss_type=self.kl_penalty,
+            use_torch_compile=False,
+            policy_loss=PolicyLossConfig(loss_mode=self.policy_loss, **loss_kw),
+            **actor_kw,
+        )
 
 
 class CriticConfig(BaseModel):

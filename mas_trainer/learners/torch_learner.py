@@ -57,61 +57,7 @@ from mas_trainer.errors import UserError
 from mas_trainer.learners.batch import PackedTurns, Turn, micro_batches, pack_turns, update_mini_batches
 from mas_trainer.learners.config import LearnerConfig
 
-__all__ = ["TorchLearner", "build_actor_config"]
-
-
-def build_actor_config(config: LearnerConfig) -> Any:
-    """verl's ``ActorConfig`` for the policy-loss functions, from a :class:`LearnerConfig`.
-
-    The loss functions read ``clip_ratio*``, ``policy_loss.*``, ``tau_*``, ``loss_agg_mode``
-    and ``global_batch_info`` (filled per mini-batch). ``strategy="torch"`` names this
-    learner; ``rollout_n`` and the micro-batch fields are required by the dataclass but
-    never read by the losses. ``policy_loss_options`` go to ``PolicyLossConfig`` when it
-    has the field, else to ``ActorConfig``.
-    """
-    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
-    from verl.workers.config import ActorConfig, PolicyLossConfig
-
-    if config.policy_loss not in POLICY_LOSS_REGISTRY:
-        raise UserError(
-            f"unknown policy_loss {config.policy_loss!r}; verl knows: {', '.join(sorted(POLICY_LOSS_REGISTRY))}"
-        )
-    loss_fields = {f.name for f in dataclasses.fields(PolicyLossConfig)} - {"loss_mode"}
-    reserved = set(LearnerConfig.model_fields) | {"policy_loss", "global_batch_info", "strategy", "rollout_n"}
-    actor_fields = {f.name for f in dataclasses.fields(ActorConfig)} - reserved
-    loss_kw, actor_kw = {}, {}
-    for key, value in config.policy_loss_options.items():
-        if key in loss_fields:
-            loss_kw[key] = value
-        elif key in actor_fields:
-            actor_kw[key] = value
-        else:
-            raise UserError(
-                f"unknown policy_loss_options key {key!r}; valid: {', '.join(sorted(loss_fields | actor_fields))}"
-            )
-    return ActorConfig(
-        strategy="torch",
-        rollout_n=1,
-        ppo_mini_batch_size=config.mini_batch_size,
-        ppo_micro_batch_size_per_gpu=config.micro_batch_size,
-        ppo_epochs=config.ppo_epochs,
-        shuffle=config.shuffle,
-        data_loader_seed=config.seed,
-        clip_ratio=config.clip_ratio_low,
-        clip_ratio_low=config.clip_ratio_low,
-        clip_ratio_high=config.clip_ratio_high,
-        clip_ratio_c=config.clip_ratio_c,
-        loss_agg_mode=config.loss_agg_mode,
-        loss_scale_factor=config.loss_scale_factor,
-        entropy_coeff=config.entropy_coeff,
-        calculate_entropy=config.calculate_entropy or config.entropy_coeff != 0,
-        use_kl_loss=config.kl_coef > 0,
-        kl_loss_coef=config.kl_coef,
-        kl_loss_type=config.kl_penalty,
-        use_torch_compile=False,
-        policy_loss=PolicyLossConfig(loss_mode=config.policy_loss, **loss_kw),
-        **actor_kw,
-    )
+__all__ = ["TorchLearner"]
 
 
 class TorchLearner:
@@ -140,7 +86,7 @@ class TorchLearner:
         self.model = model
         self.config = config = config or LearnerConfig()
         self._core, self._verl_F = core_algos, verl_F
-        self.actor_config = build_actor_config(config)
+        self.actor_config = config.actor_config()
         self._policy_loss_fn = core_algos.get_policy_loss_fn(config.policy_loss)
         first = next(model.parameters())
         self.device = first.device

@@ -1,268 +1,301 @@
-"""verl's training worker as the learner: its configs from ours, and turns in its batch layout.
+"""verl's `TrainingWorker`s as one rank's learner (the step's `PolicyLearner` on verl).
 
-A trainable policy's worker group is a verl `RayWorkerGroup`; on every rank
-`verl.workers.engine_workers.TrainingWorker` (FSDP2) holds the policy's shard, takes verl's
-`ppo_loss` through `set_loss_fn`, gives log-probs through `infer_batch` and updates through
-`train_mini_batch`. This module only translates:
-
-- `training_worker_config(...)`: a :class:`LearnerConfig` (the same keys the torch learner
-  reads) as verl's `TrainingWorkerConfig` (model, FSDP2 engine, AdamW, checkpoint contents);
-- `turns_batch(turns, ...)`: turns laid out as verl's trainer lays out a batch (prompts
-  left-padded, responses right-padded, then `left_right_2_no_padding`), with rows that carry
-  no tokens appended so the batch splits evenly over data-parallel ranks and mini-batches;
-- `load_streamed_weights(model, params)`: the full parameters verl streams from its shards
-  (`get_per_tensor_param`, MoE experts unpacked for vLLM) copied into a Hugging Face model.
-
-On CUDA the learner takes verl's own GPU path where flash-attention is installed: packed
-sequences (`use_remove_padding`), flash-attention 2 and `torch.compile`d entropy. Packing
-needs flash-attention: under torch's SDPA a packed row attends across its sequences
-(tests/learners/test_verl_gpu_path.py shows it), so without it the GPU keeps padded rows.
-The CPU path is the padded, SDPA, uncompiled one.
+Each rank composes verl's `TrainingWorker` (FSDP2 shard of the policy, verl's `ppo_loss`),
+as verl's own `ActorRolloutRefWorker` does, plus a frozen reference `TrainingWorker` when
+the KL loss needs one and a value-model `TrainingWorker` for GAE. Every rank gets all the
+step's turns, scores and trains on its slice, and shares what the others need (the critic's
+values, the log-prob mismatch) through collectives inside the group, never the controller.
+Configs, batch layout and the weight stream are `learners/verl_parts.py`'s.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
-
-import importlib.util
-import logging
-import re
-from typing import Iterable
+import math
+import time
+from contextlib import contextmanager
+from dataclasses import replace
+from functools import partial
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 import torch
 
+from mas_trainer.engines.models import bf16_is_fast, materialize
 from mas_trainer.learners.batch import Turn
-from mas_trainer.learners.config import LearnerConfig
+from mas_trainer.learners.verl_parts import (
+    all_gather, flatten_metrics, pad_id_of, response_tensor, response_values, sft_batch, training_worker_config, turns_batch,
+)
 
-__all__ = [
-    "training_worker_config", "turns_batch", "padded_size", "response_values", "attention_implementation",
-    "use_value_model_loader", "load_streamed_weights",
-]
+if TYPE_CHECKING:
+    from mas_trainer.algo.advantages import TurnAdvantage
+    from mas_trainer.config import WarmStartConfig
+    from mas_trainer.learners.config import CriticConfig, LearnerConfig
 
-log = logging.getLogger(__name__)
-
-
-def attention_implementation(device: str) -> str:
-    """`flash_attention_2` on CUDA where the `flash_attn` package is installed, else `sdpa`."""
-    if device == "cuda" and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    return "sdpa"
+__all__ = ["VerlLearner", "torch_device"]
 
 
-def training_worker_config(
-    model_dir: str,
-    learner: LearnerConfig,
-    *,
-    model_type: str = "language_model",
-    forward_only: bool = False,
-    seed: int = 0,
-    bf16: bool = True,
-    lr: float | None = None,
-    device: str = "cpu",
-) -> Any:
-    """verl's `TrainingWorkerConfig` for one policy (or its reference / value model) on `device`."""
-    from verl.trainer.config import CheckpointConfig
-    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig, TrainingWorkerConfig
-
-    attn = attention_implementation(device)
-    packed = attn == "flash_attention_2"  # see the module docstring
-    if model_type == "value_model":  # built in this process next, by verl's loader
-        use_value_model_loader(attn)
-    if device == "cuda" and not packed:
-        log.warning("flash-attention is not installed: the verl learner runs padded rows with SDPA attention "
-                    "(pip install -c mas-trainer/constraints-gpu.txt './mas-trainer[flash-attn]' from a checkout, for packed sequences)")
-    model = HFModelConfig(
-        path=model_dir,
-        override_config={"attn_implementation": attn},  # verl's default is flash-attention 2, CUDA builds only
-        enable_gradient_checkpointing=False,
-        use_remove_padding=packed,
-    )
-    precision = "bf16" if bf16 else "fp32"
-    engine = FSDPEngineConfig(
-        strategy="fsdp2",  # FSDP1 refuses CPU parameters; FSDP2 runs on both
-        forward_only=forward_only,
-        model_dtype="fp32",
-        mixed_precision={"param_dtype": precision, "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
-        use_dynamic_bsz=learner.micro_batch_tokens is not None,
-        max_token_len_per_gpu=learner.micro_batch_tokens,
-        infer_max_token_len_per_gpu=learner.micro_batch_tokens,
-        micro_batch_size_per_gpu=learner.micro_batch_size,
-        infer_micro_batch_size_per_gpu=learner.micro_batch_size,
-        use_torch_compile=device == "cuda",  # verl's default; on CPU compiling costs more than it saves
-        use_remove_padding=packed,
-        seed=seed,
-    )
-    optim = None if forward_only else FSDPOptimizerConfig(
-        lr=lr if lr is not None else learner.lr,
-        weight_decay=learner.weight_decay,
-        betas=learner.betas,
-        clip_grad=learner.max_grad_norm if learner.max_grad_norm is not None else float("inf"),
-        override_optimizer_config={"eps": learner.eps},
-    )
-    # verl's own "hf_model" content would write bf16; the Hugging Face folder is written from
-    # the engine's fp32 copy instead (runtime/verl_group.py), so only the resume state is here
-    contents = ["model", "optimizer", "extra"] if not forward_only else ["model"]
-    return TrainingWorkerConfig(
-        model_type=model_type,
-        model_config=model,
-        engine_config=engine,
-        optimizer_config=optim,
-        checkpoint_config=CheckpointConfig(save_contents=contents, load_contents=contents),
-    )
+def torch_device(name: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device("cpu")
 
 
-def padded_size(n: int, multiple: int) -> int:
-    """`n` rounded up to a multiple of `multiple` (at least one multiple)."""
-    return max(1, -(-n // multiple)) * multiple
+class VerlLearner:
+    """One rank's actor (and reference, and critic) `TrainingWorker`s of a policy: its weights
+    start from `model`, the KL reference is `reference` (default: `model`), a `critic` config
+    brings a value model (GAE); `offload`: GPUs shared with other policies (`runtime.share_gpus`)."""
+
+    def __init__(self, model: str, config: LearnerConfig, *, critic: CriticConfig | None, reference: str | None = None,
+                 seed: int = 0, device: str = "cpu", offload: bool = False, rank: int = 0, world_size: int = 1) -> None:
+        from verl.workers.engine_workers import TrainingWorker
+        from verl.workers.utils.losses import ppo_loss
+
+        self.config, self.critic_config, self.seed, self.offload = config, critic, seed, offload
+        self.rank, self.world_size = rank, world_size
+        self.model_dir = str(materialize(model, seed=seed))
+        bf16 = config.bf16 if isinstance(config.bf16, bool) else bf16_is_fast(torch_device(device))
+        self.actor_config = config.actor_config()
+        self.actor = TrainingWorker(training_worker_config(self.model_dir, config, seed=seed, bf16=bf16, device=device))
+        self.actor.reset()
+        self._ppo_loss = partial(ppo_loss, config=self.actor_config)
+        self.actor.set_loss_fn(self._ppo_loss)
+        self.ref = None
+        if config.kl_coef > 0:  # the frozen reference: the base model, forward only
+            # verl's forward-only engine offloads to pinned memory, which needs an accelerator; on CPU
+            # the reference is an ordinary engine that is never stepped (AdamW allocates no state then)
+            self.ref = TrainingWorker(training_worker_config(str(materialize(reference or model, seed=seed)), config,
+                                                             forward_only=device != "cpu", seed=seed, bf16=bf16, device=device))
+            self.ref.reset()
+        self.critic = _build_critic(self.model_dir, critic, seed, device) if critic is not None else None
+        if offload:  # the rollouts come first
+            for worker in self._trainable():
+                worker.to("cpu")
+        self.updates = 0
+        self.pad_id = pad_id_of(self.model_dir)
+
+    def _trainable(self) -> list[Any]:
+        """The workers holding parameters and optimizer state on the GPU (the reference is
+        verl's forward-only engine, which offloads itself)."""
+        return [w for w in (self.actor, self.critic) if w is not None]
+
+    @contextmanager
+    def on_device(self) -> Iterator[None]:
+        """With GPUs shared between worker groups (`runtime.share_gpus`), the actor's and the
+        critic's shards and optimizer states are on the GPU only inside this block; verl's
+        `save_checkpoint` loads a CPU module onto the GPU and leaves it there, so saving runs in
+        it too."""
+        moved = self._trainable() if self.offload else []
+        for worker in moved:
+            worker.to("device")
+        try:
+            yield
+        finally:
+            for worker in moved:
+                worker.to("cpu")
+            if moved and torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    def params(self) -> Any:
+        """The full parameters, gathered from the shards as they are read (every rank must read)."""
+        return self.actor.engine.get_per_tensor_param()[0]
+
+    # --- the step's learner contract -----------------------------------------------------
+    def _rows(self, turns: list[Turn]) -> tuple[list[Turn], int]:
+        """This rank's rows of the batch padded to whole mini-batches over the ranks, and how many
+        of them are real turns (the rest repeat a turn and carry no loss)."""
+        from mas_trainer.learners.verl_parts import padded_size
+
+        multiple = self.config.mini_batch_size
+        if self.critic_config is not None:  # both learners cut the same rows into whole mini-batches
+            multiple = math.lcm(multiple, self.critic_config.mini_batch_size)
+        size = padded_size(len(turns), multiple)
+        per = size // self.world_size
+        lo, hi = self.rank * per, (self.rank + 1) * per
+        return (turns + [turns[0]] * (size - len(turns)))[lo:hi], max(0, min(hi, len(turns)) - lo)
+
+    def _batch(self, rows: list[Turn], turns: list[Turn], **kw: Any) -> Any:
+        return turns_batch(turns, pad_id=self.pad_id, size=len(rows), filler=rows[0], **kw)
+
+    def _infer(self, worker: Any, rows: list[Turn], real: int, key: str) -> list[list[float]]:
+        from verl.utils import tensordict_utils as tu
+        from verl.workers.utils.padding import no_padding_2_padding
+
+        td = self._batch(rows, rows[:real])
+        tu.assign_non_tensor(td, compute_loss=False, calculate_entropy=False)
+        out = worker.infer_batch(td)
+        return response_values(no_padding_2_padding(tu.get(out, key), td), rows)
+
+    def values(self, turns: list[Turn]) -> dict[str, list[float]] | None:
+        """The critic's values of every turn: each rank scores its rows, all ranks get all."""
+        if self.critic is None:
+            return None
+        rows, real = self._rows(turns)
+        with self.on_device():
+            mine = self._infer(self.critic, rows, real, "values")[:real]
+        return all_gather(dict(zip([t.id for t in rows[:real]], mine, strict=True)))
+
+    def update(self, turns: list[Turn], advantages: Mapping[str, TurnAdvantage],
+               values: dict[str, list[float]] | None) -> dict[str, float]:
+        rows, real = self._rows(turns)
+        with self.on_device():  # shared GPUs: the update's turn, then the rollouts'
+            metrics = self._update_actor(rows, real, advantages)
+            if self.critic is not None and values is not None:  # values: the critic's, before this update
+                metrics.update(self._update_critic(rows, real, advantages, values))
+        return metrics
+
+    def _update_actor(self, rows: list[Turn], real: int, advantages: Mapping[str, TurnAdvantage]) -> dict[str, float]:
+        """Old (and reference) log-probs from the learner's own forward, as verl's trainer does
+        (unless learner.old_logprobs=bypass takes the engine's), then verl's `ppo_loss` update."""
+        from verl.utils import tensordict_utils as tu
+
+        local, cfg = rows[:real], self.config
+        mode = cfg.old_logprobs if cfg.old_logprobs != "auto" else "recompute"
+        engine_old = [list(t.old_logprobs) for t in local] + [[0.0] * len(r.response_ids) for r in rows[real:]]
+        t_old = time.perf_counter()
+        old = engine_old if mode == "bypass" else self._infer(self.actor, rows, real, "log_probs")
+        t_old = time.perf_counter() - t_old
+        ref = self._infer(self.ref, rows, real, "log_probs") if self.ref is not None else None
+        trained = [replace(t, old_logprobs=o[: len(t.response_ids)], advantages=advantages[t.id].advantages.tolist(),
+                           ref_logprobs=(ref[i][: len(t.response_ids)] if ref is not None else None))
+                   for i, (t, o) in enumerate(zip(local, old))]  # old also covers the filler rows
+        td = self._batch(rows, trained)
+        if ref is not None:
+            td["ref_log_prob"] = response_tensor(td, [t.ref_logprobs for t in trained], len(rows))
+        correction: dict[str, float] = {}
+        if mode == "rollout_correction":
+            td["rollout_is_weights"], correction = _rollout_is_weights(td, old, engine_old, len(rows), real,
+                                                                       threshold=cfg.rollout_is_threshold)
+        tu.assign_non_tensor(
+            td, calculate_entropy=self.actor_config.calculate_entropy, global_batch_size=cfg.mini_batch_size,
+            mini_batch_size=cfg.mini_batch_size, epochs=cfg.ppo_epochs,
+            seed=cfg.seed * 1_000_003 + self.updates * 1009, dataloader_kwargs={"shuffle": cfg.shuffle}, compute_loss=True,
+        )
+        t_train = time.perf_counter()
+        out = self.actor.train_mini_batch(td)
+        self.updates += 1  # before the critic's update, whose shuffle seed counts this one
+        metrics = {**(flatten_metrics(tu.get(out, "metrics")) if out is not None else {}),
+                   "time/train_mini_batch_s": time.perf_counter() - t_train, **correction}
+        diff = [abs(a - b) for t, o in zip(local, old) for a, b in zip(t.old_logprobs, o)]
+        mismatch = all_gather({"sum": sum(diff), "n": len(diff)}, merge=lambda ds: {k: sum(d[k] for d in ds) for k in ds[0]})
+        if mode != "bypass":  # bypass computes no learner log-probs to compare (ppo_kl shows the mismatch then)
+            metrics["time/old_logprob_s"] = t_old
+            metrics["logprob_diff"] = mismatch["sum"] / max(1, mismatch["n"])
+        return metrics
+
+    def _update_critic(self, rows: list[Turn], real: int, advantages: Mapping[str, TurnAdvantage],
+                       values: dict[str, list[float]]) -> dict[str, float]:
+        from verl.utils import tensordict_utils as tu
+
+        local, cc = rows[:real], self.critic_config
+        assert cc is not None
+        ctd = self._batch(rows, local, returns=[advantages[t.id].returns.tolist() for t in local],
+                          values=[values[t.id] for t in local])
+        tu.assign_non_tensor(ctd, global_batch_size=cc.mini_batch_size, mini_batch_size=cc.mini_batch_size,
+                             epochs=cc.ppo_epochs, seed=cc.seed * 1_000_003 + self.updates * 1009,
+                             dataloader_kwargs={"shuffle": cc.shuffle})
+        assert self.critic is not None
+        out = self.critic.train_mini_batch(ctd)
+        return {f"critic/{k}": v for k, v in flatten_metrics(tu.get(out, "metrics")).items()} if out is not None else {}
+
+    # --- the supervised warm start -------------------------------------------------------
+    def warm_start(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]], config: WarmStartConfig) -> tuple[
+            list[float], list[float], int]:
+        """`config.steps` optimizer steps of verl's `sft_loss` on (prompt ids, completion ids)
+        examples (`learners/sft.py` batches, each cut over the ranks), then `ppo_loss` again;
+        (losses, grad norms, completion tokens).
+
+        The learner's own optimizer, at `config.lr` for the phase, and its moments cleared
+        afterwards: at a fresh run it holds no state yet, so this is a fresh AdamW for the warm
+        start and again for RL (see `TorchLearner.supervised` for why). `train_batch`, not
+        `train_mini_batch`, so verl's LR scheduler does not advance."""
+        from verl.workers.utils.losses import sft_loss
+
+        from mas_trainer.learners.sft import sft_batches
+
+        turns = [Turn(f"sft{i}", p, r, [0.0] * len(r), 0.0) for i, (p, r) in enumerate(examples)]
+        optimizer = self.actor.engine.optimizer
+        lrs = [group["lr"] for group in optimizer.param_groups]
+        losses: list[float] = []
+        norms: list[float] = []
+        tokens = 0
+        self.actor.set_loss_fn(partial(sft_loss, config=None))  # sft_loss reads no config
+        try:
+            with self.on_device():
+                for group in optimizer.param_groups:
+                    group["lr"] = config.lr
+                for batch in sft_batches(len(turns), config.steps, config.batch_size, self.seed):
+                    tokens += self._sft_step([turns[i] for i in batch], losses, norms)
+                for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+                    group["lr"] = lr
+                optimizer.state.clear()
+        finally:
+            self.actor.set_loss_fn(self._ppo_loss)
+        return losses, norms, tokens
+
+    def _sft_step(self, rows: list[Turn], losses: list[float], norms: list[float]) -> int:
+        from tensordict import NonTensorData
+        from verl.utils import tensordict_utils as tu
+
+        per = -(-len(rows) // self.world_size)  # rows a rank; rows past the batch carry no loss tokens
+        mine = rows[self.rank * per:(self.rank + 1) * per]
+        td = sft_batch(mine, pad_id=self.pad_id, size=per, filler=rows[0])
+        tu.assign_non_tensor(td, global_token_num=NonTensorData(td["input_ids"].offsets().diff().tolist()),
+                             update_lr_scheduler=False)
+        out = self.actor.train_batch(td)
+        if out is not None:
+            metrics = tu.get(out, "metrics")
+            losses.append(float(metrics["loss"]))
+            if metrics.get("grad_norm") is not None and math.isfinite(float(metrics["grad_norm"])):
+                norms.append(float(metrics["grad_norm"]))
+        return sum(len(t.response_ids) for t in rows)
+
+    # --- checkpoints ----------------------------------------------------------------------
+    def save_checkpoint(self, learner_dir: str) -> None:
+        """verl's checkpoint: shards, optimizer, RNG (call inside `on_device`)."""
+        import os
+
+        self.actor.save_checkpoint(learner_dir)
+        if self.critic is not None:
+            self.critic.save_checkpoint(os.path.join(learner_dir, "critic"))
+
+    def load_checkpoint(self, learner_dir: str) -> None:
+        import os
+
+        from mas_trainer.runtime.untrusted import refuse_code_in_checkpoints
+
+        refuse_code_in_checkpoints(learner_dir)  # verl unpickles these with weights_only=False
+        self.actor.load_checkpoint(learner_dir, del_local_after_load=False)
+        if self.critic is not None:
+            self.critic.load_checkpoint(os.path.join(learner_dir, "critic"), del_local_after_load=False)
 
 
-def turns_batch(
-    turns: Sequence[Turn],
-    *,
-    pad_id: int,
-    size: int | None = None,
-    filler: Turn | None = None,
-    returns: Sequence[Sequence[float]] | None = None,
-    values: Sequence[Sequence[float]] | None = None,
-) -> Any:
-    """A verl training batch (no-padding `TensorDict`) of `turns`, `size` rows in all.
+def _build_critic(model_dir: str, c: CriticConfig, seed: int, device: str) -> Any:
+    """A value-model `TrainingWorker` (verl's value head on the policy's body) with verl's
+    clipped `value_loss`, configured from the policy's `CriticConfig`."""
+    from types import SimpleNamespace
 
-    Rows past `len(turns)` repeat `filler` (default: the first turn) with an all-zero
-    response mask: they carry
-    no loss tokens, so the token-mean loss (`batch_num_tokens` counts mask tokens over all
-    ranks) and its gradient are those of the real turns alone. Shapes before unpadding:
-    prompts (B, P) left-padded, responses (B, R) right-padded, every per-token field (B, R).
-    """
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.padding import left_right_2_no_padding
+    from verl.workers.engine_workers import TrainingWorker
+    from verl.workers.utils.losses import value_loss
 
-    turns = list(turns)
-    size = size or len(turns)
-    rows = turns + [filler or turns[0]] * (size - len(turns))
-    P = max(len(t.prompt_ids) for t in rows)
-    R = max(len(t.response_ids) for t in rows)
-    prompts = torch.full((size, P), pad_id, dtype=torch.long)
-    responses = torch.full((size, R), pad_id, dtype=torch.long)
-    attention = torch.zeros((size, P + R), dtype=torch.long)
-    response_mask = torch.zeros((size, R), dtype=torch.float32)
-    old = torch.zeros((size, R), dtype=torch.float32)
-    adv = torch.zeros((size, R), dtype=torch.float32)
-    ret = torch.zeros((size, R), dtype=torch.float32)
-    val = torch.zeros((size, R), dtype=torch.float32)
-    for b, t in enumerate(rows):
-        p, r = len(t.prompt_ids), len(t.response_ids)
-        prompts[b, P - p :] = torch.tensor(list(t.prompt_ids), dtype=torch.long)
-        responses[b, :r] = torch.tensor(list(t.response_ids), dtype=torch.long)
-        attention[b, P - p : P + r] = 1
-        if b < len(turns):
-            response_mask[b, :r] = 1
-            old[b, :r] = torch.as_tensor(list(t.old_logprobs), dtype=torch.float32)
-            adv[b, :r] = torch.tensor(t.advantage_list(), dtype=torch.float32)
-            if returns is not None:
-                ret[b, :r] = torch.as_tensor(list(returns[b]), dtype=torch.float32)
-            if values is not None:
-                val[b, :r] = torch.as_tensor(list(values[b]), dtype=torch.float32)
-    input_ids = torch.cat([prompts, responses], dim=1)
-    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-    fields = {
-        "prompts": prompts, "responses": responses, "input_ids": input_ids, "attention_mask": attention,
-        "position_ids": position_ids, "response_mask": response_mask, "old_log_probs": old, "advantages": adv,
-    }
-    if returns is not None:
-        fields["returns"] = ret
-    if values is not None:
-        fields["values"] = val
-    td = tu.get_tensordict(fields)
-    td = left_right_2_no_padding(td)
-    tu.assign_non_tensor(td, temperature=1.0)  # the engine's log-probs are of raw logits
-    return td
+    from mas_trainer.learners.config import LearnerConfig
+
+    opt = LearnerConfig(lr=c.lr, max_grad_norm=c.max_grad_norm, mini_batch_size=c.mini_batch_size,
+                        micro_batch_size=c.micro_batch_size)
+    bf16 = c.bf16 if isinstance(c.bf16, bool) else bf16_is_fast(torch_device(device))
+    worker = TrainingWorker(training_worker_config(model_dir, opt, model_type="value_model", seed=seed, bf16=bf16,
+                                                    device=device))
+    worker.reset()
+    # value_loss reads these three fields of verl's CriticConfig
+    worker.set_loss_fn(partial(value_loss, config=SimpleNamespace(
+        cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode, loss_scale_factor=None)))
+    return worker
 
 
-def response_values(padded: torch.Tensor, turns: Sequence[Turn]) -> list[list[float]]:
-    """Each turn's (response_length,) values from a (B, R) tensor verl returned."""
-    return [padded[b, : len(t.response_ids)].float().tolist() for b, t in enumerate(turns)]
+def _rollout_is_weights(td: Any, old: list[list[float]], engine: list[list[float]], size: int, real: int,
+                        threshold: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """`learners/correction.py`'s weights on the rows of this rank (filler rows masked out)."""
+    from mas_trainer.learners.correction import rollout_is_weights
 
-
-def use_value_model_loader(attn_implementation: str) -> None:
-    """verl builds value models (GAE's critic) in `verl.utils.model.load_valuehead_model`,
-    which writes in `attn_implementation="flash_attention_2"` (else it needs trl); neither is
-    in the GPU extras. The same loader runs here with the learner's own attention instead (the
-    FSDP engine looks the function up at call time, so replacing the module attribute is enough).
-    `training_worker_config` calls it for every value model, on every device."""
-    import verl.utils.model as verl_model
-
-    if getattr(verl_model.load_valuehead_model, "_mas_attn", None) == attn_implementation:
-        return
-
-    def load_valuehead_model(local_path: str, torch_dtype: Any, model_config: Any, trust_remote_code: bool) -> Any:
-        from transformers import AutoModelForTokenClassification
-
-        return AutoModelForTokenClassification.from_pretrained(
-            pretrained_model_name_or_path=local_path, torch_dtype=torch_dtype, config=model_config,
-            attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
-
-    load_valuehead_model._mas_attn = attn_implementation  # type: ignore[attr-defined]
-    verl_model.load_valuehead_model = load_valuehead_model
-
-
-# verl's `unfuse_moe_params` streams Transformers 5's packed experts (`<base>.gate_up_proj`,
-# (E, 2I, H), gate rows first; `<base>.down_proj`, (E, H, I)) as vLLM's per-expert names
-_EXPERT = re.compile(r"^(?P<base>.+\.mlp\.experts)\.(?P<i>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
-
-
-def _destination(own: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, str] | None:
-    """The tensor (or packed-expert slice) of `own` that verl's streamed `name` fills, and its key."""
-    if name in own:
-        return own[name], name
-    m = _EXPERT.match(name)
-    if m is None:
-        return None
-    i = int(m["i"])
-    if m["proj"] == "down_proj":
-        key = f"{m['base']}.down_proj"
-        return (own[key][i], key) if key in own and own[key].dim() == 3 else None
-    key = f"{m['base']}.gate_up_proj"
-    if key not in own or own[key].dim() != 3:
-        return None
-    half = own[key].shape[1] // 2
-    rows = slice(0, half) if m["proj"] == "gate_proj" else slice(half, 2 * half)
-    return own[key][i, rows], key
-
-
-def load_streamed_weights(model: torch.nn.Module, params: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy the full parameters verl streams (`engine.get_per_tensor_param()`) into `model`.
-
-    Every streamed name must land somewhere (MoE per-expert names go back into their packed
-    tensors) and every tensor of `model` must be written in full (tied weights count once):
-    a copy that skipped names would serve and save stale weights with no sign of it.
-    """
-    own = model.state_dict()
-    written: dict[str, int] = {}
-    cls = type(model).__name__
-    error: str | None = None
-    with torch.no_grad():
-        for name, tensor in params:
-            if error is not None:
-                continue  # the stream is read to its end all the same: every rank gathers each tensor with this one
-            found = _destination(own, name)
-            if found is None:
-                error = (f"verl streamed the weight {name!r}, which {cls} has no tensor for: the weight copy knows "
-                         "Hugging Face names and verl's per-expert MoE names only; train this architecture with the "
-                         "torch learner (runtime.learner=torch)")
-                continue
-            dest, key = found
-            if dest.shape != tensor.shape:
-                error = (f"verl streamed {name!r} with shape {tuple(tensor.shape)}, but {cls} holds {tuple(dest.shape)} "
-                         "there: the learner and the engine hold different models")
-                continue
-            dest.copy_(tensor.to(dest.device, dest.dtype))
-            written[key] = written.get(key, 0) + dest.numel()
-    if error is not None:
-        raise ValueError(error)
-    full: dict[int, bool] = {}  # storage -> written in full under one of its names (tied weights)
-    for key, t in own.items():
-        full[t.data_ptr()] = full.get(t.data_ptr(), False) or written.get(key, 0) >= t.numel()
-    missing = [key for key, t in own.items() if not full[t.data_ptr()]]
-    if missing:
-        raise ValueError(f"verl's weight stream left {len(missing)} tensor(s) of {cls} unwritten, e.g. {missing[:3]}: "
-                         "the engine would serve stale weights; the learner and the engine hold different models")
+    learner_lp = response_tensor(td, old[:size], size)
+    engine_lp = response_tensor(td, engine[:size], size)
+    mask = torch.zeros_like(learner_lp)
+    for b, vals in enumerate(engine[:real]):
+        mask[b, : len(vals)] = 1.0
+    return rollout_is_weights(learner_lp, engine_lp, mask, threshold)

@@ -26,6 +26,7 @@ import time
 import types
 from typing import Any, Coroutine
 
+from mas_trainer.engines.config import EngineSettings
 from mas_trainer.errors import UserError
 from mas_trainer.rollout.config import ReplicaConfig, replica_count, require_vllm
 from mas_trainer.rollout.engine import ReplicaEngine
@@ -63,10 +64,11 @@ def weight_sync_method(cfg: ReplicaConfig, device: str) -> str:
     return "naive" if cfg.placement == "colocated" else "nccl"
 
 
-def rollout_config(policy: str, kind: str, cfg: ReplicaConfig, *, device: str, torch_opts: dict[str, Any] | None = None,
-                   gpus_per_node: int = 8) -> Any:
+def rollout_config(policy: str, kind: str, cfg: ReplicaConfig, *, device: str, settings: EngineSettings | None = None,
+                   torch_threads: int | None = None, gpus_per_node: int = 8) -> Any:
     """verl's `RolloutConfig` of a policy's replicas; the learner's side of the weight sync
-    reads its checkpoint-engine section too, so both ends agree on backend and group."""
+    reads its checkpoint-engine section too, so both ends agree on backend and group. A torch
+    replica reads its engine settings, whole, from `custom["mas_torch"]`."""
     from verl.workers.config import CheckpointEngineConfig, RolloutConfig
 
     method = weight_sync_method(cfg, device)
@@ -88,7 +90,8 @@ def rollout_config(policy: str, kind: str, cfg: ReplicaConfig, *, device: str, t
             backend=method, update_weights_bucket_megabytes=cfg.bucket_mb, engine_kwargs=engine_kwargs,
             # verl imports this in every process that builds a checkpoint engine (registers mas-gloo)
             custom_backend_module="mas_trainer.rollout.gloo_sync" if method == "mas-gloo" else None),
-        custom={"mas_torch": dict(torch_opts or {}, device=device)},
+        custom={"mas_torch": {"engine": (settings or EngineSettings()).model_dump(), "device": device,
+                              "torch_threads": torch_threads}},
     )
 
 
@@ -113,12 +116,13 @@ class RolloutFleet:
     `LLMServerManager(start_rank=...)` does for its own replicas."""
 
     def __init__(self, policy: str, model_dir: str, kind: str, cfg: ReplicaConfig, *, device: str,
-                 torch_opts: dict[str, Any] | None = None, gpus_per_node: int = 8, first_rank: int = 0) -> None:
+                 settings: EngineSettings | None = None, torch_threads: int | None = None, gpus_per_node: int = 8,
+                 first_rank: int = 0) -> None:
         if kind == "vllm" and device != "cuda":
             raise UserError("engine vllm runs on GPUs; this machine has none (use engine torch-replica or embedded)")
         self.policy, self.model_dir, self.kind, self.cfg, self.device = policy, model_dir, kind, cfg, device
         self.weight_sync = weight_sync_method(cfg, device)
-        self.torch_opts = dict(torch_opts or {}, device=device)
+        self.settings, self.torch_threads = settings, torch_threads
         self.gpus_per_node = gpus_per_node
         self.first_rank = first_rank
         self.replicas: list[Any] = []
@@ -133,8 +137,8 @@ class RolloutFleet:
         return self.device == "cuda" and self.cfg.placement == "colocated"
 
     def rollout_config(self) -> Any:
-        return rollout_config(self.policy, self.kind, self.cfg, device=self.device, torch_opts=self.torch_opts,
-                              gpus_per_node=self.gpus_per_node)
+        return rollout_config(self.policy, self.kind, self.cfg, device=self.device, settings=self.settings,
+                              torch_threads=self.torch_threads, gpus_per_node=self.gpus_per_node)
 
     def build_replicas(self, replica_cls: Any, learner_world: int) -> list[Any]:
         """The policy's replicas (not started), ranks `first_rank ...`, as verl names them."""

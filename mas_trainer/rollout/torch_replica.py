@@ -63,15 +63,15 @@ class TorchRolloutServer(Worker):
         from verl.checkpoint_engine import CheckpointEngineRegistry
 
         import mas_trainer.rollout.gloo_sync  # noqa: F401  (registers mas-gloo)
+        from mas_trainer.engines.config import EngineSettings
         from mas_trainer.engines.torch_engine import load_engine
 
         opts = dict((rollout_config.custom or {}).get("mas_torch", {}))
         if opts.get("torch_threads"):
             torch.set_num_threads(int(opts["torch_threads"]))
         device = torch.device("cuda", torch.cuda.current_device()) if opts.get("device") == "cuda" else torch.device("cpu")
-        # the fleet always sends the policy's engine settings (`torch_opts`); absent ones keep the engine's defaults
-        settings = {k: opts[k] for k in ("max_batch_size", "batch_wait_ms", "bf16", "prefix_cache_mb", "fast_decode") if opts.get(k) is not None}
-        self.engine = load_engine(model_config.local_path, name=f"replica-{replica_rank}", device=device, **settings)
+        self.engine = load_engine(model_config.local_path, name=f"replica-{replica_rank}", device=device,
+                                  settings=EngineSettings.model_validate(opts.get("engine", {})))
         self.replica_rank = replica_rank
         self.global_steps: int | None = None
         ce = rollout_config.checkpoint_engine
@@ -120,7 +120,7 @@ class TorchRolloutServer(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     async def update_weights(self, global_steps: int | None = None) -> None:
-        from mas_trainer.learners.verl_learner import load_streamed_weights
+        from mas_trainer.learners.verl_parts import load_streamed_weights
 
         received = [(name, t.clone()) async for name, t in self.checkpoint_engine.receive_weights(global_steps=global_steps)]
         # the learner's stream, verl's names (MoE experts unpacked): the same copy as the learner's own engine

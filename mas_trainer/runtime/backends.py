@@ -15,43 +15,26 @@ import threading
 from contextlib import aclosing
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Mapping
 
-from mas_trainer.config import ConfigError, FitConfig, load_config
+from mas_trainer.config import ConfigError, FitConfig, RuntimeConfig, load_config
+from mas_trainer.engines.config import EngineSettings
 from mas_trainer.gateway import PolicyBackend
+from mas_trainer.runtime.plan import decide_device
 from mas_trainer.runtime.rundir import RunDir
-from mas_trainer.runtime.star import resolve_device
 from mas_trainer.spec import PolicySpec
 
-__all__ = ["EngineSettings", "policy_backends", "torch_backend", "lazy_backend", "run_config", "trained_policies"]
+__all__ = ["policy_backends", "torch_backend", "lazy_backend", "run_config", "trained_policies"]
 
 log = logging.getLogger(__name__)
 
 
-class EngineSettings(Protocol):
-    """The engine part of `RuntimeConfig` (read-only, so `RuntimeConfig`'s narrower literals fit)."""
-
-    @property
-    def max_batch_size(self) -> int: ...
-    @property
-    def batch_wait_ms(self) -> float: ...
-    @property
-    def prefix_cache_mb(self) -> float: ...
-    @property
-    def fast_decode(self) -> bool: ...
-    @property
-    def engine_bf16(self) -> bool | str: ...  # True | False | "auto"
-    @property
-    def device(self) -> str: ...  # auto | cpu | cuda
-
-
-def torch_backend(model: str, *, seed: int = 0, **settings: Any) -> PolicyBackend:
-    """The embedded engine on `model` (tiny | default | folder), its own copy of the weights;
-    `settings`: `load_engine`'s (max_batch_size, batch_wait_ms, bf16, device, prefix_cache_mb, fast_decode)."""
+def torch_backend(model: str, *, seed: int = 0, settings: EngineSettings | None = None, device: str = "cpu") -> PolicyBackend:
+    """The embedded engine on `model` (tiny | default | folder), its own copy of the weights."""
     from mas_trainer.engines.chat import HFChatFormat
     from mas_trainer.engines.torch_engine import load_engine
 
-    built = load_engine(model, name=model, seed=seed, **settings)
+    built = load_engine(model, name=model, seed=seed, settings=settings, device=device)
     return PolicyBackend(built, HFChatFormat(built.tokenizer))
 
 
@@ -111,7 +94,7 @@ def lazy_backend(name: str, factory: Callable[[], PolicyBackend]) -> PolicyBacke
 
 def policy_backends(
     policies: Mapping[str, PolicySpec],
-    settings: EngineSettings,
+    runtime: RuntimeConfig,
     *,
     seed: int = 0,
     checkpoints: Mapping[str, str | Path] | None = None,
@@ -121,21 +104,20 @@ def policy_backends(
     """One backend per policy of an app's spec (`spec.policies`).
 
     A policy in `served` keeps the backend given there (fit: its worker group's engine).
-    Any other gets the embedded engine, configured by `settings`, on its weights: the folder in
+    Any other gets the embedded engine, configured by `runtime` (its engine settings and device), on its weights: the folder in
     `checkpoints` (trained), else its base model built with `seed` (which only `tiny` reads).
     Trainable policies start now; frozen ones on their first call. `factory` (model -> backend)
     replaces the embedded engine, e.g. with fake engines in tests.
     """
 
+    settings, device = EngineSettings.of(runtime), decide_device(runtime.device)
+
     def build(name: str, model: str) -> PolicyBackend:
         if factory is not None:
             return factory(model)
-        device = resolve_device(settings.device)
         log.info("policy %s: engine on %s (%s, bf16 %s, %d rows a batch)", name, model, device, settings.engine_bf16,
                  settings.max_batch_size)
-        return torch_backend(model, seed=seed, max_batch_size=settings.max_batch_size, bf16=settings.engine_bf16,
-                             batch_wait_ms=settings.batch_wait_ms, device=device, prefix_cache_mb=settings.prefix_cache_mb,
-                             fast_decode=settings.fast_decode)
+        return torch_backend(model, seed=seed, settings=settings, device=device)
 
     served, checkpoints = served or {}, checkpoints or {}
     out: dict[str, PolicyBackend] = {}

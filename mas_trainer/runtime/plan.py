@@ -1,6 +1,6 @@
 """What `fit` will do, decided once before anything starts: the run plan (`RunPlan`: learner,
 device, where the workers run, pools, engines, trackers, allocator) and in it one worker plan per trainable
-policy (`WorkerPlan`: what the controller tells a worker group to be).
+policy (`policy.contract.WorkerPlan`: what the controller tells a worker group to be).
 
 The plan crosses a process boundary (a Ray actor's constructor), so it carries plain data and
 pydantic models (picklable): the already-validated sections of the `fit` config.
@@ -13,41 +13,12 @@ from typing import Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mas_trainer.algo.config import AdvantageConfig
-from mas_trainer.config import ConfigError, FitConfig, Resources, RuntimeConfig, check_runtime, old_logprobs_mode, resolve_learner
-from mas_trainer.learners.config import CriticConfig, LearnerConfig
-from mas_trainer.rollout.config import ReplicaConfig, first_replica_ranks, replica_count, require_vllm
+from mas_trainer.engines.config import EngineSettings
+from mas_trainer.policy.contract import WorkerPlan
+from mas_trainer.config import ConfigError, FitConfig, RuntimeConfig, check_runtime, old_logprobs_mode, resolve_learner
+from mas_trainer.rollout.config import first_replica_ranks, replica_count, require_vllm
 
-__all__ = ["WorkerPlan", "RunPlan", "Machine", "probe_machine", "resolve_plan"]
-
-
-class WorkerPlan(BaseModel):
-    """Everything one worker group needs to start (picklable, validated once)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    policy: str
-    model: str = Field(description="model the weights start from: tiny | default | a folder | a hub id")
-    reference: str | None = Field(None, description="model of the frozen KL reference (default: `model`)")
-    learner: LearnerConfig = Field(default_factory=LearnerConfig)
-    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
-    critic: CriticConfig = Field(default_factory=CriticConfig)
-    seed: int = 0
-    device: Literal["cpu", "cuda"] = "cpu"
-    resources: Resources = Field(default_factory=Resources)
-    max_batch_size: int = 8
-    batch_wait_ms: float = 50.0  # runtime.batch_wait_ms' default
-    prefix_cache_mb: float = 0.0
-    fast_decode: bool = True
-    engine_bf16: bool | Literal["auto"] = False
-    torch_threads: int | None = None
-    engine: Literal["embedded", "vllm", "torch-replica"] = Field(
-        "embedded", description="embedded: rank 0 hosts the engine; otherwise rollout replicas serve and receive the weights")
-    replica: ReplicaConfig = Field(default_factory=ReplicaConfig, description="replica engines only")
-    replica_first_rank: int = Field(0, ge=0, description="the policy's first rollout replica rank (ranks are unique in a run)")
-    max_staleness: int = Field(0, ge=0, description="rollout.max_staleness: how many updates old a trained turn may be")
-    offload_between_phases: bool = Field(
-        False, description="GPUs shared with other worker groups: the learner's shards and optimizer leave the GPU after each update")
+__all__ = ["RunPlan", "Machine", "probe_machine", "decide_device", "resolve_plan"]
 
 
 class Machine(BaseModel):
@@ -67,6 +38,14 @@ def probe_machine() -> Machine:
     except ImportError:  # pragma: no cover - the core runs without torch
         gpus = 0
     return Machine(gpus=gpus, cpus=os.cpu_count() or 1)
+
+
+def decide_device(device: str, machine: Machine | None = None) -> Literal["cpu", "cuda"]:
+    """`runtime.device` decided: `auto` is `cuda` where torch sees a GPU (on `machine`, default
+    this one), else `cpu`. `fit`'s plan and the verbs' engines (`serve`, `eval`, `trace`) ask here."""
+    if device in ("cpu", "cuda"):
+        return device  # type: ignore[return-value]
+    return "cuda" if (machine or probe_machine()).gpus else "cpu"
 
 
 class RunPlan(BaseModel):
@@ -101,7 +80,7 @@ def resolve_plan(cfg: FitConfig, models: Mapping[str, tuple[str, str]], *, machi
     brings is checked here (`check_runtime`), so nothing is refused after Ray starts."""
     machine = machine or probe_machine()
     rt = cfg.runtime
-    device = rt.device if rt.device != "auto" else ("cuda" if machine.gpus else "cpu")
+    device = decide_device(rt.device, machine)
     learner = resolve_learner(cfg, device)
     assert learner is not None  # the device is known
     check_runtime(cfg, learner, device)
@@ -110,9 +89,7 @@ def resolve_plan(cfg: FitConfig, models: Mapping[str, tuple[str, str]], *, machi
                              learner=cfg.learner_for(p).model_copy(  # `auto` decided here, once, for every learner
                                  update={"old_logprobs": old_logprobs_mode(cfg.learner_for(p), learner, stale)}),
                              critic=cfg.critic_for(p), seed=cfg.seed, device=device, resources=cfg.resources_for(p),
-                             max_batch_size=rt.max_batch_size, batch_wait_ms=rt.batch_wait_ms, engine_bf16=rt.engine_bf16,
-                             prefix_cache_mb=rt.prefix_cache_mb, fast_decode=rt.fast_decode,
-                             engine=cfg.engine_for(p), replica=rt.replica)
+                             engine_settings=EngineSettings.of(rt), engine=cfg.engine_for(p), replica=rt.replica)
                for p, (model, base) in models.items()}
     if any(w.engine == "vllm" for w in workers.values()):  # before minutes of start-up, not after
         require_vllm()

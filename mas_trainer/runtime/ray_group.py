@@ -1,9 +1,9 @@
 """Worker groups on Ray: their actors' start and stop, and the typed proxies (the
-`star.WorkerGroupHandle` contract) the trainer and the gateway call. `ActorGroup`: one
-`WorkerGroup` actor (the torch learner). `VerlGroup`: a verl `RayWorkerGroup` of
+`WorkerGroupHandle` contract) the trainer and the gateway call. `ActorGroup`: one
+`LocalPolicy` actor (the torch learner). `VerlGroup`: a verl `RayWorkerGroup` of
 `PolicyWorker`s; serving goes to rank 0 (engine, turns), training and checkpoints to every
-rank. Each forwards through one `_call`: an abandoned await cancels its Ray task, and a
-worker's `UserError` arrives as its own line.
+rank. Both forward the contract the same way (`_RayGroup`): an abandoned await cancels its
+Ray task, and a worker's `UserError` arrives as its own line.
 """
 
 from __future__ import annotations
@@ -11,13 +11,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from mas_trainer.engines.base import Generation, SamplingParams
 from mas_trainer.errors import UserError
-from mas_trainer.runtime.plan import WorkerPlan
+from mas_trainer.policy.contract import StepResult, WarmStartExample, WorkerPlan
+from mas_trainer.policy.turns import BufferedTurn
 from mas_trainer.runtime.ray_init import init_ray, init_ray_for
-from mas_trainer.runtime.turns import BufferedTurn
+
+if TYPE_CHECKING:
+    from mas_trainer.algo.advantages import TurnRecord
+    from mas_trainer.config import WarmStartConfig
 
 __all__ = ["ActorGroup", "VerlGroup", "start_actor_groups", "start_verl_groups"]
 
@@ -49,34 +53,53 @@ async def _cancellable(ref: Any) -> Any:
         raise
 
 
-class ActorGroup:
-    """A torch-learner worker group running as one Ray actor."""
+class _RayGroup:
+    """The `WorkerGroupHandle` contract forwarded to Ray: serving calls to the process that
+    serves (`_serve`), training and checkpoint calls to every process (`_all`)."""
+
+    policy: str
+
+    async def _serve(self, method: str, *args: Any) -> Any:
+        raise NotImplementedError
+
+    async def _all(self, method: str, *args: Any) -> Any:
+        raise NotImplementedError
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, turn_id: str | None = None) -> list[Generation]:
+        return await self._serve("generate", list(prompt_ids), params, turn_id)
+
+    async def discard(self) -> int:
+        return await self._serve("discard")
+
+    async def train(self, records: Sequence[TurnRecord], turns: dict[str, BufferedTurn] | None = None) -> StepResult:
+        """`turns`: the records' turns, when rollout replicas generated them (`ReplicaGroupHandle`)."""
+        return await self._all("train", records, *([turns] if turns is not None else []))
+
+    async def warm_start(self, examples: Sequence[WarmStartExample], config: WarmStartConfig) -> dict[str, float]:
+        return await self._all("warm_start", list(examples), config)
+
+    async def save(self, folder: str, learner_dir: str) -> None:
+        await self._all("save", folder, learner_dir)
+
+    async def load(self, learner_dir: str) -> int | None:
+        return await self._all("load", learner_dir)
+
+    def failure(self) -> BaseException | None:
+        return None  # a dead actor fails the call that reaches it
+
+
+class ActorGroup(_RayGroup):
+    """A torch-learner worker group running as one Ray actor (`LocalPolicy`)."""
 
     def __init__(self, policy: str, actor: Any) -> None:
         self.policy = policy
         self.actor = actor
 
-    async def _call(self, method: str, *args: Any) -> Any:
+    async def _serve(self, method: str, *args: Any) -> Any:
         with _user_errors():
             return await _cancellable(getattr(self.actor, method).remote(*args))
 
-    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, turn_id: str | None = None) -> list[Generation]:
-        return await self._call("generate", list(prompt_ids), params, turn_id)
-
-    async def discard(self) -> int:
-        return await self._call("discard")
-
-    async def train(self, records: Sequence[Any]) -> dict[str, float]:
-        return await self._call("train", records)
-
-    async def warm_start(self, examples: Sequence[Any], config: Any) -> dict[str, float]:
-        return await self._call("warm_start", list(examples), config)
-
-    async def save(self, folder: str, learner_dir: str) -> None:
-        await self._call("save", folder, learner_dir)
-
-    async def load(self, learner_dir: str) -> int | None:
-        return await self._call("load", learner_dir)
+    _all = _serve
 
     def close(self) -> None:
         import ray
@@ -87,8 +110,9 @@ class ActorGroup:
             ray.kill(self.actor)
 
 
-class VerlGroup:
-    """A verl worker group of one policy; `plan` is the plan its ranks started with."""
+class VerlGroup(_RayGroup):
+    """A verl worker group of one policy; `plan` is the plan its ranks started with. Rank 0
+    serves; every rank trains (verl's ONE_TO_ALL) and rank 0 answers."""
 
     def __init__(self, plan: WorkerPlan, group: Any, pool: Any = None) -> None:
         self.policy = plan.policy
@@ -96,31 +120,13 @@ class VerlGroup:
         self.group = group
         self.pool = pool  # its placement groups are released on close (none when shared)
 
-    async def _call(self, method: str, *args: Any, rank0: bool = False) -> Any:
-        """Rank 0 runs `method` (serving), or every rank (verl's ONE_TO_ALL) and rank 0 answers."""
+    async def _serve(self, method: str, *args: Any) -> Any:
         with _user_errors():
-            if rank0:
-                return await _cancellable(getattr(self.group.workers[0], method).remote(*args))
+            return await _cancellable(getattr(self.group.workers[0], method).remote(*args))
+
+    async def _all(self, method: str, *args: Any) -> Any:
+        with _user_errors():
             return (await asyncio.gather(*getattr(self.group, method)(*args)))[0]
-
-    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, turn_id: str | None = None) -> list[Generation]:
-        return await self._call("generate", list(prompt_ids), params, turn_id, rank0=True)
-
-    async def discard(self) -> int:
-        return await self._call("discard", rank0=True)
-
-    async def train(self, records: Sequence[Any], turns: dict[str, BufferedTurn] | None = None) -> dict[str, float]:
-        """`turns`: the records' turns, when rollout replicas generated them (`ReplicaGroupHandle`)."""
-        return await self._call("train", records, turns)
-
-    async def warm_start(self, examples: Sequence[Any], config: Any) -> dict[str, float]:
-        return await self._call("warm_start", list(examples), config)
-
-    async def save(self, folder: str, learner_dir: str) -> None:
-        await self._call("save", folder, learner_dir)
-
-    async def load(self, learner_dir: str) -> int:
-        return await self._call("load", learner_dir)
 
     def close(self) -> None:
         import ray
@@ -135,13 +141,13 @@ class VerlGroup:
 
 
 def start_actor_groups(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, ActorGroup]:
-    """One `WorkerGroup` actor per policy; returns once every one has started."""
+    """One `LocalPolicy` actor per policy; returns once every one has started."""
     import ray
 
-    from mas_trainer.runtime.worker_group import WorkerGroup
+    from mas_trainer.policy.local import LocalPolicy
 
     init_ray(runtime, 0, {})
-    actor_cls = ray.remote(WorkerGroup)
+    actor_cls = ray.remote(LocalPolicy)
     groups = {}
     for name, plan in plans.items():  # the plan decided each group's torch threads
         gpus = plan.resources.gpus_per_proc if plan.device == "cuda" else 0
@@ -158,7 +164,7 @@ _PORT_ATTEMPTS = 3
 def _verl_group(plan: WorkerPlan, pool: Any, env: dict, cls_with_args: Any, group_cls: Any) -> tuple[WorkerPlan, Any, Any]:
     import ray
 
-    from mas_trainer.runtime.verl_group import PolicyWorker
+    from mas_trainer.policy.verl_rank import PolicyWorker
 
     cls = cls_with_args(cls=ray.remote(PolicyWorker), plan=plan)
     return plan, group_cls(resource_pool=pool, ray_cls_with_init=cls, device_name=plan.device, worker_env=env), pool

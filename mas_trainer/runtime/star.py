@@ -20,44 +20,24 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from mas_trainer.engines.base import EngineMeter, Generation, SamplingParams, choice_id
-from mas_trainer.runtime.plan import WorkerPlan
+from mas_trainer.engines.base import Generation, SamplingParams, choice_id
+from mas_trainer.engines.config import EngineSettings
+from mas_trainer.policy.contract import StepResult, WarmStartExample, WorkerGroupHandle, WorkerPlan
+from mas_trainer.policy.turns import Serving, TurnStore
+from mas_trainer.runtime.plan import decide_device
 from mas_trainer.runtime.ray_init import init_ray_for
 from mas_trainer.runtime.ray_group import VerlGroup, start_actor_groups, start_verl_groups
-from mas_trainer.runtime.turns import TurnStore
 
-__all__ = ["WorkerGroupHandle", "ReplicaGroupHandle", "WorkerEngine", "start_workers", "resolve_device",
+if TYPE_CHECKING:
+    from mas_trainer.algo.advantages import TurnRecord
+    from mas_trainer.config import RuntimeConfig, WarmStartConfig
+
+__all__ = ["WorkerGroupHandle", "ReplicaGroupHandle", "WorkerEngine", "HOSTS", "register_host", "start_workers",
            "serving_backends"]
 
 log = logging.getLogger(__name__)
-
-
-class WorkerGroupHandle(Protocol):
-    """What the trainer and the gateway need of a policy's worker group, whichever learner
-    and wherever it runs: `generate` (with a `turn_id` the choices' tokens stay in the group),
-    `discard` (forget them; how many), `train` (one update from the controller's thin
-    `TurnRecord`s; its metrics, with the engine keys of `engines.base.ENGINE_METRICS`),
-    `warm_start` (the supervised phase before RL, on (prompt ids, completion ids) examples with
-    a `WarmStartConfig`; its `sft_*` metrics; afterwards the engines serve the new weights), `save`
-    (Hugging Face folder, learner state), `load` (learner state; verl: its update count)."""
-
-    policy: str
-
-    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, turn_id: str | None = None) -> list[Generation]: ...
-
-    async def discard(self) -> int: ...
-
-    async def train(self, records: Sequence[Any]) -> dict[str, float]: ...
-
-    async def warm_start(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]], config: Any) -> dict[str, float]: ...
-
-    async def save(self, folder: str, learner_dir: str) -> None: ...
-
-    async def load(self, learner_dir: str) -> int | None: ...
-
-    def close(self) -> None: ...
 
 
 class ReplicaGroupHandle:
@@ -76,8 +56,7 @@ class ReplicaGroupHandle:
         self.fleet = fleet
         self._versions: dict[str, int] = {}
         self.engine = fleet.engine(tokenizer, on_output=self._answered)
-        self.turns = TurnStore(learner.policy, learner.plan.max_staleness)
-        self.meter = EngineMeter(self.engine)
+        self.serving = Serving(self.engine, TurnStore(learner.policy, learner.plan.max_staleness))
 
     def _answered(self, request_id: str, out: Any) -> None:
         self._versions[request_id] = int(out.extra_fields.get("global_steps") or 0)
@@ -87,24 +66,28 @@ class ReplicaGroupHandle:
         gens = await self.engine.generate(prompt_ids, params, turn_id=call)
         answered = [self._versions.pop(choice_id(call, i), self.fleet.version) for i in range(len(gens))]
         if turn_id is not None:  # the oldest weights any of its choices came from
-            self.turns.record(turn_id, prompt_ids, gens, min(answered, default=self.fleet.version))
+            self.serving.turns.record(turn_id, prompt_ids, gens, min(answered, default=self.fleet.version))
         return gens
 
     async def discard(self) -> int:
         self._versions.clear()
-        self.meter.read()
-        return self.turns.clear()
+        return self.serving.discard()
 
-    async def train(self, records: Sequence[Any]) -> dict[str, float]:
+    def failure(self) -> BaseException | None:
+        return self.engine.failure
+
+    async def train(self, records: Sequence[TurnRecord]) -> StepResult:
         if self.engine.failure is not None:  # never train on a step a dead replica cut short
             raise self.engine.failure
-        turns = {r.turn_id: t for r, t in self.turns.take(records, self.fleet.version)}
-        refused = self.turns.stale_metrics()
+        store = self.serving.turns
+        turns = {r.turn_id: t for r, t in store.take(records, self.fleet.version)}
+        refused = store.stale_metrics()
         stale = sum(1 for t in turns.values() if t.version != self.fleet.version)
-        if not self.turns.max_staleness:  # nothing in flight: forget what cancelled calls left
+        if not store.max_staleness:  # nothing in flight: forget what cancelled calls left
             self._versions.clear()
         await self.fleet.sleep(self.learner.group)
-        metrics = await self.learner.train(records, turns)
+        result = await self.learner.train(records, turns)
+        metrics = result.metrics
         try:
             metrics.update(await self.fleet.sync_weights(self.learner.group, int(metrics.get("updates", 0))))
         except Exception as exc:  # a replica gone during the sync: stop here, resumable
@@ -112,9 +95,10 @@ class ReplicaGroupHandle:
         metrics["replica/stale_turns"] = float(stale)
         for key, n in refused.items():  # the ones refused here, beside any the learner refused
             metrics[key] = metrics.get(key, 0.0) + n
-        return {**metrics, **self.meter.read()}
+        metrics.update(self.serving.figures())
+        return result
 
-    async def warm_start(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]], config: Any) -> dict[str, float]:
+    async def warm_start(self, examples: Sequence[WarmStartExample], config: WarmStartConfig) -> dict[str, float]:
         """The learner's warm start, then verl's weight sync to the replicas (no rollout has run yet)."""
         await self.fleet.sleep(self.learner.group)
         metrics = await self.learner.warm_start(examples, config)
@@ -128,8 +112,8 @@ class ReplicaGroupHandle:
         await self.learner.save(folder, learner_dir)
 
     async def load(self, learner_dir: str) -> int:
-        updates = await self.learner.load(learner_dir)
-        await self.fleet.set_version(int(updates))  # the replicas started from the checkpoint's weights
+        updates = int(await self.learner.load(learner_dir) or 0)
+        await self.fleet.set_version(updates)  # the replicas started from the checkpoint's weights
         return updates
 
     def close(self) -> None:
@@ -153,31 +137,34 @@ class WorkerEngine:
         pass
 
 
-def resolve_device(device: str) -> str:
-    """`auto` -> `cuda` where torch sees a GPU, else `cpu`."""
-    if device != "auto":
-        return device
-    try:
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    except ImportError:  # pragma: no cover - the core runs without torch
-        return "cpu"
+HOSTS: dict[str, Callable[[dict[str, WorkerPlan], RuntimeConfig], dict[str, WorkerGroupHandle]]] = {}
+"""learner kind (`runtime.learner`) -> what starts its policies' worker groups (`register_host`)."""
 
 
-def start_workers(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, WorkerGroupHandle]:
+def register_host(learner: str) -> Callable[[Callable], Callable]:
+    def add(start: Callable) -> Callable:
+        HOSTS[learner] = start
+        return start
+    return add
+
+
+def start_workers(plans: dict[str, WorkerPlan], runtime: RuntimeConfig) -> dict[str, WorkerGroupHandle]:
     """One worker group per trainable policy, as the run plan (`runtime/plan.py`, where every rule
     was checked) says: `runtime` is its runtime section, learner and device decided."""
-    if runtime.learner == "verl":
-        return _start_verl(plans, runtime)
-    if runtime.execution == "local":
-        from mas_trainer.runtime.worker_group import WorkerGroup
+    return HOSTS[runtime.learner](plans, runtime)
 
-        return {name: WorkerGroup(plan) for name, plan in plans.items()}
+
+@register_host("torch")
+def _start_torch(plans: dict[str, WorkerPlan], runtime: RuntimeConfig) -> dict[str, WorkerGroupHandle]:
+    if runtime.execution == "local":
+        from mas_trainer.policy.local import LocalPolicy
+
+        return {name: LocalPolicy(plan) for name, plan in plans.items()}
     return dict(start_actor_groups(plans, runtime))
 
 
-def _start_verl(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, WorkerGroupHandle]:
+@register_host("verl")
+def _start_verl(plans: dict[str, WorkerPlan], runtime: RuntimeConfig) -> dict[str, WorkerGroupHandle]:
     groups = start_verl_groups(plans, runtime)
     handles: dict[str, WorkerGroupHandle] = dict(groups)
     try:
@@ -198,19 +185,16 @@ def _with_replicas(learner: VerlGroup) -> ReplicaGroupHandle:
 
     plan = learner.plan
     model_dir = str(materialize(plan.model, seed=plan.seed))
-    opts = {"max_batch_size": plan.max_batch_size, "batch_wait_ms": plan.batch_wait_ms, "bf16": plan.engine_bf16,
-            "prefix_cache_mb": plan.prefix_cache_mb, "fast_decode": plan.fast_decode,
-            "torch_threads": plan.torch_threads}
     try:
-        fleet = RolloutFleet(plan.policy, model_dir, plan.engine, plan.replica,
-                             device=plan.device, torch_opts=opts, first_rank=plan.replica_first_rank).start(learner.group)
+        fleet = RolloutFleet(plan.policy, model_dir, plan.engine, plan.replica, device=plan.device, settings=plan.engine_settings,
+                             torch_threads=plan.torch_threads, first_rank=plan.replica_first_rank).start(learner.group)
     except BaseException:
         learner.close()
         raise
     return ReplicaGroupHandle(learner, fleet, load_tokenizer(model_dir))
 
 
-def serving_backends(checkpoints: dict[str, Any], kind: str, runtime: Any) -> dict[str, Any]:
+def serving_backends(checkpoints: dict[str, Any], kind: str, runtime: RuntimeConfig) -> dict[str, Any]:
     """`serve --engine vllm|torch-replica`: rollout replicas on each trained policy's Hugging
     Face folder (no learner, no weight sync), as gateway backends; closing a backend's engine
     stops its replicas."""
@@ -222,17 +206,15 @@ def serving_backends(checkpoints: dict[str, Any], kind: str, runtime: Any) -> di
 
     if kind == "vllm":
         require_vllm()
-    device = resolve_device(runtime.device)
+    device = decide_device(runtime.device)
     cfg: ReplicaConfig = runtime.replica.model_copy(update={"placement": "separate"})
     init_ray_for(device, runtime, cfg.replicas * len(checkpoints))
-    opts = {"max_batch_size": runtime.max_batch_size, "batch_wait_ms": runtime.batch_wait_ms, "bf16": runtime.engine_bf16,
-            "prefix_cache_mb": runtime.prefix_cache_mb, "fast_decode": runtime.fast_decode}
     backends: dict[str, Any] = {}
     fleets: list[RolloutFleet] = []
     try:
         first = first_replica_ranks({name: cfg.replicas for name in checkpoints})
         for name, folder in checkpoints.items():
-            fleet = RolloutFleet(name, str(folder), kind, cfg, device=device, torch_opts=opts,
+            fleet = RolloutFleet(name, str(folder), kind, cfg, device=device, settings=EngineSettings.of(runtime),
                                  first_rank=first[name]).start()
             fleets.append(fleet)
             tokenizer = load_tokenizer(str(folder))

@@ -13,10 +13,11 @@ RNG state needs is refused. DTensor and its placements are torch's own safe glob
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from mas_trainer.errors import UserError
 
-__all__ = ["refuse_code_in_checkpoints"]
+__all__ = ["refuse_code_in_checkpoints", "load_tensors"]
 
 # What `np.random.get_state()` pickles to (verl's BaseCheckpointManager.get_rng_state), under
 # numpy 1.x and 2.x names; dtype classes are numpy's own (`numpy.dtypes.UInt32DType`).
@@ -43,3 +44,17 @@ def refuse_code_in_checkpoints(folder: str | Path) -> None:
         if bad:
             raise UserError(f"{path} names {', '.join(bad[:3])} (a pickle that could run code when loaded); refused: "
                             "resume only run directories this project wrote")
+
+
+def load_tensors(path: str | Path) -> Any:
+    """This project's own `.pt` file: tensors, numbers and containers only (`weights_only`);
+    a pickle that names anything else is refused in one line."""
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError:
+        raise UserError(f"{path} holds more than tensors and numbers (a pickle that could run code); refused: "
+                        "resume only run directories this project wrote") from None

@@ -25,9 +25,9 @@ ROOT = Path(__file__).resolve().parents[2]
 IMPORTS = """
 import importlib.metadata as md, json, os, sys
 from verl.workers.engine_workers import TrainingWorker
-import mas_trainer.runtime.trainer, mas_trainer.runtime.verl_group, mas_trainer.runtime.worker_group
+import mas_trainer.runtime.trainer, mas_trainer.policy.verl_rank, mas_trainer.policy.local
 import mas_trainer.rollout.fleet, mas_trainer.rollout.torch_replica, mas_trainer.rollout.gloo_sync
-import mas_trainer.adapters.langgraph, mas_trainer.learners.torch_learner, mas_trainer.learners.verl_learner
+import mas_trainer.adapters.langgraph, mas_trainer.learners.torch_learner, mas_trainer.learners.verl_parts
 import mas_trainer.learners.verl_cpu, mas_trainer.runtime.tracking
 dists = md.packages_distributions()
 # each loaded module by where its file lies: Ray's vendored copies (ray/thirdparty_files) are Ray's
@@ -129,7 +129,7 @@ def test_mfu_counts_6n_per_trained_token_over_the_train_seconds(load_bench):
 
 
 def test_the_train_step_is_timed_without_the_old_logprob_forward(load_bench):
-    """verl's row (keys as verl_group.py writes them): the MFU is over train_mini_batch alone."""
+    """verl's row (keys as the verl learner writes them): the MFU is over train_mini_batch alone."""
     check = load_bench("gpu_check")
     pre = f"policy/{check.POLICY}/"
     row = {"step": 1, "perf/tokens_per_s": 100.0, "time/rollout_s": 5.0, "time/update_s": 4.0,

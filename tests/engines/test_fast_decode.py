@@ -19,6 +19,7 @@ from mas_trainer.engines.base import SamplingParams  # noqa: E402
 from mas_trainer.engines.kv import ATTENTION, SPARE, GrowingLayer, new_cache, use_decode_attention  # noqa: E402
 from mas_trainer.engines.models import load_model  # noqa: E402
 from mas_trainer.engines.torch_engine import TOP_K_FIRST, TorchEngine, top_p_filter  # noqa: E402
+from mas_trainer.engines.config import EngineSettings
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +58,7 @@ async def test_fast_decode_decodes_exactly_as_the_plain_cache(gqa, prefix_cache_
     model, tok = gqa
     runs = []
     for fast in (False, True):  # float64: any difference is the method's, not fp32 rounding
-        with TorchEngine(copy.deepcopy(model), tok, model_name="kv", max_batch_size=8, dtype=torch.float64,
-                         fast_decode=fast, prefix_cache_mb=prefix_cache_mb) as eng:
+        with TorchEngine(copy.deepcopy(model), tok, model_name="kv", dtype=torch.float64, settings=EngineSettings(max_batch_size=8, prefix_cache_mb=prefix_cache_mb, fast_decode=fast, engine_bf16=False)) as eng:
             assert eng.fast_decode is fast and (eng.model.config._attn_implementation == ATTENTION) is fast
             runs.append(await _workload(eng))
             assert max(eng.stats["batch_sizes"]) >= 4  # the rows really shared a batch

@@ -16,6 +16,7 @@ from mas_trainer.engines.chat import HFChatFormat  # noqa: E402
 from mas_trainer.engines.models import load_model  # noqa: E402
 from mas_trainer.engines.prefix_cache import BLOCK, PrefixCache  # noqa: E402
 from mas_trainer.engines.torch_engine import TorchEngine  # noqa: E402
+from mas_trainer.engines.config import EngineSettings
 
 SYSTEM = "You are a careful planner. " * 8  # a system prompt of several blocks
 
@@ -65,7 +66,7 @@ async def test_cached_prefixes_give_the_same_tokens_and_logprobs_as_none(tiny, c
     # prompt; in fp32 their rounding can flip a sample of the near-uniform random model
     with TorchEngine(copy.deepcopy(model), tok, model_name="off", dtype=torch.float64) as off:
         plain = await _workload(off, shared, turn1, turn2)
-    with TorchEngine(copy.deepcopy(model), tok, model_name="on", dtype=torch.float64, prefix_cache_mb=64) as on:
+    with TorchEngine(copy.deepcopy(model), tok, model_name="on", dtype=torch.float64, settings=EngineSettings(prefix_cache_mb=64, engine_bf16=False)) as on:
         cached = await _workload(on, shared, turn1, turn2)
         saved, prompt_tokens = on.stats["cached_tokens"], on.stats["prompt_tokens"]
         metrics, hits, lookups = on.metrics(), on._prefix.hits, on._prefix.lookups
@@ -92,7 +93,7 @@ async def test_a_weight_update_clears_the_cache(tiny, chats):
     other, _ = load_model("tiny", seed=1)
     shared, _, _ = chats
     seeded = SamplingParams(max_tokens=8, seed=0)
-    with TorchEngine(copy.deepcopy(model), tok, model_name="swap", dtype=torch.float64, prefix_cache_mb=64) as eng:
+    with TorchEngine(copy.deepcopy(model), tok, model_name="swap", dtype=torch.float64, settings=EngineSettings(prefix_cache_mb=64, engine_bf16=False)) as eng:
         await eng.generate(shared[0], seeded)
         assert len(eng._prefix) == 1
         eng.update_weights(other.double().state_dict())

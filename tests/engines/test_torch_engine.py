@@ -16,6 +16,7 @@ from mas_trainer.engines.base import Engine, Generation, SamplingParams  # noqa:
 from mas_trainer.engines.chat import HFChatFormat  # noqa: E402
 from mas_trainer.engines.models import load_model  # noqa: E402
 from mas_trainer.engines.torch_engine import TorchEngine  # noqa: E402
+from mas_trainer.engines.config import EngineSettings
 
 SCHEMA = {
     "type": "object",
@@ -32,7 +33,7 @@ def tiny():
 @pytest.fixture(scope="module")
 def engine(tiny):
     model, tok = tiny
-    eng = TorchEngine(model, tok, model_name="tiny", max_batch_size=8)
+    eng = TorchEngine(model, tok, model_name="tiny", settings=EngineSettings(max_batch_size=8, engine_bf16=False))
     yield eng
     eng.close()
 
@@ -125,7 +126,7 @@ async def test_requests_join_a_running_batch(tiny, prompts):
 
     # float64: a batch of another shape takes other matmul kernels, whose fp32 rounding can flip
     # a sample of the near-uniform random model on some CPUs (seen on AVX2-only ones)
-    with TorchEngine(copy.deepcopy(model), tok, model_name="tiny", max_batch_size=4, dtype=torch.float64) as eng:
+    with TorchEngine(copy.deepcopy(model), tok, model_name="tiny", dtype=torch.float64, settings=EngineSettings(max_batch_size=4, engine_bf16=False)) as eng:
         alone = [(await eng.generate(p, seeded))[0].token_ids for p in (short, longest, middle)]
         prefills = eng.stats["prefills"]
         eng.stats["batch_sizes"].clear()

@@ -240,9 +240,10 @@ def tiny_backend():
     from mas_trainer.engines.chat import HFChatFormat
     from mas_trainer.engines.models import load_model
     from mas_trainer.engines.torch_engine import TorchEngine
+    from mas_trainer.engines.config import EngineSettings
 
     model, tok = load_model("tiny", seed=0)
-    engine = TorchEngine(model, tok, model_name="tiny", max_batch_size=8, batch_wait_ms=1)
+    engine = TorchEngine(model, tok, model_name="tiny", settings=EngineSettings(max_batch_size=8, batch_wait_ms=1, engine_bf16=False))
     yield PolicyBackend(engine, HFChatFormat(tok))
     engine.close()
 

@@ -15,6 +15,7 @@ from pydantic import ValidationError  # noqa: E402
 from mas_trainer.engines.base import SamplingParams  # noqa: E402
 from mas_trainer.engines.models import load_model  # noqa: E402
 from mas_trainer.engines.torch_engine import TorchEngine  # noqa: E402
+from mas_trainer.engines.config import EngineSettings
 from mas_trainer.errors import UserError  # noqa: E402
 from mas_trainer.learners import LearnerConfig, TorchLearner, Turn  # noqa: E402
 from mas_trainer.engines.models import is_adapter  # noqa: E402
@@ -54,7 +55,7 @@ def logits(model, ids=((1, 5, 9, 200, 31, 7),)):
 
 def test_only_the_adapter_trains_and_the_engine_generates_with_it(tiny):
     model, tok = tiny
-    with TorchEngine(model, tok, model_name="tiny", max_batch_size=4) as engine:
+    with TorchEngine(model, tok, model_name="tiny", settings=EngineSettings(max_batch_size=4, engine_bf16=False)) as engine:
         learner = TorchLearner(engine.model, LearnerConfig(lr=5e-2, shuffle=False, **LORA), base_model="tiny")
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
         assert trainable and all("lora_" in n for n in trainable)

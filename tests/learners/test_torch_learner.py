@@ -15,6 +15,7 @@ from verl.trainer.ppo import core_algos  # noqa: E402
 from mas_trainer.engines.base import SamplingParams  # noqa: E402
 from mas_trainer.engines.models import load_model  # noqa: E402
 from mas_trainer.engines.torch_engine import TorchEngine  # noqa: E402
+from mas_trainer.engines.config import EngineSettings
 from mas_trainer.errors import UserError  # noqa: E402
 from mas_trainer.learners import LearnerConfig, TorchLearner, Turn, pack_turns  # noqa: E402
 
@@ -79,7 +80,7 @@ def test_engine_logprobs_are_the_old_logprobs_and_updates_reach_the_engine(tiny)
     """The engine's sampled log-probs are exactly what the learner computes (fp32), so the
     first PPO pass has ratio 1; after an update on the engine's thread it samples from the new weights."""
     model, tok = tiny
-    with TorchEngine(model, tok, model_name="tiny", max_batch_size=4) as engine:
+    with TorchEngine(model, tok, model_name="tiny", settings=EngineSettings(max_batch_size=4, engine_bf16=False)) as engine:
         learner = TorchLearner(engine.model, LearnerConfig(lr=1e-2, shuffle=False, **FP32))
         prompts = [[1, 30, 31, 32], [1, 40, 41, 42, 43, 44, 45]]
         gens = [engine.generate_sync(p, SamplingParams(max_tokens=6, seed=i, ignore_eos=True))[0] for i, p in enumerate(prompts)]

@@ -11,7 +11,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from mas_trainer.learners.config import LearnerConfig
-from mas_trainer.learners.verl_learner import (
+from mas_trainer.learners.verl_parts import (
     attention_implementation,
     load_streamed_weights,
     training_worker_config,

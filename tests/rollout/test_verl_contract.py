@@ -236,7 +236,7 @@ def test_colocated_replicas_run_on_the_learner_ranks_as_verls_hybrid_engine(vllm
     """Point 5: colocated, verl gives each `tensor_parallel_size` learner ranks one replica
     (`LLMServerManager`), whose vLLMReplica asserts workers == TP x DP; each learner rank's own
     ServerAdapter (mas_trainer's hybrid worker) finds its replica's server by verl's name."""
-    from mas_trainer.runtime import verl_group
+    from mas_trainer.policy import verl_rank
 
     _Replica.launched.clear()
     world, tp = 4, 2
@@ -256,7 +256,7 @@ def test_colocated_replicas_run_on_the_learner_ranks_as_verls_hybrid_engine(vllm
             adapter = _adapter(vllm_rollout, monkeypatch, rank=rank, local_world=world, config=fleet.rollout_config(),
                                model_config=fleet.replicas[0].model_config,
                                replica_rank=fleet.first_rank + rank // tp)
-            via_worker = verl_group._server_adapter(fleet.rollout_config(), tiny_dir, fleet.first_rank + rank // tp)
+            via_worker = verl_rank._server_adapter(fleet.rollout_config(), tiny_dir, fleet.first_rank + rank // tp)
             assert via_worker.replica_rank == adapter.replica_rank
             if adapter._ensure_server_handle():
                 owners.append(adapter.looked_up[0])

@@ -13,7 +13,7 @@ from mas_trainer.engines.base import Generation
 from mas_trainer.runtime.plan import Machine, resolve_plan
 from mas_trainer.runtime.rundir import RunDir
 from mas_trainer.runtime.trainer import fit
-from mas_trainer.runtime.turns import TurnStore
+from mas_trainer.policy.turns import TurnStore
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = ROOT / "tests" / "fixtures" / "words_app.py"

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from mas_trainer.config import ConfigError, load_config
-from mas_trainer.runtime.plan import Machine, RunPlan, WorkerPlan, resolve_plan
+from mas_trainer.policy.contract import WorkerPlan
+from mas_trainer.runtime.plan import Machine, RunPlan, resolve_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = ROOT / "tests" / "fixtures" / "words_app.py"
@@ -115,7 +116,24 @@ def test_engine_vllm_without_vllm_is_refused_by_the_plan(monkeypatch):
     _plan("policies.lead.engine=embedded", gpus=2)  # no vllm policy: nothing asked
 
 
-def test_engine_settings_reach_every_worker_plan():
-    plan = _plan("runtime.fast_decode=false", "runtime.prefix_cache_mb=64", "runtime.batch_wait_ms=5")
-    assert {(w.fast_decode, w.prefix_cache_mb, w.batch_wait_ms) for w in plan.workers.values()} == {(False, 64.0, 5.0)}
-    assert {w.fast_decode for w in _plan().workers.values()} == {True}  # the default
+def test_engine_settings_reach_every_worker_plan_whole():
+    from mas_trainer.engines.config import EngineSettings
+
+    plan = _plan("runtime.fast_decode=false", "runtime.prefix_cache_mb=64", "runtime.batch_wait_ms=5",
+                 "runtime.engine_bf16=false", "runtime.max_batch_size=3")
+    want = EngineSettings(fast_decode=False, prefix_cache_mb=64, batch_wait_ms=5, engine_bf16=False, max_batch_size=3)
+    assert [w.engine_settings for w in plan.workers.values()] == [want] * len(plan.workers)
+    # the defaults are the config's, one set of them (a plan made without a config used to differ in engine_bf16)
+    assert [w.engine_settings for w in _plan().workers.values()][0] == EngineSettings()
+
+
+def test_a_torch_replica_gets_the_engine_settings_whole():
+    pytest.importorskip("verl")
+    from mas_trainer.engines.config import EngineSettings
+    from mas_trainer.rollout.config import ReplicaConfig
+    from mas_trainer.rollout.fleet import rollout_config
+
+    settings = EngineSettings(fast_decode=False, prefix_cache_mb=8, batch_wait_ms=1, engine_bf16=False, max_batch_size=2)
+    rcfg = rollout_config("p", "torch-replica", ReplicaConfig(), device="cpu", settings=settings, torch_threads=1)
+    # what TorchRolloutServer reads back
+    assert EngineSettings.model_validate(rcfg.custom["mas_torch"]["engine"]) == settings

@@ -52,7 +52,8 @@ def _crash_at(point: str, count: int) -> None:
     """
     import torch
 
-    from mas_trainer.runtime import rundir, worker_group
+    from mas_trainer.policy import local
+    from mas_trainer.runtime import rundir
 
     assert point in POINTS, point
     seen: Counter = Counter()
@@ -62,7 +63,7 @@ def _crash_at(point: str, count: int) -> None:
         if name == point and seen[name] == count:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    generate = worker_group.WorkerGroup.generate
+    generate = local.LocalPolicy.generate
 
     async def _generate(self, *args, **kwargs):
         at("generate")
@@ -109,7 +110,7 @@ def _crash_at(point: str, count: int) -> None:
             at("renamed")
         return replace(src, dst, *args, **kwargs)
 
-    worker_group.WorkerGroup.generate = _generate
+    local.LocalPolicy.generate = _generate
     rundir.RunDir.write_trajectories = _write_trajectories
     rundir.RunDir.append_metrics = _append_metrics
     rundir.RunDir.commit = _commit
@@ -130,7 +131,7 @@ def _zygote() -> None:
     import mas_trainer.engines.models  # noqa: F401
     import mas_trainer.plots  # noqa: F401
     import mas_trainer.runtime.trainer  # noqa: F401
-    import mas_trainer.runtime.worker_group  # noqa: F401
+    import mas_trainer.policy.local  # noqa: F401
     from mas_trainer.cli import main
 
     print(json.dumps({"ready": True}), flush=True)
@@ -485,7 +486,7 @@ def test_killing_the_driver_of_a_ray_run_leaves_no_ray_process(tmp_path):
         running = " | ".join(_processes_marked(mark).values())
         if "raylet" not in running:
             pytest.skip("fit joined a Ray cluster it did not start")
-        assert running.count("ray::WorkerGroup") == 2, running
+        assert running.count("ray::LocalPolicy") == 2, running
         os.kill(proc.pid, signal.SIGKILL)  # the driver only, not its process group
         proc.wait()
         deadline = time.time() + 20  # Ray's actors go in about 2 s; its agents, unwatched, after 60 s

@@ -97,8 +97,8 @@ def test_verl_and_torch_learners_agree_on_one_update(tmp_path):
     from mas_trainer.learners.config import LearnerConfig
     from mas_trainer.learners.torch_learner import TorchLearner
     from mas_trainer.learners.verl_cpu import PlatformCPU, worker_env
-    from mas_trainer.runtime.plan import WorkerPlan
-    from mas_trainer.runtime.verl_group import PolicyWorker
+    from mas_trainer.policy.contract import WorkerPlan
+    from mas_trainer.policy.verl_rank import PolicyWorker
 
     lr = 1e-3
     learner = {"lr": lr, "mini_batch_size": 8, "micro_batch_size": 2, "bf16": False, "shuffle": False}
@@ -280,8 +280,8 @@ def test_verl_warm_start_moves_the_weights_and_matches_the_torch_learner(tmp_pat
     from mas_trainer.learners.config import LearnerConfig
     from mas_trainer.learners.torch_learner import TorchLearner
     from mas_trainer.learners.verl_cpu import PlatformCPU, worker_env
-    from mas_trainer.runtime.plan import WorkerPlan
-    from mas_trainer.runtime.verl_group import PolicyWorker
+    from mas_trainer.policy.contract import WorkerPlan
+    from mas_trainer.policy.verl_rank import PolicyWorker
 
     learner = {"lr": 1e-3, "mini_batch_size": 4, "micro_batch_size": 2, "bf16": False}
     ws = WarmStartConfig(steps=3, lr=1e-3, batch_size=3)  # 3 turns a step: one rank gets a row of no loss tokens

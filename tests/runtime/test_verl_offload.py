@@ -16,7 +16,8 @@ import pytest
 
 pytest.importorskip("verl")
 
-from mas_trainer.runtime.verl_group import PolicyWorker  # noqa: E402
+from mas_trainer.learners.verl_learner import VerlLearner  # noqa: E402
+from mas_trainer.policy.verl_rank import PolicyWorker  # noqa: E402
 
 
 class _Worker:
@@ -48,30 +49,32 @@ def test_verls_save_leaves_an_offloaded_module_on_the_gpu():
 
 def _worker(offload: bool) -> PolicyWorker:
     w = PolicyWorker.__new__(PolicyWorker)  # no verl engines: only the moves are under test
-    w.plan = SimpleNamespace(offload_between_phases=offload, engine="embedded")
-    w.actor, w.critic, w.engine, w.host_model = _Worker(), _Worker(), None, None
+    learner = VerlLearner.__new__(VerlLearner)
+    learner.offload, learner.actor, learner.critic, learner.updates = offload, _Worker(), _Worker(), 0
+    w.learner, w.sink = learner, SimpleNamespace(before_save=lambda learner: None)
     w._rank = 1
     return w
 
 
 def test_shared_gpus_hold_actor_and_critic_only_during_the_update():
     w = _worker(offload=True)
-    with w._on_device():
-        assert (w.actor.where, w.critic.where) == ("device", "device")
-    assert (w.actor.where, w.critic.where) == ("cpu", "cpu")
+    with w.learner.on_device():
+        assert (w.learner.actor.where, w.learner.critic.where) == ("device", "device")
+    assert (w.learner.actor.where, w.learner.critic.where) == ("cpu", "cpu")
 
 
 def test_a_checkpoint_on_shared_gpus_leaves_nothing_on_them(tmp_path, monkeypatch):
     monkeypatch.setattr("torch.distributed.barrier", lambda: None)
     w = _worker(offload=True)
     PolicyWorker.save(w, str(tmp_path / "hf"), str(tmp_path / "learner"))
-    assert (w.actor.where, w.critic.where) == ("cpu", "cpu")
-    assert w.actor.saved_on == ["device"] and w.critic.saved_on == ["device"]
+    actor, critic = w.learner.actor, w.learner.critic
+    assert (actor.where, critic.where) == ("cpu", "cpu")
+    assert actor.saved_on == ["device"] and critic.saved_on == ["device"]
 
 
 def test_without_shared_gpus_nothing_moves():
     w = _worker(offload=False)
-    w.actor.where = w.critic.where = "device"
-    with w._on_device():
+    w.learner.actor.where = w.learner.critic.where = "device"
+    with w.learner.on_device():
         pass
-    assert (w.actor.where, w.critic.where) == ("device", "device")
+    assert (w.learner.actor.where, w.learner.critic.where) == ("device", "device")

@@ -48,15 +48,15 @@ def test_torch_warm_start_teaches_and_the_engine_serves_it(tmp_path):
     """A handful of turns teaching one completion: its log-prob rises, the loss falls, and the
     engine's greedy answer afterwards is the taught completion (it was not before)."""
     from mas_trainer.learners.batch import Turn
-    from mas_trainer.runtime.plan import WorkerPlan
-    from mas_trainer.runtime.worker_group import WorkerGroup
+    from mas_trainer.policy.contract import WorkerPlan
+    from mas_trainer.policy.local import LocalPolicy
 
     data = _file(tmp_path, [_line(question=q["question"]) for q in TASKS[:4]])
     cfg = _cfg(f"warm_start.data={data}", "warm_start.steps=25", "warm_start.lr=1e-2", "warm_start.batch_size=2")
     [(prompt, completion), *_] = examples = _examples(cfg)["solo"]
     tok = load_tokenizer("tiny")
     assert tok.decode(completion) == TAUGHT + "<|im_end|>"  # the template's assistant turn, up to its end of turn
-    group = WorkerGroup(WorkerPlan(policy="solo", model="tiny", seed=3, learner=cfg.learner_for("solo")))
+    group = LocalPolicy(WorkerPlan(policy="solo", model="tiny", seed=3, learner=cfg.learner_for("solo")))
     try:
         turn = Turn("t", prompt, completion, [0.0] * len(completion), 0.0)
         greedy = SamplingParams(max_tokens=len(completion) + 2, temperature=0.0)
@@ -81,16 +81,17 @@ def test_warm_start_runs_once_and_never_again_on_resume(tmp_path, monkeypatch):
     """A fresh run warm-starts before step 1 (a row of kind warm_start at step 0, recorded in the
     checkpoint's state); --resume does not again. A run that stopped before its first checkpoint
     starts over, warm start included."""
-    from mas_trainer.runtime import trainer, worker_group
+    from mas_trainer.policy import local
+    from mas_trainer.runtime import trainer
 
     calls = []
-    real = worker_group.WorkerGroup.warm_start
+    real = local.LocalPolicy.warm_start
 
     async def counted(self, examples, config):
         calls.append(self.policy)
         return await real(self, examples, config)
 
-    monkeypatch.setattr(worker_group.WorkerGroup, "warm_start", counted)
+    monkeypatch.setattr(local.LocalPolicy, "warm_start", counted)
     data = _file(tmp_path, [_line()])
     out = tmp_path / "run"
     real_step = trainer._Fit.collect

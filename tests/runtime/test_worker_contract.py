@@ -10,17 +10,18 @@ import pytest
 
 from mas_trainer.engines.base import ENGINE_METRICS, EngineMeter, SamplingParams, choice_id
 from mas_trainer.engines.fake import FakeEngine
+from mas_trainer.policy.contract import WorkerGroupHandle
+from mas_trainer.policy.turns import BufferedTurn, Serving, TurnStore
 from mas_trainer.runtime.ray_group import ActorGroup, VerlGroup
-from mas_trainer.runtime.star import ReplicaGroupHandle, WorkerGroupHandle
-from mas_trainer.runtime.turns import BufferedTurn, TurnStore
+from mas_trainer.runtime.star import ReplicaGroupHandle
 
-METHODS = ("generate", "discard", "train", "warm_start", "save", "load", "close")
+METHODS = ("generate", "discard", "train", "warm_start", "save", "load", "failure", "close")
 
 
 def _groups():
-    from mas_trainer.runtime.worker_group import WorkerGroup
+    from mas_trainer.policy.local import LocalPolicy
 
-    return [WorkerGroup, ActorGroup, VerlGroup, ReplicaGroupHandle]
+    return [LocalPolicy, ActorGroup, VerlGroup, ReplicaGroupHandle]
 
 
 @pytest.mark.parametrize("cls", _groups(), ids=lambda c: c.__name__)
@@ -49,20 +50,20 @@ class _Metered(FakeEngine):
 
 
 def _embedded():
-    from mas_trainer.runtime.worker_group import WorkerGroup
+    from mas_trainer.policy.local import LocalPolicy
 
-    g = WorkerGroup.__new__(WorkerGroup)  # no model: only the serving side is under test
-    g.policy, g.engine, g.turns = "p", _Metered(), TurnStore("p")
-    g.meter, g.learner = EngineMeter(g.engine), SimpleNamespace(updates=3)  # the weights have had 3 updates
+    g = LocalPolicy.__new__(LocalPolicy)  # no model: only the serving side is under test
+    g.policy, g.serving = "p", Serving(_Metered(), TurnStore("p"))
+    g.learner = SimpleNamespace(updates=3)  # the weights have had 3 updates
     return g
 
 
 def _verl_rank0():
-    from mas_trainer.runtime.verl_group import PolicyWorker
+    pytest.importorskip("verl")
+    from mas_trainer.policy.verl_rank import PolicyWorker
 
     w = PolicyWorker.__new__(PolicyWorker)
-    w.engine, w.turns = _Metered(), TurnStore("p")
-    w.meter, w.updates = EngineMeter(w.engine), 3
+    w.serving, w.learner = Serving(_Metered(), TurnStore("p")), SimpleNamespace(updates=3)
     return w
 
 
@@ -82,13 +83,14 @@ def test_every_group_files_choices_by_choice_id_with_their_weights_version_and_d
         return gens
 
     gens = asyncio.run(run())
-    assert len(group.turns) == 2
-    pairs = group.turns.take([SimpleNamespace(turn_id=choice_id("call", i)) for i in range(2)])
+    store = group.serving.turns
+    assert len(store) == 2
+    pairs = store.take([SimpleNamespace(turn_id=choice_id("call", i)) for i in range(2)])
     # each choice filed with the version of the weights that generated it (rollout.max_staleness bounds it)
     assert [t for _, t in pairs] == [BufferedTurn([5, 6], g.token_ids, g.logprobs, version=3) for g in gens]
     asyncio.run(group.generate([5], SamplingParams(), "again"))
-    assert asyncio.run(group.discard()) == 1 and len(group.turns) == 0
-    assert set(group.meter.read()) == set(ENGINE_METRICS.values())
+    assert asyncio.run(group.discard()) == 1 and len(store) == 0
+    assert set(group.serving.figures()) == set(ENGINE_METRICS.values())
 
 
 def test_taking_skips_unknown_turns_with_one_warning_and_empties_the_store(caplog):
@@ -111,8 +113,9 @@ def test_engine_metrics_have_the_same_keys_on_every_engine():
     assert tuple(replica.metrics()) == tuple(ENGINE_METRICS)
     torch = pytest.importorskip("torch")  # noqa: F841
     from mas_trainer.engines.torch_engine import load_engine
+    from mas_trainer.engines.config import EngineSettings
 
-    with load_engine("tiny", name="p", batch_wait_ms=0) as engine:
+    with load_engine("tiny", name="p", settings=EngineSettings(batch_wait_ms=0, engine_bf16=False)) as engine:
         asyncio.run(engine.generate([1, 17, 42], SamplingParams(max_tokens=4, seed=0)))
         meter_keys = tuple(engine.metrics())
         assert meter_keys == tuple(ENGINE_METRICS)
@@ -140,6 +143,6 @@ def test_replicas_keep_no_answer_version_of_a_call_that_is_not_trained():
     group = ReplicaGroupHandle(SimpleNamespace(policy="p", plan=SimpleNamespace(max_staleness=1)), fleet, tokenizer=None)
     asyncio.run(group.generate([7], SamplingParams(n=3), None))
     asyncio.run(group.generate([5, 6], SamplingParams(n=2), "call"))
-    assert group._versions == {} and len(group.turns) == 2
-    (_, turn), _ = group.turns.take([SimpleNamespace(turn_id=choice_id("call", i)) for i in range(2)], 3)
+    assert group._versions == {} and len(group.serving.turns) == 2
+    (_, turn), _ = group.serving.turns.take([SimpleNamespace(turn_id=choice_id("call", i)) for i in range(2)], 3)
     assert turn.version == 2  # the version the replica answered with, not the fleet's current one

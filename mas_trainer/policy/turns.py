@@ -1,4 +1,5 @@
-"""The turns a policy's worker group generated, kept until the update that trains on them.
+"""The turns a policy's worker group generated, kept until the update that trains on them,
+and the serving side every host shares (`Serving`: its engine, its turns, its figures).
 
 Every worker group (embedded, verl, replicas) files each choice of an LLM call under its
 `choice_id` when it is generated, and at the update takes the turns the controller's thin
@@ -15,11 +16,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from mas_trainer.engines.base import Generation, choice_id
+from mas_trainer.engines.base import EngineMeter, Generation, SamplingParams, choice_id
 
-__all__ = ["BufferedTurn", "TurnStore"]
+__all__ = ["BufferedTurn", "TurnStore", "Serving"]
+
+if TYPE_CHECKING:
+    from mas_trainer.algo.advantages import TurnRecord
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +62,7 @@ class TurnStore:
         """Turns generated elsewhere (rollout replicas), sent with the records."""
         self._turns.update(turns)
 
-    def take(self, records: Sequence[Any], version: int = 0) -> list[tuple[Any, BufferedTurn]]:
+    def take(self, records: Sequence[TurnRecord], version: int = 0) -> list[tuple[TurnRecord, BufferedTurn]]:
         """(record, turn) of each record whose turn is here, in order, for an update of weights
         at `version`.
 
@@ -94,3 +98,33 @@ class TurnStore:
         n = len(self._turns)
         self._turns.clear()
         return n
+
+
+class Serving:
+    """A policy's engine and the turns it generated, kept for the update: the serving side of
+    every host (this process, a Ray actor, verl's rank 0). `engine` is None where rollout
+    replicas serve and the turns arrive with the records."""
+
+    def __init__(self, engine: Any, turns: TurnStore) -> None:
+        self.engine, self.turns = engine, turns
+        self.meter = EngineMeter(engine) if engine is not None else None
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, turn_id: str | None,
+                       version: int) -> list[Generation]:
+        """`version`: the updates the serving weights have had, read by the caller before the call
+        (the engine runs no row across an update, `run_exclusive`)."""
+        if self.engine is None:
+            raise RuntimeError(f"policy {self.turns.policy}: this process holds no engine (its rollout replicas serve)")
+        gens = await self.engine.generate(prompt_ids, params)
+        self.turns.record(turn_id, prompt_ids, gens, version)
+        return gens
+
+    def discard(self) -> int:
+        """Forget stored turns (held-out rollouts, or turns nobody trained on); the engine figures
+        of the next update count from here, so a resumed run reports the same ones."""
+        self.figures()
+        return self.turns.clear()
+
+    def figures(self) -> dict[str, float]:
+        """The engine's figures since the last read (none without an engine)."""
+        return self.meter.read() if self.meter is not None else {}

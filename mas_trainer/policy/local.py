@@ -1,0 +1,133 @@
+"""A policy hosted by one process: the torch learner beside the embedded engine, in the
+controller's process (`runtime.execution=local`) or as one Ray actor.
+
+The learner updates the very module the engine generates with, on the engine's own thread
+between batches (`run_exclusive`), so the next request already uses the new weights: the
+engine is its own weight sink. The step itself is `policy/step.py`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from mas_trainer.engines.base import Generation, SamplingParams
+from mas_trainer.policy.contract import StepResult, WarmStartExample, WorkerPlan
+from mas_trainer.policy.step import policy_step
+from mas_trainer.policy.turns import Serving, TurnStore
+
+if TYPE_CHECKING:
+    from mas_trainer.algo.advantages import TurnAdvantage, TurnRecord
+    from mas_trainer.config import WarmStartConfig
+    from mas_trainer.learners.batch import Turn
+
+__all__ = ["LocalPolicy"]
+
+
+class LocalPolicy:
+    """Engine + turn store + torch learner (and critic) of one trainable policy; a
+    `WorkerGroupHandle` itself and the step's `PolicyLearner`. Frozen policies need none of
+    this: the controller serves them directly."""
+
+    def __init__(self, plan: WorkerPlan) -> None:
+        import torch
+
+        from mas_trainer.engines.models import adapter_base, is_adapter, load_model
+        from mas_trainer.engines.torch_engine import load_engine
+        from mas_trainer.learners.torch_learner import TorchLearner
+
+        if plan.torch_threads:
+            torch.set_num_threads(plan.torch_threads)
+        self.policy, self.seed, self.advantage_config = plan.policy, plan.seed, plan.advantage
+        learner = plan.learner
+        # resuming a LoRA policy: the base again, and its saved adapter trains on (not merged into a new base)
+        adapter = plan.model if learner.lora_rank and is_adapter(plan.model) else None
+        weights = (plan.reference or adapter_base(adapter)) if adapter else plan.model
+        self.engine = load_engine(weights, name=plan.policy, seed=plan.seed, settings=plan.engine_settings, device=plan.device)
+        self.serving = Serving(self.engine, TurnStore(plan.policy, plan.max_staleness))
+        model, self.tokenizer = self.engine.model, self.engine.tokenizer
+        reference = None
+        if learner.kl_coef > 0 and not learner.lora_rank and plan.reference is not None:  # resumed: the reference stays the base model
+            reference = load_model(plan.reference, seed=plan.seed)[0].to(plan.device)
+        self.critic = None
+        if self.advantage_config.estimator == "gae":  # GAE bootstraps from a learned value model
+            from mas_trainer.learners.critic import TorchCritic
+
+            # built before a LoRA adapter is injected: the value model copies the plain body
+            self.critic = TorchCritic(model, plan.critic)
+        self.learner = TorchLearner(model, learner, reference=reference, adapter=adapter, base_model=plan.reference or plan.model)
+
+    # --- serving ---------------------------------------------------------------------------
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, turn_id: str | None = None) -> list[Generation]:
+        return await self.serving.generate(prompt_ids, params, turn_id, self.learner.updates)
+
+    async def discard(self) -> int:
+        return self.serving.discard()
+
+    def failure(self) -> BaseException | None:
+        return None  # the engine lives in this process: its errors reach each call
+
+    # --- training --------------------------------------------------------------------------
+    async def train(self, records: Sequence[TurnRecord]) -> StepResult:
+        """One update from thin records (`TurnRecord`s of this policy), on the engine's thread."""
+        pairs = self.serving.turns.take(records, self.learner.updates)
+        stale = self.serving.turns.stale_metrics()
+        if not pairs:  # nothing to wait for the engine's batch for
+            return StepResult({"turns": 0.0, **stale})
+        result = await asyncio.wrap_future(self.engine.run_exclusive(lambda _m: policy_step(pairs, self.advantage_config, self)))
+        result.metrics.update({**stale, **self.serving.figures()})
+        return result
+
+    def values(self, turns: list[Turn]) -> dict[str, list[float]] | None:
+        return self.critic.values(turns) if self.critic is not None else None
+
+    def update(self, turns: list[Turn], advantages: Mapping[str, TurnAdvantage],
+               values: dict[str, list[float]] | None) -> dict[str, float]:
+        trained = [replace(t, advantages=advantages[t.id].advantages.tolist()) for t in turns]
+        metrics = self.learner.update(trained)
+        if self.critic is not None and values is not None:  # values: the critic's, before this update
+            returns = {tid: a.returns.tolist() for tid, a in advantages.items()}
+            metrics.update({f"critic/{k}": v for k, v in self.critic.update(trained, returns, values).items()})
+        return metrics
+
+    async def warm_start(self, examples: Sequence[WarmStartExample], config: WarmStartConfig) -> dict[str, float]:
+        """The supervised warm start (`TorchLearner.supervised`) on the engine's thread, like an
+        update: the next request is served by the warm-started weights."""
+        def run(_model: Any) -> dict[str, float]:
+            return self.learner.supervised(examples, steps=config.steps, lr=config.lr, batch_size=config.batch_size, seed=self.seed)
+
+        return await asyncio.wrap_future(self.engine.run_exclusive(run))
+
+    # --- checkpoints -----------------------------------------------------------------------
+    async def save(self, folder: str, learner_dir: str) -> None:
+        """Hugging Face folder of the current weights; optimizer and counters in `learner_dir`."""
+        def _save(model: Any) -> None:
+            import torch
+
+            self.learner.save_pretrained(folder, self.tokenizer)
+            state = {"learner": self.learner.state_dict()}
+            if self.critic is not None:
+                state["critic"] = self.critic.state_dict()
+            os.makedirs(learner_dir, exist_ok=True)
+            torch.save(state, os.path.join(learner_dir, "optimizer.pt"))
+
+        await asyncio.wrap_future(self.engine.run_exclusive(_save))
+
+    async def load(self, learner_dir: str) -> int:
+        """Resume the optimizer and counters (the weights came with the plan's model folder)."""
+        from mas_trainer.runtime.untrusted import load_tensors
+
+        state = load_tensors(os.path.join(learner_dir, "optimizer.pt"))
+
+        def load(_model: Any) -> None:
+            self.learner.load_state_dict(state["learner"])
+            if self.critic is not None and "critic" in state:
+                self.critic.load_state_dict(state["critic"])
+
+        await asyncio.wrap_future(self.engine.run_exclusive(load))
+        return self.learner.updates
+
+    def close(self) -> None:
+        self.engine.close()
