@@ -16,74 +16,20 @@ from mas_trainer._lazy import lazy_exports
 from mas_trainer.rewards import counterfactual as _counterfactual  # noqa: F401  (registers allocator=counterfactual)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from mas_trainer.rewards.allocators import (
-        Allocation,
-        Allocator,
-        LevelWeights,
-        allocator_names,
-        assign_rewards,
-        broadcast,
-        check_allocator,
-        get_allocator,
-        is_dropped,
-        register_allocator,
-        turn_delta,
-    )
+    from mas_trainer.rewards.allocators import (Allocation, Allocator, LevelWeights, allocator_names, assign_rewards, broadcast,
+                                                check_allocator, get_allocator, is_dropped, register_allocator, turn_delta)
     from mas_trainer.rewards.counterfactual import COUNTERFACTUAL, CounterfactualConfig
-    from mas_trainer.rewards.judge import (
-        JudgeError,
-        JudgeUsage,
-        LLMJudge,
-        Verdict,
-        annotate_groups,
-        render_trajectory,
-        score_groups,
-    )
-    from mas_trainer.rewards.levels import (
-        LevelValues,
-        RewardError,
-        RewardSpec,
-        RoleReward,
-        TrajectoryReward,
-        TurnReward,
-        evaluate_levels,
-    )
+    from mas_trainer.rewards.judge import (JudgeError, JudgeUsage, LLMJudge, Verdict, annotate_groups, render_trajectory,
+                                           score_groups)
+    from mas_trainer.rewards.levels import (LevelValues, RewardError, RewardSpec, RoleReward, TrajectoryReward, TurnReward,
+                                            evaluate_levels)
     from mas_trainer.rewards.library import code_tests, exact_match, f1, json_valid, normalize_answer
 
-__all__ = [
-    "Allocation",
-    "Allocator",
-    "COUNTERFACTUAL",
-    "CounterfactualConfig",
-    "JudgeError",
-    "JudgeUsage",
-    "LLMJudge",
-    "LevelValues",
-    "LevelWeights",
-    "RewardError",
-    "RewardSpec",
-    "RoleReward",
-    "TrajectoryReward",
-    "TurnReward",
-    "Verdict",
-    "allocator_names",
-    "annotate_groups",
-    "assign_rewards",
-    "broadcast",
-    "check_allocator",
-    "code_tests",
-    "evaluate_levels",
-    "exact_match",
-    "f1",
-    "get_allocator",
-    "is_dropped",
-    "json_valid",
-    "normalize_answer",
-    "register_allocator",
-    "render_trajectory",
-    "score_groups",
-    "turn_delta",
-]
+__all__ = ["Allocation", "Allocator", "COUNTERFACTUAL", "CounterfactualConfig", "JudgeError", "JudgeUsage", "LLMJudge", "LevelValues",
+           "LevelWeights", "RewardError", "RewardSpec", "RoleReward", "TrajectoryReward", "TurnReward", "Verdict", "allocator_names",
+           "annotate_groups", "assign_rewards", "broadcast", "check_allocator", "code_tests", "evaluate_levels", "exact_match", "f1",
+           "get_allocator", "is_dropped", "json_valid", "normalize_answer", "register_allocator", "render_trajectory",
+           "score_groups", "turn_delta"]
 
 __getattr__ = lazy_exports(__name__, {
     "mas_trainer.rewards.allocators": ["Allocation", "Allocator", "LevelWeights", "allocator_names", "assign_rewards", "broadcast",

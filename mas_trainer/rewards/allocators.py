@@ -11,7 +11,8 @@ and must give every call of the trajectory a reward. Built in:
 
 A level that is not defined, or returned None, adds nothing. Register your own with
 ``@register_allocator("name")`` (same pattern as verl's ``register_adv_est``) or pass the
-callable itself to :func:`assign_rewards`.
+callable itself to :func:`assign_rewards`; one that reads ``Trajectory.forks`` registers with
+``needs_forks=True`` (as ``counterfactual`` does), and `fit` forks its training rollouts.
 
 :func:`assign_rewards` writes ``trajectory.rewards``: ``trajectory`` and ``roles`` are the
 raw level values, ``turns`` the allocated scalar per call, and ``detail`` says for each call
@@ -23,7 +24,8 @@ every call gets the fill reward, or the rollout is marked dropped so advantage g
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+import statistics
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -33,19 +35,8 @@ from mas_trainer.errors import UserError
 from mas_trainer.rewards.levels import LevelValues, RewardSpec, evaluate_levels
 from mas_trainer.trace.schema import Rewards, Trajectory
 
-__all__ = [
-    "Allocation",
-    "Allocator",
-    "LevelWeights",
-    "register_allocator",
-    "get_allocator",
-    "allocator_names",
-    "check_allocator",
-    "broadcast",
-    "turn_delta",
-    "assign_rewards",
-    "is_dropped",
-]
+__all__ = ["Allocation", "Allocator", "LevelWeights", "register_allocator", "needs_forks", "get_allocator", "allocator_names",
+           "check_allocator", "broadcast", "turn_delta", "assign_rewards", "is_dropped", "rollout_reward"]
 
 
 class LevelWeights(BaseModel):
@@ -69,18 +60,27 @@ class Allocation:
 Allocator = Callable[..., Mapping[str, "Allocation | float"]]
 
 _ALLOCATORS: dict[str, Allocator] = {}
+_NEEDS_FORKS: set[str] = set()
 
 
-def register_allocator(name: str) -> Callable[[Allocator], Allocator]:
-    """Decorator: make ``fn`` selectable as ``allocator=name``; a second, different fn is an error."""
+def register_allocator(name: str, *, needs_forks: bool = False) -> Callable[[Allocator], Allocator]:
+    """Decorator: make ``fn`` selectable as ``allocator=name``; a second, different fn is an error.
+    ``needs_forks``: it reads ``Trajectory.forks``, so `fit` checks that the app can be forked
+    and forks its training rollouts (runtime/forking.py, config ``reward.counterfactual``)."""
 
     def decorator(fn: Allocator) -> Allocator:
         if name in _ALLOCATORS and _ALLOCATORS[name] is not fn:
             raise ValueError(f"allocator {name!r} is already registered: {_ALLOCATORS[name]} vs {fn}")
         _ALLOCATORS[name] = fn
+        (_NEEDS_FORKS.add if needs_forks else _NEEDS_FORKS.discard)(name)
         return fn
 
     return decorator
+
+
+def needs_forks(name: str) -> bool:
+    """Whether allocator ``name`` reads forked continuations of the rollouts it rewards."""
+    return name in _NEEDS_FORKS
 
 
 def get_allocator(name: str) -> Allocator:
@@ -141,14 +141,8 @@ def broadcast(trajectory: Trajectory, values: LevelValues, weights: LevelWeights
 
 
 @register_allocator("turn_delta")
-def turn_delta(
-    trajectory: Trajectory,
-    values: LevelValues,
-    weights: LevelWeights,
-    *,
-    initial: float = 0.0,
-    per_role: bool = False,
-) -> dict[str, Allocation]:
+def turn_delta(trajectory: Trajectory, values: LevelValues, weights: LevelWeights, *, initial: float = 0.0,
+               per_role: bool = False) -> dict[str, Allocation]:
     """The turn level is a running score; a call is credited with how much it moved it.
 
     Calls are taken in the order they were made. A call whose score is None (not
@@ -183,15 +177,20 @@ def is_dropped(trajectory: Trajectory) -> bool:
     return bool(trajectory.rewards.detail.get("dropped"))
 
 
-def assign_rewards(
-    trajectory: Trajectory,
-    spec: RewardSpec,
-    *,
-    allocator: str | Allocator = "broadcast",
-    weights: LevelWeights | Mapping[str, float] | None = None,
-    on_failure: float | Literal["drop"] = 0.0,
-    options: Mapping[str, Any] | None = None,
-) -> Trajectory:
+def rollout_reward(trajectory: float | None, turns: Iterable[float], dropped: bool = False) -> float | None:
+    """A rollout's reward as `fit`'s metrics and the viewer count it: none for a dropped rollout,
+    else its trajectory-level reward, else the mean of its calls' allocated rewards."""
+    if dropped:
+        return None
+    if trajectory is not None:
+        return trajectory
+    values = list(turns)
+    return statistics.fmean(values) if values else None
+
+
+def assign_rewards(trajectory: Trajectory, spec: RewardSpec, *, allocator: str | Allocator = "broadcast",
+                   weights: LevelWeights | Mapping[str, float] | None = None, on_failure: float | Literal["drop"] = 0.0,
+                   options: Mapping[str, Any] | None = None) -> Trajectory:
     """Evaluate ``spec`` on ``trajectory``, allocate, and write ``trajectory.rewards`` (in place; returned).
 
     ``options`` are passed to the allocator as keywords (``turn_delta``: ``initial``, ``per_role``).
@@ -207,14 +206,11 @@ def assign_rewards(
             trajectory.rewards = Rewards(detail={"dropped": True, "failed": failed})
         elif isinstance(on_failure, (int, float)) and not isinstance(on_failure, bool):
             fill = float(on_failure)
-            trajectory.rewards = Rewards(
-                turns={c.id: fill for c in trajectory.llm_calls},
-                detail={"failed": {**failed, "fill": fill}},
-            )
+            trajectory.rewards = Rewards(turns={c.id: fill for c in trajectory.llm_calls},
+                                         detail={"failed": {**failed, "fill": fill}})
         else:
             raise UserError(f"on_failure must be a number or 'drop', got {on_failure!r}")
         return trajectory
-
     values = evaluate_levels(spec, trajectory)
     allocated = fn(trajectory, values, w, **dict(options or {}))
     turns: dict[str, float] = {}
@@ -226,20 +222,12 @@ def assign_rewards(
         alloc = item if isinstance(item, Allocation) else Allocation(float(item))
         turns[call.id] = float(alloc.reward)
         calls[call.id] = {"role": call.role, "reward": turns[call.id], "parts": alloc.parts}
+    not_applicable = {"trajectory": spec.trajectory is not None and values.trajectory is None,
+                      "roles": sorted(r for r, v in values.roles.items() if v is None),
+                      "turns": sorted(c for c, v in values.turns.items() if v is None)}
     trajectory.rewards = Rewards(
-        trajectory=values.trajectory,
-        roles={r: v for r, v in values.roles.items() if v is not None},
-        turns=turns,
-        detail={
-            "allocator": name,
-            "weights": w.model_dump(),
-            "options": dict(options or {}),
-            "not_applicable": {
-                "trajectory": spec.trajectory is not None and values.trajectory is None,
-                "roles": sorted(r for r, v in values.roles.items() if v is None),
-                "turns": sorted(c for c, v in values.turns.items() if v is None),
-            },
-            "calls": calls,
-        },
-    )
+        trajectory=values.trajectory, roles={r: v for r, v in values.roles.items() if v is not None}, turns=turns,
+        detail={"allocator": name, "weights": w.model_dump(), "options": dict(options or {}),
+                "not_applicable": not_applicable, "calls": calls})
     return trajectory
+

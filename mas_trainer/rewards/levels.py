@@ -122,8 +122,7 @@ def _raised_at(fn: Callable[..., Any], exc: BaseException) -> str:
     if mine or frames:
         frame = (mine or frames)[-1]
         return f" at {_shown(frame.filename)}:{frame.lineno}"
-    where = _definition(fn)
-    return f" (defined at {where})" if where else ""
+    return _defined_at(fn)
 
 
 def _one_line(text: str, width: int = 300) -> str:
