@@ -1,21 +1,25 @@
 """Apps: load the object an APP reference names (``path/to/file.py:attr`` or
-``package.module:attr``), and what a framework adapter gives the controller for each run
-(`AppRunner`, `RunResult`)."""
+``package.module:attr``), and what a framework adapter gives the core: a runner for each
+rollout (`AppRunner`, `RunResult`) and, for counterfactual credit, forks (`AppForks`).
+The one core module that imports the adapter: the rest asks `app_runner` and `forks_of`."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
 import sys
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from mas_trainer.errors import UserError, did_you_mean, raised_in
 from mas_trainer.spec import ResolvedSpec
-from mas_trainer.trace.schema import NodeCall, ToolCall
+from mas_trainer.trace.schema import RunResult
 
-__all__ = ["AppLoadError", "load_object", "AppRunner", "RunResult"]
+if TYPE_CHECKING:
+    from mas_trainer.rewards.levels import RewardSpec
+
+__all__ = ["AppLoadError", "load_object", "AppRunner", "RunResult", "AppForks", "app_runner", "forks_of"]
 
 
 class AppLoadError(UserError):
@@ -78,16 +82,6 @@ def _import_failed(where: str, exc: BaseException, own: str | Path | None) -> st
     return f"importing {where} failed: {message}" + (f" (at {at})" if at else "")
 
 
-@dataclass
-class RunResult:
-    status: str
-    error: str | None
-    final_state: Any
-    nodes: list[NodeCall]
-    tool_calls: list[ToolCall]
-    trace_id: str | None
-
-
 class AppRunner(Protocol):
     """What the controller needs from a framework adapter."""
 
@@ -95,3 +89,32 @@ class AppRunner(Protocol):
     spec: ResolvedSpec
 
     async def run(self, task: dict[str, Any], rollout_id: str, *, timeout_s: float | None = None) -> RunResult: ...
+
+
+class AppForks(Protocol):
+    """What forking rollouts needs of an adapter (runtime/forking.py): `check` refuses an app or
+    task that cannot be forked honestly; within `keeping_threads` finished rollouts keep their
+    threads (rollout id -> thread id); a thread's `checkpoints` by superstep; `continuations`,
+    the app run from them (fork rollout id -> checkpoint)."""
+
+    def check(self, spec: RewardSpec, roles: Sequence[str] | None = None, tasks: Sequence[dict[str, Any]] = ()) -> None: ...
+    def keeping_threads(self) -> AbstractAsyncContextManager[dict[str, str]]: ...
+    async def checkpoints(self, thread_id: str) -> dict[int, dict[str, Any]]: ...
+    def continuations(self, starts: dict[str, dict[str, Any]]) -> AppRunner: ...
+
+
+def app_runner(obj: Any, *, base_model: str | None = None, recursion_limit: int = 50) -> AppRunner:
+    """The runner of an app object (a LangGraph graph, builder or function returning one), its spec checked."""
+    from mas_trainer.adapters.langgraph import LangGraphApp
+
+    return LangGraphApp(obj, base_model=base_model, recursion_limit=recursion_limit)
+
+
+def forks_of(app: object) -> AppForks:
+    """How `app`'s rollouts are forked, or a UserError for an app whose framework cannot be."""
+    from mas_trainer.adapters.langgraph.forks import LangGraphForks
+    from mas_trainer.adapters.langgraph.runner import LangGraphApp
+
+    if not isinstance(app, LangGraphApp):
+        raise UserError("forking rollouts (reward.allocator=counterfactual) needs a LangGraph app")
+    return LangGraphForks(app)

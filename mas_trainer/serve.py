@@ -73,15 +73,14 @@ def build_gateway(run_dir: str | Path, *, routes: Mapping[str, str] | None = Non
     configured as the run's), or `vllm` / `torch-replica`: rollout replicas on each trained
     policy's checkpoint (docs/vllm.md); frozen policies keep the embedded engine."""
     if _is_app_ref(run_dir):
-        from mas_trainer.adapters.langgraph.trainable import resolve
-        from mas_trainer.apps import load_object
+        from mas_trainer.apps import app_runner, load_object
         from mas_trainer.config import load_config
 
         # only the app's spec is read here; an app that builds its OpenAI client at import needs a key to import
         unset = "OPENAI_API_KEY" not in os.environ
         os.environ.setdefault("OPENAI_API_KEY", "unused-by-mas-trainer-serve")
         try:
-            spec, trained, cfg = resolve(load_object(str(run_dir)), model)[1], {}, load_config()
+            spec, trained, cfg = app_runner(load_object(str(run_dir)), base_model=model).spec, {}, load_config()
         finally:
             if unset:
                 os.environ.pop("OPENAI_API_KEY", None)

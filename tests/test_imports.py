@@ -143,3 +143,11 @@ def test_lazy_packages_export_every_name_in_all():
         mod = importlib.import_module(package)
         missing = [name for name in mod.__all__ if not hasattr(mod, name)]
         assert missing == [], (package, missing)
+
+
+def test_only_apps_imports_the_adapter():
+    """The core reaches the LangGraph adapter through `mas_trainer.apps` only (`app_runner`,
+    `forks_of`); the package's lazy `mas_trainer.trainable` is the public re-export of the decorator."""
+    importers = {mod for mod, targets in _graph().items() if not mod.startswith("mas_trainer.adapters")
+                 and any(t.startswith("mas_trainer.adapters") for t in targets)}
+    assert importers == {"mas_trainer", "mas_trainer.apps"}

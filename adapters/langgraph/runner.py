@@ -12,7 +12,7 @@ from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.errors import GraphRecursionError
 from langgraph.pregel import Pregel
 
-from mas_trainer.apps import RunResult
+from mas_trainer.trace.schema import RunResult
 from mas_trainer.errors import UserError
 
 from .tracer import GraphTracer

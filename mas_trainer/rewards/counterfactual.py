@@ -22,43 +22,26 @@ finished into the checkpoint of step ``s`` and started from the one of step ``s 
 inside a subgraph is placed at the step of its top-level enclosing node: the parent graph's
 checkpoints are the ones a run can be forked from.
 
-**The record** the adapter leaves on ``Trajectory.forks`` (and the allocator reads)::
-
-    {"k": K, "segments": [{"role", "before", "after", "calls": [llm_call_id, ...]}, ...],
-     "values": {"<step>": {"checkpoint_id", "value", "returns": {fork_rollout_id: float | None},
-                           "failed": {fork_rollout_id: status}}},   # "failed": the continuations not ok
-     "skipped": {llm_call_id: why}}
+**The record** the forking step leaves on ``Trajectory.forks`` (and the allocator reads) is
+`mas_trainer.trace.schema.Forks`: K, the credited segments, V and the returns by checkpoint
+step, and the turns skipped with why.
 """
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 from mas_trainer.rewards.config import CounterfactualConfig
 from mas_trainer.rewards.allocators import Allocation, LevelWeights, broadcast, register_allocator
 from mas_trainer.rewards.levels import LevelValues
-from mas_trainer.trace.schema import Trajectory
+from mas_trainer.trace.schema import ForkSegment, Trajectory
 
-__all__ = ["COUNTERFACTUAL", "CounterfactualConfig", "Segment", "credit_segments", "forks_per_point", "fork_steps",
+__all__ = ["COUNTERFACTUAL", "CounterfactualConfig", "credit_segments", "forks_per_point", "fork_steps",
            "mean_return", "segment_credit", "counterfactual"]
 
 COUNTERFACTUAL = "counterfactual"
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Turns credited together: one role's calls between the checkpoints of steps ``before`` and ``after``."""
-
-    role: str
-    before: int
-    after: int
-    calls: tuple[str, ...]
-
-    def as_json(self) -> dict[str, Any]:
-        return {"role": self.role, "before": self.before, "after": self.after, "calls": list(self.calls)}
 
 
 def _top_level_steps(trajectory: Trajectory) -> dict[str, int | None]:
@@ -75,7 +58,7 @@ def _top_level_steps(trajectory: Trajectory) -> dict[str, int | None]:
 
 
 def credit_segments(trajectory: Trajectory, roles: Iterable[str] | None = None, *,
-                    boundaries_only: bool = False) -> tuple[list[Segment], dict[str, str]]:
+                    boundaries_only: bool = False) -> tuple[list[ForkSegment], dict[str, str]]:
     """The segments of ``trajectory``'s trained turns, in step order, and the turns left out with why.
 
     A turn is credited when it is trainable, of one of ``roles`` (None: any) and its node's
@@ -96,20 +79,20 @@ def credit_segments(trajectory: Trajectory, roles: Iterable[str] | None = None, 
             skipped[call.id] = "its node's superstep is unknown (a call outside any traced node)"
             continue
         by_key.setdefault((step, call.role), []).append(call.id)
-    segments = [Segment(role, step - 1, step, tuple(ids)) for (step, role), ids in sorted(by_key.items())]
+    segments = [ForkSegment(role=role, before=step - 1, after=step, calls=ids) for (step, role), ids in sorted(by_key.items())]
     if not boundaries_only:
         return segments, skipped
-    merged: list[Segment] = []
+    merged: list[ForkSegment] = []
     for seg in segments:
         last = merged[-1] if merged else None
         if last is not None and last.role == seg.role and last.after <= seg.before:
-            merged[-1] = Segment(seg.role, last.before, seg.after, last.calls + seg.calls)
+            merged[-1] = ForkSegment(role=seg.role, before=last.before, after=seg.after, calls=last.calls + seg.calls)
         else:
             merged.append(seg)
     return merged, skipped
 
 
-def fork_steps(segments: Iterable[Segment]) -> list[int]:
+def fork_steps(segments: Iterable[ForkSegment]) -> list[int]:
     """The checkpoint steps a rollout's segments need, ascending, each once (after one turn is before the next)."""
     return sorted({s for seg in segments for s in (seg.before, seg.after)})
 
@@ -128,13 +111,13 @@ def mean_return(returns: Iterable[float | None]) -> float | None:
     return statistics.fmean(kept) if kept else None
 
 
-def segment_credit(segment: Segment, values: Mapping[int, float | None]) -> float | None:
+def segment_credit(segment: ForkSegment, values: Mapping[int, float | None]) -> float | None:
     """``values[after] - values[before]`` (step -> V), or None when either has no estimate."""
     before, after = values.get(segment.before), values.get(segment.after)
     return None if before is None or after is None else after - before
 
 
-@register_allocator(COUNTERFACTUAL)
+@register_allocator(COUNTERFACTUAL, needs_forks=True)
 def counterfactual(trajectory: Trajectory, values: LevelValues, weights: LevelWeights) -> dict[str, Allocation]:
     """Each credited turn's reward is its counterfactual credit ``V(after) - V(before)`` (the
     forks measured it from the trajectory reward, so the levels are not added again); every
@@ -142,19 +125,18 @@ def counterfactual(trajectory: Trajectory, values: LevelValues, weights: LevelWe
     `trace`), gets the broadcast reward, with the reason in its audit trail."""
     out = cast(dict[str, Allocation], broadcast(trajectory, values, weights))  # registered: typed as any Allocator
     record = trajectory.forks
-    if not record:
+    if record is None:
         for alloc in out.values():
             alloc.parts["counterfactual"] = {"skipped": "rollout not forked (only fit's training rollouts are)"}
         return out
-    for call_id, why in (record.get("skipped") or {}).items():
+    for call_id, why in record.skipped.items():
         if call_id in out:
             out[call_id].parts["counterfactual"] = {"skipped": why}
-    step_values = {int(step): v.get("value") for step, v in record["values"].items()}
-    for raw in record["segments"]:
-        seg = Segment(raw["role"], raw["before"], raw["after"], tuple(raw["calls"]))
+    step_values = {step: v.value for step, v in record.values.items()}
+    for seg in record.segments:
         credit = segment_credit(seg, step_values)
         audit = {"before": step_values.get(seg.before), "after": step_values.get(seg.after),
-                 "steps": [seg.before, seg.after], "k": record.get("k")}
+                 "steps": [seg.before, seg.after], "k": record.k}
         for call_id in seg.calls:
             if call_id not in out:
                 continue

@@ -53,27 +53,13 @@ class Controller:
         for call in calls:
             if call.node is None and call.node_id in node_names:
                 call.node = node_names[call.node_id]
-        return Trajectory(
-            rollout_id=rollout_id,
-            task=task,
-            status=result.status,  # type: ignore[arg-type]
-            error=result.error,
-            trace_id=result.trace_id,
-            nodes=result.nodes,
-            llm_calls=sorted(calls, key=lambda c: (c.start_time or 0.0)),
-            tool_calls=result.tool_calls,
-            final_state=state_json(result.final_state),
-            duration_s=time.time() - start,
-        )
+        return Trajectory(rollout_id=rollout_id, task=task, status=result.status,  # type: ignore[arg-type]
+                          error=result.error, trace_id=result.trace_id, nodes=result.nodes,
+                          llm_calls=sorted(calls, key=lambda c: (c.start_time or 0.0)), tool_calls=result.tool_calls,
+                          final_state=state_json(result.final_state), duration_s=time.time() - start)
 
-    async def run(
-        self,
-        tasks: Iterable[dict[str, Any]],
-        *,
-        n: int = 1,
-        ids: list[str] | None = None,
-        on_done: Callable[[Trajectory], None] | None = None,
-    ) -> list[Trajectory]:
+    async def run(self, tasks: Iterable[dict[str, Any]], *, n: int = 1, ids: list[str] | None = None,
+                  on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
         """Run every task `n` times, at most `max_in_flight` rollouts at once, in task order.
 
         `ids` (one per rollout, task-major) makes rollout ids reproducible, e.g. for training."""

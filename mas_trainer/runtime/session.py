@@ -29,12 +29,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable, Mapping, TypeVar
 
-from mas_trainer.apps import load_object
+from mas_trainer.apps import AppRunner, app_runner, load_object
 from mas_trainer.config import RuntimeConfig
 from mas_trainer.gateway import Gateway, GatewayServer, Ledger, PolicyBackend, RolloutSampling, Router
 
 from mas_trainer.runtime.backends import EngineSettings, policy_backends
-from mas_trainer.apps import AppRunner
 from mas_trainer.runtime.controller import Controller
 from mas_trainer.spec import FROZEN_POLICY
 from mas_trainer.trace import otel
@@ -220,10 +219,8 @@ class Session:
         """Import the app (after the gateway is up), then start one engine per policy, on
         the weights in `checkpoints` (policy -> folder) where given (or leave that to the
         caller, who attaches backends with `attach`)."""
-        from mas_trainer.adapters.langgraph import LangGraphApp
-
         obj = load_object(ref_or_obj) if isinstance(ref_or_obj, str) else ref_or_obj
-        app = LangGraphApp(obj, base_model=self.model, recursion_limit=recursion_limit)
+        app = app_runner(obj, base_model=self.model, recursion_limit=recursion_limit)
         if start_engines:
             backends = policy_backends(app.spec.policies, self.engine_settings, seed=self.seed, checkpoints=checkpoints,
                                        factory=self.backend_factory)

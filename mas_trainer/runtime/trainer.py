@@ -19,16 +19,18 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import yaml
 from rich.console import Console
 
+from mas_trainer.apps import forks_of
 from mas_trainer.config import ConfigError, FitConfig, check_policy_names, check_trackers
 from mas_trainer.engines.models import check_model
 from mas_trainer.errors import UserError
 from mas_trainer.gateway import PolicyBackend
 from mas_trainer.rewards import RewardSpec, annotate_groups, assign_rewards, check_allocator, is_dropped, score_groups
+from mas_trainer.rewards.allocators import needs_forks, rollout_reward
 from mas_trainer.runtime.rundir import RunDir
 from mas_trainer.runtime.backends import policy_backends
 from mas_trainer.runtime.session import Session
@@ -37,6 +39,9 @@ from mas_trainer.runtime.progress import FitProgress
 from mas_trainer.runtime.tracking import Trackers
 from mas_trainer.runtime.star import WorkerEngine, start_workers
 from mas_trainer.trace.schema import Trajectory
+
+if TYPE_CHECKING:
+    from mas_trainer.policy.contract import WorkerGroupHandle
 
 __all__ = ["RolloutsFailed", "fit", "summarize"]
 
@@ -72,15 +77,6 @@ def _rollout_ids(tag: str, idx: list[int], n: int) -> list[str]:
     return ids
 
 
-def _rollout_reward(t: Trajectory) -> float | None:
-    if is_dropped(t):
-        return None
-    if t.rewards.trajectory is not None:
-        return t.rewards.trajectory
-    turns = list(t.rewards.turns.values())
-    return sum(turns) / len(turns) if turns else None
-
-
 def summarize(trajs: list[Trajectory], *, timeouts_apart: bool = False) -> dict[str, Any]:
     """Reward and status figures of a batch of scored trajectories.
 
@@ -98,7 +94,8 @@ def summarize(trajs: list[Trajectory], *, timeouts_apart: bool = False) -> dict[
     if timeouts_apart:
         row["rollouts/timeout"] = status["timeout"]
         trajs = [t for t in trajs if t.status != "timeout"]
-    rewards = [r for r in map(_rollout_reward, trajs) if r is not None]
+    found = (rollout_reward(t.rewards.trajectory, t.rewards.turns.values(), is_dropped(t)) for t in trajs)
+    rewards = [r for r in found if r is not None]
     row["reward/mean"] = statistics.fmean(rewards) if rewards else None
     row["reward/std"] = statistics.pstdev(rewards) if len(rewards) > 1 else 0.0
     by_role: dict[str, list[float]] = defaultdict(list)
@@ -158,19 +155,19 @@ class _Fit:
         self.trackers: Trackers | None = None
         self.progress: FitProgress | None = None
         self.reward_cost: dict[str, float] = {}  # judge/* metrics of the rollouts since the last row
-        self.plan: RunPlan | None = None
+        self.handles: dict[str, WorkerGroupHandle] = {}
         self.warm_examples: dict[str, list[tuple[list[int], list[int]]]] = {}
         self.warm_started: list[str] = []  # recorded in every checkpoint's state
 
     # --- one step ------------------------------------------------------------------------
     async def rollouts(self, session: Session, tasks: list[dict], n: int, ids: list[str], seed: int,
                        temperature: float | None = None, fork: bool = False) -> tuple[list[Trajectory], list[Trajectory]]:
-        """The rollouts, rewarded, and (training rollouts with counterfactual credit) their forked
+        """The rollouts, rewarded, and (training rollouts, for an allocator that needs forks) their forked
         continuations, rewarded as recorded (no forks of their own: the allocator's broadcast part)."""
         session.reseed(seed, temperature=temperature)
         r = self.cfg.reward
         forks: list[Trajectory] = []
-        if fork and r.allocator == "counterfactual":  # training rollouts: forked continuations measure each turn's credit
+        if fork and needs_forks(r.allocator):  # training rollouts: forked continuations measure each turn's credit
             from mas_trainer.runtime.forking import fork_rollouts
 
             trajs, forks, fork_cost = await fork_rollouts(session, tasks, n, ids, self.reward_spec, r)
@@ -225,7 +222,7 @@ class _Fit:
             spread = tasks_with_spread(recs)
             d.kept += len(spread)
             d.records.extend(r for r in recs if r.task_index in spread)
-            for t, key in zip(batch, keys):  # why a rollout was not trained on, for the trajectory files and the viewer
+            for t, key in zip(batch, keys, strict=True):  # why a rollout was not trained on, for the trajectory files and the viewer
                 if key not in spread and not is_dropped(t):
                     t.rewards.detail["left_out"] = "no spread"
             if d.kept >= (c.rollout.min_groups or c.rollout.tasks_per_step):
@@ -236,8 +233,8 @@ class _Fit:
         if failure is not None:  # nothing to learn from: stop before the update and the checkpoint
             self.rundir.write_trajectories(step, (t.to_json() for t in d.trajs))  # what failed, for `view` (resume removes it)
             for handle in self.handles.values():  # a dead rollout replica says it more precisely (rollout/engine.py)
-                engine_failure = getattr(getattr(handle, "engine", None), "failure", None)
-                if isinstance(engine_failure, BaseException):
+                engine_failure = handle.failure()
+                if engine_failure is not None:
                     raise engine_failure
             raise failure
         return d
@@ -261,14 +258,21 @@ class _Fit:
             row["forks/trained_turns"] = len(d.fork_records)
         if d.filtering:
             row.update({"rollout/groups": d.groups, "rollout/groups_kept": d.kept})
-        for p, m in zip(trainable, results):
-            row.update({f"policy/{p}/{k}": v for k, v in m.items() if k not in ("seconds", "tokens_per_s")})
+        for p, result in zip(trainable, results, strict=True):
+            row.update({f"policy/{p}/{k}": v for k, v in result.metrics.items() if k not in ("seconds", "tokens_per_s")})
         row["time/rollout_s"] = d.rollout_s
         row["time/update_s"] = t2 - t1
         row["perf/rollouts_per_s"] = len(d.trajs) / max(d.rollout_s, 1e-9)
         row["perf/tokens_per_s"] = row["tokens/response"] / max(d.rollout_s, 1e-9)
         if row.get("time/fork_s"):  # counterfactual credit: the forks' share of time/rollout_s
             row["perf/fork_rollouts_per_s"] = row["forks/runs"] / row["time/fork_s"]
+        # the advantages each trained call was updated with, for the viewer (it need not recompute them); a turn id
+        # is its call's id (a choice's own: engines.base.choice_id)
+        advantages = {cid: adv for result in results for cid, adv in result.advantages.items()}
+        for t in [*d.trajs, *d.forks]:
+            for call in t.llm_calls:
+                if call.id in advantages:
+                    t.rewards.detail.setdefault("calls", {}).setdefault(call.id, {})["advantages"] = advantages[call.id]
         self.rundir.write_trajectories(d.step, (t.to_json() for t in d.trajs))
         if d.forks:  # counterfactual credit's continuations, recorded beside the step's rollouts
             self.rundir.write_trajectories(d.step, (f.to_json() for f in d.forks), name=f"step_{d.step:06d}_forks")
@@ -282,7 +286,7 @@ class _Fit:
         from mas_trainer.algo.advantages import tasks_with_spread, turn_records
         from mas_trainer.runtime.forking import fork_group
 
-        key_of = {t.rollout_id: key for t, key in zip(batch, keys)}
+        key_of = {t.rollout_id: key for t, key in zip(batch, keys, strict=True)}
         groups = [fork_group(f.rollout_id) for f in forks]
         recs = turn_records(forks, task_indices=[(key_of[rid], "cf", point) for rid, point in groups])
         if not filtering:
@@ -322,7 +326,7 @@ class _Fit:
             self.say(f"warm start of {p}: {ws.steps} steps on {len(ex)} supervised turn{'s' * (len(ex) != 1)} (lr {ws.lr:g})")
         results = await asyncio.gather(*(self.handles[p].warm_start(ex, self.cfg.warm_start_for(p)) for p, ex in examples.items()))
         row: dict[str, Any] = {"kind": "warm_start", "step": 0}
-        for p, m in zip(examples, results):
+        for p, m in zip(examples, results, strict=True):
             row.update({f"policy/{p}/{k}": v for k, v in m.items()})
         row["time/warm_start_s"] = time.perf_counter() - t0
         self.warm_started = sorted(examples)
@@ -414,10 +418,9 @@ class _Fit:
             self.trackers.close(failed=failed)
             self.trackers = None
 
-    def __call__(self, resume: bool) -> list[dict[str, Any]]:
-        from mas_trainer.engines.chat import HFChatFormat
-        from mas_trainer.engines.models import load_tokenizer
-
+    def resumable(self, resume: bool) -> tuple[dict | None, bool]:
+        """The checkpoint's state to resume from (None: start at step 0) and whether a run that
+        stopped before its first checkpoint starts over; what cannot be resumed is refused here."""
         c, run = self.cfg, self.rundir
         state = run.load_state()  # also without --resume: it tells a run with a checkpoint from one killed before it
         # (a damaged or foreign state.json is refused there, before anything is deleted)
@@ -437,79 +440,99 @@ class _Fit:
                 raise ConfigError(f"{run.root}: its checkpoint is at step {state['step']}, past steps={c.steps}, so there is "
                                   f"nothing to train; to train on, pass steps=N with N > {state['step']} (steps counts from the "
                                   "run's start)")
-            if state["step"] == c.steps:  # finished: say so, touch nothing
-                self.console.print(f"{run.root} has finished its {c.steps} steps (checkpoint at step {state['step']}): nothing "
-                                   f"to train; to train more, run again with --resume and steps=N, N > {c.steps}",
-                                   markup=False, highlight=False, soft_wrap=True)
-                return [r for r in run.metrics() if r["step"] <= state["step"]]
-            log.info("%s: resuming after step %d (data position %d)", run.root, state["step"], state["position"])
+        return state, start_over
+
+    def check_app(self, session: Session, state: dict | None) -> tuple[Any, RunPlan]:
+        """Load the app, then check it, its tasks, the plan and the models against the config
+        before anything is written; its spec and the run plan."""
+        from mas_trainer.engines.chat import HFChatFormat
+        from mas_trainer.engines.models import load_tokenizer
+
+        c = self.cfg
+        self.say(f"loading the app {self.app_ref if isinstance(self.app_ref, str) else type(self.app_ref).__name__}")
+        app = session.load_app(self.app_ref, start_engines=False, recursion_limit=c.rollout.recursion_limit)
+        check_allocator(c.reward.allocator, c.reward.options)  # one the app registers exists only now
+        spec = app.spec
+        check_policy_names(c, spec.policies)  # policies.NAME.* overrides name the app's policies (known only now)
+        check_tasks = getattr(app, "check_tasks", None)  # a task the graph cannot start from: one line, not every rollout failing
+        if check_tasks is not None:
+            check_tasks(self.tasks)
+            check_tasks(self.val_tasks)
+        trainable = {p: (str(self.rundir.policy_dir(p)) if state else pol.base_model, pol.base_model)
+                     for p, pol in spec.policies.items() if pol.trainable}
+        plan = resolve_plan(c, trainable)  # every rule checked here, before any worker or Ray starts
+        bases = sorted({pol.base_model for pol in spec.policies.values()})
+        self.say(f"checking the model{'s' if len(bases) > 1 else ''} {', '.join(bases)}")
+        for base in bases:
+            check_model(base)  # here, in one line, not as a traceback from a worker; hub ids download once
+        self.reward_spec = RewardSpec(spec.spec.reward, spec.spec.role_rewards, spec.spec.turn_rewards)
+        if needs_forks(c.reward.allocator):  # an app or task that cannot be forked: one line, before any rollout
+            forks_of(app).check(self.reward_spec, c.reward.counterfactual.roles, self.tasks)
+        if state is None:  # read, checked and tokenized here, before any worker group starts
+            from mas_trainer.runtime.warm_start import warm_start_examples
+
+            self.warm_examples = warm_start_examples(
+                c, {p: pol.trainable for p, pol in spec.policies.items()},
+                lambda p: HFChatFormat(load_tokenizer(spec.policies[p].base_model)))
+        else:
+            self.warm_started = list(state.get("warm_start", []))
+            if c.warm_start.data is not None:
+                log.info("warm_start.data: a resumed run does not warm-start again (it ran before step 1: %s)",
+                         ", ".join(self.warm_started) or "none")
+        saved = list(state["policies"]) if state else []
+        missing = sorted(set(plan.workers) - set(saved)) if state else []
+        if missing:
+            raise ConfigError(f"{self.rundir.checkpoint} holds no weights for policy {missing[0]!r}, which the app trains (it "
+                              f"has {', '.join(saved) or 'none'}): resume with the app the run was started with, "
+                              "or train into a new --output")
+        if c.rollout.filter_groups and not plan.workers:
+            log.warning("rollout.filter_groups is ignored: no policy is trainable, so no group is trained on; "
+                        "each step makes one draw")
+        return spec, plan
+
+    def open_rundir(self, spec: Any, plan: RunPlan, state: dict | None, start_over: bool) -> None:
+        """Everything checked: now the run directory (started over, or cut back to the
+        checkpoint), its config, app and plan, and the metrics rows it keeps."""
+        run = self.rundir
+        if start_over:
+            rows, files = run.start_over()
+            log.warning("%s has no complete checkpoint (the run stopped before its first one): starting over from "
+                        "step 0; discarded %d metrics rows and %d trajectory files", run.root, rows, files)
+        # the records after the checkpoint go before config.yaml is rewritten, so that config.yaml is always the
+        # config of the `fit` that wrote whatever lies past the checkpoint (what `check_resume` bounds them by)
+        run.truncate_to(state["step"] if state else -1)
+        run.create(yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False))
+        self.rows = run.metrics()
+        self._elapsed_before = next((float(r["time/elapsed_s"]) for r in reversed(self.rows)
+                                     if isinstance(r.get("time/elapsed_s"), (int, float))), 0.0)
+        run.write_app(spec)
+        (run.root / "plan.json").write_text(plan.model_dump_json(indent=1))
+
+    def __call__(self, resume: bool) -> list[dict[str, Any]]:
+        from mas_trainer.engines.chat import HFChatFormat
+        from mas_trainer.engines.models import load_tokenizer
+
+        c, (state, start_over) = self.cfg, self.resumable(resume)
+        if state is not None and state["step"] == c.steps:  # finished: say so, touch nothing
+            self.console.print(f"{self.rundir.root} has finished its {c.steps} steps (checkpoint at step {state['step']}): "
+                               f"nothing to train; to train more, run again with --resume and steps=N, N > {c.steps}",
+                               markup=False, highlight=False, soft_wrap=True)
+            return [r for r in self.rundir.metrics() if r["step"] <= state["step"]]
+        if state is not None:
+            log.info("%s: resuming after step %d (data position %d)", self.rundir.root, state["step"], state["position"])
         # Nothing is written to the run directory until the app, the tasks, the plan and the models have been checked:
         # a refused fit leaves it as it was (no config.yaml of a config that never ran, nothing of a run cleared).
         with Session(model=c.model, max_in_flight=c.rollout.max_in_flight or c.runtime.max_batch_size, timeout_s=c.rollout.timeout_s,
                      default_max_tokens=c.rollout.max_tokens) as session:
-            self.say(f"loading the app {self.app_ref if isinstance(self.app_ref, str) else type(self.app_ref).__name__}")
-            app = session.load_app(self.app_ref, start_engines=False, recursion_limit=c.rollout.recursion_limit)
-            check_allocator(c.reward.allocator, c.reward.options)  # one the app registers exists only now
-            spec = app.spec
-            check_policy_names(c, spec.policies)  # policies.NAME.* overrides name the app's policies (known only now)
-            check_tasks = getattr(app, "check_tasks", None)  # a task the graph cannot start from: one line, not every rollout failing
-            if check_tasks is not None:
-                check_tasks(self.tasks)
-                check_tasks(self.val_tasks)
-            trainable = {p: (str(run.policy_dir(p)) if state else pol.base_model, pol.base_model)
-                         for p, pol in spec.policies.items() if pol.trainable}
-            self.plan = plan = resolve_plan(c, trainable)  # every rule checked here, before any worker or Ray starts
-            plans, rt = plan.workers, plan.runtime
-            bases = sorted({pol.base_model for pol in spec.policies.values()})
-            self.say(f"checking the model{'s' if len(bases) > 1 else ''} {', '.join(bases)}")
-            for base in bases:
-                check_model(base)  # here, in one line, not as a traceback from a worker; hub ids download once
-            self.reward_spec = RewardSpec(spec.spec.reward, spec.spec.role_rewards, spec.spec.turn_rewards)
-            if c.reward.allocator == "counterfactual":  # an app or task that cannot be forked: one line, before any rollout
-                from mas_trainer.adapters.langgraph.forks import check_forkable
-
-                check_forkable(app, self.reward_spec, c.reward.counterfactual.roles, self.tasks)
-            if state is None:  # read, checked and tokenized here, before any worker group starts
-                from mas_trainer.runtime.warm_start import warm_start_examples
-
-                self.warm_examples = warm_start_examples(
-                    c, {p: pol.trainable for p, pol in spec.policies.items()},
-                    lambda p: HFChatFormat(load_tokenizer(spec.policies[p].base_model)))
-            else:
-                self.warm_started = list(state.get("warm_start", []))
-                if c.warm_start.data is not None:
-                    log.info("warm_start.data: a resumed run does not warm-start again (it ran before step 1: %s)",
-                             ", ".join(self.warm_started) or "none")
-            saved = list(state["policies"]) if state else []
-            missing = sorted(set(plans) - set(saved)) if state else []
-            if missing:
-                raise ConfigError(f"{run.checkpoint} holds no weights for policy {missing[0]!r}, which the app trains (it has "
-                                  f"{', '.join(saved) or 'none'}): resume with the app the run was started with, "
-                                  "or train into a new --output")
-            if c.rollout.filter_groups and not plans:
-                log.warning("rollout.filter_groups is ignored: no policy is trainable, so no group is trained on; "
-                            "each step makes one draw")
-            # checked: now the run directory
-            if start_over:
-                rows, files = run.start_over()
-                log.warning("%s has no complete checkpoint (the run stopped before its first one): starting over from "
-                            "step 0; discarded %d metrics rows and %d trajectory files", run.root, rows, files)
-            # the records after the checkpoint go before config.yaml is rewritten, so that config.yaml is always the
-            # config of the `fit` that wrote whatever lies past the checkpoint (what `check_resume` bounds them by)
-            run.truncate_to(state["step"] if state else -1)
-            run.create(yaml.safe_dump(c.model_dump(mode="json"), sort_keys=False))
-            self.rows = run.metrics()
-            self._elapsed_before = next((float(r["time/elapsed_s"]) for r in reversed(self.rows)
-                                         if isinstance(r.get("time/elapsed_s"), (int, float))), 0.0)
-            run.write_app(spec)
-            (run.root / "plan.json").write_text(plan.model_dump_json(indent=1))
+            spec, plan = self.check_app(session, state)
+            self.open_rundir(spec, plan, state, start_over)
             self.say(f"starting the {plan.summary()} (loading weights, building engines)")  # the plan, in one line
-            self.handles = start_workers(plans, rt)
+            self.handles = start_workers(plan.workers, plan.runtime)
             try:
                 # worker groups serve the trainable policies; frozen ones get engines configured like theirs (runtime.*)
                 served = {p: PolicyBackend(WorkerEngine(h), HFChatFormat(load_tokenizer(spec.policies[p].base_model)))
                           for p, h in self.handles.items()}
-                for p, backend in policy_backends(spec.policies, rt, seed=c.seed, served=served).items():
+                for p, backend in policy_backends(spec.policies, plan.runtime, seed=c.seed, served=served).items():
                     session.attach(p, backend)
                 first = (state["step"] if state else 0) + 1
                 self.say(("the warm start, then " if state is None and self.warm_examples else "")
@@ -527,7 +550,6 @@ class _Fit:
                 for h in self.handles.values():
                     h.close()
         return self.rows
-
 
 def fit(app_ref: Any, tasks: list[dict], cfg: FitConfig, output: str | Path, *, val_tasks: list[dict] | None = None,
         resume: bool = False, console: Console | None = None, started_at: float | None = None) -> list[dict[str, Any]]:

@@ -7,11 +7,13 @@ field changes meaning.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["SCHEMA_VERSION", "NodeCall", "LLMCall", "ToolCall", "Rewards", "Trajectory"]
+__all__ = ["SCHEMA_VERSION", "NodeCall", "LLMCall", "ToolCall", "Rewards", "ForkSegment", "ForkValue", "Forks", "Trajectory",
+           "RunResult"]
 
 SCHEMA_VERSION = 1
 
@@ -84,6 +86,34 @@ class Rewards(_Record):
     detail: dict[str, Any] = Field(default_factory=dict)
 
 
+class ForkSegment(_Record):
+    """Turns credited together: one role's calls between the checkpoints of supersteps ``before`` and ``after``."""
+
+    role: str
+    before: int
+    after: int
+    calls: list[str]
+
+
+class ForkValue(_Record):
+    """V of one checkpoint: the mean of its continuations' returns (a dropped failure's: None), and those that failed."""
+
+    checkpoint_id: str | None = None
+    value: float | None = None
+    returns: dict[str, float | None] = Field(default_factory=dict)
+    failed: dict[str, str] = Field(default_factory=dict)  # fork rollout id -> status; runs before it was recorded lack it
+
+
+class Forks(_Record):
+    """Counterfactual credit's forked continuations of a rollout (rewards/counterfactual.py): K per
+    checkpoint, the credited segments, V by checkpoint step (in JSON a string: "3"), the calls skipped with why."""
+
+    k: int
+    segments: list[ForkSegment] = Field(default_factory=list)
+    values: dict[int, ForkValue] = Field(default_factory=dict)
+    skipped: dict[str, str] = Field(default_factory=dict)
+
+
 class Trajectory(_Record):
     schema_version: int = SCHEMA_VERSION
     rollout_id: str
@@ -97,8 +127,19 @@ class Trajectory(_Record):
     rewards: Rewards = Field(default_factory=Rewards)
     final_state: Any = None
     duration_s: float | None = None
-    # Counterfactual credit's forked continuations of this rollout (mas_trainer/rewards/counterfactual.py)
-    forks: dict[str, Any] | None = None
+    forks: Forks | None = None
 
     def to_json(self) -> str:
         return self.model_dump_json()
+
+
+@dataclass
+class RunResult:
+    """What an adapter recorded of one run of the app; the controller adds the LLM calls and rewards."""
+
+    status: str
+    error: str | None
+    final_state: Any
+    nodes: list[NodeCall]
+    tool_calls: list[ToolCall]
+    trace_id: str | None

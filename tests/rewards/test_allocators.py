@@ -18,6 +18,7 @@ from mas_trainer.rewards import (
     is_dropped,
     register_allocator,
 )
+from mas_trainer.rewards.allocators import needs_forks, rollout_reward
 from mas_trainer.trace.schema import LLMCall, Trajectory
 
 
@@ -124,6 +125,16 @@ def test_user_allocator_by_name_and_as_callable():
         register_allocator("broadcast")(halves)
     with pytest.raises(UserError, match="gave no reward to llm call c1"):
         assign_rewards(traj(["planner", "coder"]), spec(), allocator=lambda t, v, w: {"c0": 1.0})
+
+
+def test_an_allocator_declares_whether_it_needs_forks():
+    assert needs_forks("counterfactual") and not needs_forks("broadcast") and not needs_forks("nope")
+
+
+def test_a_rollouts_reward_is_its_trajectory_reward_else_the_mean_call_reward_and_none_when_dropped():
+    assert rollout_reward(0.25, [1.0, 0.0]) == 0.25
+    assert rollout_reward(None, [1.0, 0.0, 0.5]) == pytest.approx(0.5)
+    assert rollout_reward(None, []) is None and rollout_reward(1.0, [1.0], dropped=True) is None
 
 
 def test_check_allocator_names_valid_names_and_options():

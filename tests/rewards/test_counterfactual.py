@@ -5,14 +5,17 @@ import pytest
 
 from mas_trainer.rewards import RewardSpec, assign_rewards
 from mas_trainer.rewards.counterfactual import (
-    Segment,
     credit_segments,
     fork_steps,
     forks_per_point,
     mean_return,
     segment_credit,
 )
-from mas_trainer.trace.schema import LLMCall, NodeCall, Trajectory
+from mas_trainer.trace.schema import ForkSegment, Forks, LLMCall, NodeCall, Trajectory
+
+
+def _seg(role, before, after, calls):
+    return ForkSegment(role=role, before=before, after=after, calls=list(calls))
 
 
 def _call(cid, node_id, role, trainable=True):
@@ -35,18 +38,18 @@ def _traj():
 
 def test_segments_are_placed_at_the_top_level_step_and_skip_what_cannot_be_placed():
     segments, skipped = credit_segments(_traj())
-    assert segments == [Segment("planner", 0, 1, ("c1",)), Segment("planner", 1, 2, ("c2",)),
-                        Segment("coder", 2, 3, ("c3",))]  # the coder's subgraph step 1 is its parent's step 3
+    assert segments == [_seg("planner", 0, 1, ("c1",)), _seg("planner", 1, 2, ("c2",)),
+                        _seg("coder", 2, 3, ("c3",))]  # the coder's subgraph step 1 is its parent's step 3
     assert set(skipped) == {"c5"} and "superstep" in skipped["c5"]  # the frozen c4 is not credited at all
     assert fork_steps(segments) == [0, 1, 2, 3]
 
 
 def test_boundaries_only_merges_a_roles_consecutive_steps_and_roles_filter():
     segments, _ = credit_segments(_traj(), boundaries_only=True)
-    assert segments == [Segment("planner", 0, 2, ("c1", "c2")), Segment("coder", 2, 3, ("c3",))]
+    assert segments == [_seg("planner", 0, 2, ("c1", "c2")), _seg("coder", 2, 3, ("c3",))]
     assert fork_steps(segments) == [0, 2, 3]
     only, _ = credit_segments(_traj(), roles=["coder"])
-    assert only == [Segment("coder", 2, 3, ("c3",))]
+    assert only == [_seg("coder", 2, 3, ("c3",))]
 
 
 def test_k_shrinks_to_the_budget_but_never_below_one():
@@ -59,16 +62,18 @@ def test_k_shrinks_to_the_budget_but_never_below_one():
 def test_credit_is_the_change_in_mean_return():
     assert mean_return([1.0, 0.0, None, 0.5]) == pytest.approx(0.5)
     assert mean_return([None]) is None
-    seg = Segment("planner", 0, 1, ("c1",))
+    seg = _seg("planner", 0, 1, ("c1",))
     assert segment_credit(seg, {0: 0.25, 1: 1.0}) == pytest.approx(0.75)
     assert segment_credit(seg, {0: 0.25, 1: None}) is None
 
 
 def test_allocator_writes_credit_with_its_audit_trail_and_broadcasts_the_rest():
     t = _traj()
-    t.forks = {"k": 2, "segments": [Segment("planner", 0, 1, ("c1",)).as_json(), Segment("coder", 2, 3, ("c3",)).as_json()],
-               "values": {"0": {"value": 0.5}, "1": {"value": 0.75}, "2": {"value": 0.5}, "3": {"value": None}},
-               "skipped": {"c5": "its node's superstep is unknown"}}
+    t.forks = Forks.model_validate(  # as JSON writes it: steps are strings
+        {"k": 2, "segments": [{"role": "planner", "before": 0, "after": 1, "calls": ["c1"]},
+                              {"role": "coder", "before": 2, "after": 3, "calls": ["c3"]}],
+         "values": {"0": {"value": 0.5}, "1": {"value": 0.75}, "2": {"value": 0.5}, "3": {"value": None}},
+         "skipped": {"c5": "its node's superstep is unknown"}})
     spec = RewardSpec(lambda task, state, traj: 1.0)
     assign_rewards(t, spec, allocator="counterfactual")
     calls = t.rewards.detail["calls"]

@@ -69,11 +69,11 @@ def test_counterfactual_credit_ranks_a_good_pick_above_a_rescued_bad_one_where_b
     assert g.rewards.turns[solver_g.id] == pytest.approx(0.0)
     # the audit trail: values before and after, from the forks' returns
     part = g.rewards.detail["calls"][_picker(g).id]["parts"]["counterfactual"]
-    values = g.forks["values"]
-    assert part["after"] == values["1"]["value"] == 1.0 and part["before"] == values["0"]["value"]
+    values = g.forks.values
+    assert part["after"] == values[1].value == 1.0 and part["before"] == values[0].value
     assert part["value"] == pytest.approx(part["after"] - part["before"])
-    assert all(len(v["returns"]) == 8 for v in values.values())  # K continuations per checkpoint
-    assert all(v["failed"] == {} for v in values.values())  # none failed: the viewer marks those that did
+    assert all(len(v.returns) == 8 for v in values.values())  # K continuations per checkpoint
+    assert all(v.failed == {} for v in values.values())  # none failed: the viewer marks those that did
     # cost: 3 checkpoints a rollout (before the picker, between, after the solver), K each
     assert cost["forks/points"] == 3 * N and cost["forks/runs"] == 3 * N * 8 and cost["time/fork_s"] > 0
 
@@ -93,7 +93,7 @@ def test_boundaries_only_and_budget_shrink_the_forks():
     trajs, cost, *_ = forked(reward=reward)
     assert cost["forks/points"] == 2 * N and cost["forks/runs"] == 2 * N  # K shrank to 1 for the budget
     t = trajs[0]
-    assert [s["role"] for s in t.forks["segments"]] == ["picker"]
+    assert [s.role for s in t.forks.segments] == ["picker"]
     solver = next(c for c in t.llm_calls if c.role == "solver")
     assert t.rewards.detail["calls"][solver.id]["parts"]["trajectory"]["value"] == t.rewards.trajectory  # broadcast
 
@@ -150,6 +150,10 @@ def test_fit_with_counterfactual_credit_on_the_tiny_model(tmp_path):
     assert len(forks) == 24 and all("-cf" in f["rollout_id"] and f["rewards"]["trajectory"] is not None for f in forks)
     assert sum(len(f["llm_calls"]) for f in forks) == 4 * 2 * 2 + 4 * 2  # from before the picker: both roles; between: the solver
     assert (train["policy/lead/turns"], train["policy/crew/turns"]) == (4, 4) and "forks/trained_turns" not in train
+    for t in step:  # each trained call carries the advantages its update used, beside its counterfactual audit trail
+        for call in t["llm_calls"]:
+            entry = t["rewards"]["detail"]["calls"][call["id"]]
+            assert len(entry["advantages"]) == len(call["response_ids"]) and "counterfactual" in entry["parts"]
 
 
 def test_train_forks_trains_the_continuations_calls_too(tmp_path):
@@ -164,6 +168,34 @@ def test_train_forks_trains_the_continuations_calls_too(tmp_path):
     # 4 rollouts' own turns, plus 8 continuations from before the picker (picker + solver) and 8 from between (solver)
     assert train["forks/trained_turns"] == 24
     assert (train["policy/lead/turns"], train["policy/crew/turns"]) == (4 + 8, 4 + 16)
+
+
+def test_an_allocator_registered_as_needing_forks_gets_them_whatever_its_name(monkeypatch):
+    from mas_trainer.config import load_config
+    from mas_trainer.rewards import allocators
+    from mas_trainer.runtime.trainer import _Fit
+
+    monkeypatch.setattr(allocators, "_ALLOCATORS", dict(allocators._ALLOCATORS))  # this test's registry only
+    monkeypatch.setattr(allocators, "_NEEDS_FORKS", set(allocators._NEEDS_FORKS))
+    seen = {}
+
+    @allocators.register_allocator("my_credit", needs_forks=True)
+    def my_credit(trajectory, values, weights):
+        seen[trajectory.rollout_id] = trajectory.forks
+        return {c.id: 0.0 for c in trajectory.llm_calls}
+
+    cfg = load_config(overrides=["reward.allocator=my_credit", "reward.counterfactual.k=2"])
+    reply = load_object(f"{APP}:reply")
+    with Session(backend_factory=lambda _m: PolicyBackend(FakeEngine(latency_s=0.0, reply=reply), FakeChatFormat()),
+                 timeout_s=300) as session:
+        app = session.load_app(load_object(f"{APP}:build")())
+        fit = _Fit(None, [], cfg, None, [], None)
+        fit.reward_spec = RewardSpec(app.spec.spec.reward)
+        trajs, forks = session.loop.run_until_complete(fit.rollouts(session, [{"question": "q"}], 2, ["r0", "r1"], 7, fork=True))
+        held_out, none = session.loop.run_until_complete(fit.rollouts(session, [{"question": "q"}], 1, ["v0"], 7))
+    assert all(t.forks is not None and t.forks.k == 2 and seen[t.rollout_id] is t.forks for t in trajs)
+    assert forks and all(seen[f.rollout_id] is None for f in forks)  # continuations are scored, not forked
+    assert none == [] and held_out[0].forks is None and seen["v0"] is None
 
 
 def test_a_continuations_group_is_its_checkpoint():
@@ -188,9 +220,9 @@ def test_a_turn_inside_a_subgraph_is_forked_from_its_parents_checkpoints():
     t = trajs[0]
     picker = _picker(t)
     assert picker.node == "team:picker"
-    assert [(s["role"], s["before"], s["after"]) for s in t.forks["segments"]] == [("picker", 0, 1), ("solver", 1, 2)]
+    assert [(s.role, s.before, s.after) for s in t.forks.segments] == [("picker", 0, 1), ("solver", 1, 2)]
     good = [t for t in trajs if _picker(t).output_text == "good"]
-    assert good and all(t.forks["values"]["1"]["value"] == 1.0 for t in good)  # forks after the subgraph keep its pick
+    assert good and all(t.forks.values[1].value == 1.0 for t in good)  # forks after the subgraph keep its pick
     assert cost["forks/runs"] == 3 * N * 8
 
 

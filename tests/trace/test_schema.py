@@ -1,3 +1,5 @@
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -33,3 +35,19 @@ def test_unknown_status_and_fields_are_rejected():
         Trajectory(rollout_id="r", task={}, status="maybe")
     with pytest.raises(ValidationError):
         Trajectory(rollout_id="r", task={}, status="ok", extra_field=1)
+
+
+def test_a_fork_record_round_trips_with_the_json_it_was_written_as():
+    record = {"k": 2, "segments": [{"role": "picker", "before": 0, "after": 1, "calls": ["c0"]}],
+              "values": {"0": {"checkpoint_id": "ck0", "value": 0.5, "returns": {"f0": 1.0, "f1": 0.0}, "failed": {}},
+                         "1": {"checkpoint_id": "ck1", "value": 1.0, "returns": {"f2": 1.0, "f3": None},
+                               "failed": {"f3": "error"}}},
+              "skipped": {"c9": "its node's superstep is unknown"}}
+    t = Trajectory.model_validate_json(json.dumps({"rollout_id": "r", "task": {}, "status": "ok", "forks": record}))
+    assert t.forks is not None and t.forks.values[1].failed == {"f3": "error"} and t.forks.segments[0].calls == ["c0"]
+    assert json.loads(t.to_json())["forks"] == record
+    # written before failed continuations were recorded: none failed
+    old = {**record, "values": {"0": {"checkpoint_id": "ck0", "value": 0.5, "returns": {"f0": 1.0}}}}
+    back = Trajectory.model_validate_json(json.dumps({"rollout_id": "r", "task": {}, "status": "ok", "forks": old}))
+    assert back.forks is not None and back.forks.values[0].failed == {}
+    assert Trajectory(rollout_id="r", task={}, status="ok").forks is None
