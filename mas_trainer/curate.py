@@ -271,29 +271,36 @@ def build_datasets(folders: Sequence[str | Path], *, min_score: float | None = N
             report.runs_train += 1
             before = len(sft)
             for call in traj.llm_calls:
-                reason = _select(traj, call, feedback, opts)
-                if reason is None:
-                    line = _sft_line(call, traj.rollout_id, call_score(feedback, call.id))
-                    try:
-                        example = _dumps([line.policy, line.messages, line.completion], sort=True)
-                    except (ValueError, TypeError, RecursionError):
-                        reason = "unusable"
-                    else:
-                        if _too_deep([line.messages, line.tools]):
-                            reason = "unusable"
-                        else:
-                            digest = hashlib.sha256(example.encode()).digest()
-                            reason = "duplicate" if digest in seen_examples else None
-                            seen_examples.add(digest)
-                    if reason is None:
-                        sft.append(line)
-                        report.sft_by_role[call.role] = report.sft_by_role.get(call.role, 0) + 1
-                        report.sft_by_policy[call.policy] = report.sft_by_policy.get(call.policy, 0) + 1
-                        continue
-                drop(reason)
+                line, reason = _sft_choice(traj, call, feedback, opts, seen_examples)
+                if line is None:
+                    drop(reason)
+                    continue
+                sft.append(line)
+                report.sft_by_role[call.role] = report.sft_by_role.get(call.role, 0) + 1
+                report.sft_by_policy[call.policy] = report.sft_by_policy.get(call.policy, 0) + 1
             report.sft_runs += len(sft) > before
     report.tasks_train, report.tasks_val, report.sft_lines = len(tasks), len(val), len(sft)
     return Datasets(tasks=tasks, val=val, sft=sft, report=report)
+
+
+def _sft_choice(traj: Trajectory, call: LLMCall, feedback: Sequence[dict[str, Any]], opts: dict[str, Any],
+                seen_examples: set[bytes]) -> tuple[SFTLine | None, str]:
+    """(the call's SFT line, "") or (None, why it is dropped)."""
+    reason = _select(traj, call, feedback, opts)
+    if reason is not None:
+        return None, reason
+    line = _sft_line(call, traj.rollout_id, call_score(feedback, call.id))
+    try:
+        example = _dumps([line.policy, line.messages, line.completion], sort=True)
+    except (ValueError, TypeError, RecursionError):
+        return None, "unusable"
+    if _too_deep([line.messages, line.tools]):
+        return None, "unusable"
+    digest = hashlib.sha256(example.encode()).digest()
+    if digest in seen_examples:
+        return None, "duplicate"
+    seen_examples.add(digest)
+    return line, ""
 
 
 def _place(traj: Trajectory, opts: dict[str, Any], report: Report, tasks: list[dict[str, Any]],

@@ -71,26 +71,23 @@ def trainable(
         roles, policies, role_names=role_names, frozen=frozen, default_policy=default_policy, reward=reward,
         role_rewards=role_rewards, turn_rewards=turn_rewards,
     )
-    unforkable = frozenset(no_fork)
+    mark = _marker(spec, frozenset(no_fork))
+    return mark if app is None else mark(app)
 
-    def declare(obj: Any, names: list[str]) -> None:
-        unknown_nodes = sorted(unforkable - set(names))
-        if unknown_nodes:
-            raise SpecError(f"no_fork names unknown node(s) {', '.join(map(repr, unknown_nodes))}; "
-                            f"the graph's nodes are {', '.join(names)}")
-        setattr(obj, SPEC_ATTR, spec)
-        setattr(obj, NO_FORK_ATTR, unforkable)
+
+def _marker(spec: TrainSpec, unforkable: frozenset[str]) -> Callable[[Any], Any]:
+    """What marks a builder, a compiled graph, or a function returning either, with `spec`."""
 
     def mark(obj: Any) -> Any:
-        if isinstance(obj, StateGraph):
-            names = node_names(obj.compile())
+        if isinstance(obj, (StateGraph, Pregel)):
+            names = node_names(obj.compile() if isinstance(obj, StateGraph) else obj)
             spec.resolve(names)
-            declare(obj, names)
-            return obj
-        if isinstance(obj, Pregel):
-            names = node_names(obj)
-            spec.resolve(names)
-            declare(obj, names)
+            unknown_nodes = sorted(unforkable - set(names))
+            if unknown_nodes:
+                raise SpecError(f"no_fork names unknown node(s) {', '.join(map(repr, unknown_nodes))}; "
+                                f"the graph's nodes are {', '.join(names)}")
+            setattr(obj, SPEC_ATTR, spec)
+            setattr(obj, NO_FORK_ATTR, unforkable)
             return obj
         if callable(obj):
 
@@ -104,7 +101,7 @@ def trainable(
             f"@trainable expects a StateGraph, a compiled graph or a function returning one, got {type(obj).__name__}"
         )
 
-    return mark if app is None else mark(app)
+    return mark
 
 
 def spec_of(obj: Any) -> TrainSpec | None:

@@ -144,6 +144,43 @@ class _Call:
         return gen.text, []
 
 
+class _Chunks:
+    """The server-sent events of one streamed call, choice by choice: the role, the text, then the
+    tool calls and the finish with the token ids and log-probs."""
+
+    def __init__(self, call: _Call) -> None:
+        self.call = call
+        self.base = {"id": f"chatcmpl-{call.call_id}", "object": "chat.completion.chunk", "created": int(call.start),
+                     "model": call.req.model}
+        # tool calls are known only once the whole text is: buffer it when tools are active
+        self.buffered = bool(call.tools) and not call.req.structured()
+        self.gens: list[Generation | None] = [None] * call.params.n
+        self.parsed: list[tuple[str | None, list[dict]]] = [(None, [])] * call.params.n
+        self.started: set[int] = set()
+
+    def chunk(self, choices: list[dict], **extra: Any) -> str:
+        return f"data: {json.dumps({**self.base, 'choices': choices, **extra})}\n\n"
+
+    def events(self, d: Delta) -> str:
+        i, out = d.index, []
+        if i not in self.started:
+            self.started.add(i)
+            out.append(self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]))
+        if d.text and not self.buffered:
+            out.append(self.chunk([{"index": i, "delta": {"content": d.text}, "finish_reason": None}]))
+        if d.generation is not None:
+            gen = self.gens[i] = d.generation
+            content, tool_calls = self.parsed[i] = self.call.content(gen)
+            if self.buffered and content:
+                out.append(self.chunk([{"index": i, "delta": {"content": content}, "finish_reason": None}]))
+            for k, tc in enumerate(tool_calls):
+                out.append(self.chunk([{"index": i, "delta": {"tool_calls": [{"index": k, **tc}]}, "finish_reason": None}]))
+            c = _choice(i, gen, content, tool_calls)
+            out.append(self.chunk([{"index": i, "delta": {}, "finish_reason": c["finish_reason"], "token_ids": c["token_ids"],
+                                    "logprobs": c["logprobs"]}]))
+        return "".join(out)
+
+
 class Gateway:
     def __init__(
         self,
@@ -343,47 +380,18 @@ class Gateway:
         await asyncio.to_thread(write)
 
     async def _sse(self, call: _Call, first: Delta, deltas: AsyncGenerator[Delta, None], flight: Flight) -> AsyncIterator[str]:
-        base = {"id": f"chatcmpl-{call.call_id}", "object": "chat.completion.chunk", "created": int(call.start),
-                "model": call.req.model}
-        # tool calls are known only once the whole text is: buffer it when tools are active
-        buffered = bool(call.tools) and not call.req.structured()
-        gens: list[Generation | None] = [None] * call.params.n
-        parsed: list[tuple[str | None, list[dict]]] = [(None, [])] * call.params.n
-        started: set[int] = set()
-
-        def chunk(choices: list[dict], **extra: Any) -> str:
-            return f"data: {json.dumps({**base, 'choices': choices, **extra})}\n\n"
-
-        def events(d: Delta) -> str:
-            i, out = d.index, []
-            if i not in started:
-                started.add(i)
-                out.append(chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]))
-            if d.text and not buffered:
-                out.append(chunk([{"index": i, "delta": {"content": d.text}, "finish_reason": None}]))
-            if d.generation is not None:
-                gen = gens[i] = d.generation
-                content, tool_calls = parsed[i] = call.content(gen)
-                if buffered and content:
-                    out.append(chunk([{"index": i, "delta": {"content": content}, "finish_reason": None}]))
-                for k, tc in enumerate(tool_calls):
-                    out.append(chunk([{"index": i, "delta": {"tool_calls": [{"index": k, **tc}]}, "finish_reason": None}]))
-                c = _choice(i, gen, content, tool_calls)
-                out.append(chunk([{"index": i, "delta": {}, "finish_reason": c["finish_reason"], "token_ids": c["token_ids"],
-                                   "logprobs": c["logprobs"]}]))
-            return "".join(out)
-
+        chunks = _Chunks(call)
         try:
-            yield events(first)
+            yield chunks.events(first)
             while True:
                 try:
                     d = await flight.until_stopped(deltas.__anext__())
                 except StopAsyncIteration:
                     break
-                yield events(d)
-            done = [g for g in gens if g is not None]
-            self._file(call, done, parsed)
-            await self._record(call, done, parsed)
+                yield chunks.events(d)
+            done = [g for g in chunks.gens if g is not None]
+            self._file(call, done, chunks.parsed)
+            await self._record(call, done, chunks.parsed)
         except Stopped as exc:  # the rollout ended or the gateway is closing: end the stream
             log.info("stream %s stopped: %s", call.call_id, exc)
             yield f"data: {json.dumps(error_body(str(exc), code=exc.code, kind='server_error'))}\n\n"
@@ -400,7 +408,7 @@ class Gateway:
             self._release(call.decision.rollout_id, call.call_id)  # a no-op once filed
             await deltas.aclose()  # on a hang-up too: the engine stops generating now
         if call.req.include_usage():
-            yield chunk([], usage=_usage(call, sum(len(g.token_ids) for g in done)))
+            yield chunks.chunk([], usage=_usage(call, sum(len(g.token_ids) for g in done)))
         yield "data: [DONE]\n\n"
 
     async def _chat(self, request: Request) -> Response:
