@@ -208,6 +208,7 @@ def _pairs(items: list[str], flag: str, example: str) -> dict[str, str]:
 
 def cmd_import_traces(args: argparse.Namespace) -> int:
     from mas_trainer.otel_import import Receiver, Unmapped, import_traces
+    from mas_trainer.view.server import serve_until_interrupted
 
     roles = _pairs(args.role, "--role", "NODE=ROLE (e.g. researcher=writer)")
     policies = _pairs(args.policy, "--policy", "ROLE=POLICY")
@@ -223,12 +224,7 @@ def cmd_import_traces(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise UsageError(f"--listen {args.listen}: {exc.strerror}; choose another port") from None
         print(f"receiving OTLP/HTTP JSON traces at http://{args.listen}/v1/traces into {args.out}; Ctrl-C to stop", file=sys.stderr)
-        try:
-            server.serve_forever()
-        except KeyboardInterrupt:
-            pass
-        finally:
-            server.server_close()
+        serve_until_interrupted(server)
         print("\n".join(receiver.close().lines()))
         return 0
     try:

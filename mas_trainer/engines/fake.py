@@ -91,22 +91,24 @@ class FakeEngine:
             reason = "stop"
         return Generation(ids, [-0.5] * len(ids), out, reason, list(prompt_ids))
 
-    def generate_sync(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[Generation]:
-        """Blocking variant (sleeps `latency_s`)."""
+    def _choices(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[Generation]:
+        """The call's `params.n` choices, the call counted in `calls`."""
         if self.closed:
             raise RuntimeError(f"engine {self.model_name!r} is closed")
         self.calls.append((list(prompt_ids), params))
-        time.sleep(self.latency_s)
         return [self._one(prompt_ids, params, i) for i in range(params.n)]
+
+    def generate_sync(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[Generation]:
+        """Blocking variant (sleeps `latency_s`)."""
+        gens = self._choices(prompt_ids, params)
+        time.sleep(self.latency_s)
+        return gens
 
     async def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, turn_id: str | None = None
     ) -> list[Generation]:
         """`params.n` identical-shaped choices after `latency_s` (non-blocking sleep)."""
-        if self.closed:
-            raise RuntimeError(f"engine {self.model_name!r} is closed")
-        self.calls.append((list(prompt_ids), params))
-        gens = [self._one(prompt_ids, params, i) for i in range(params.n)]
+        gens = self._choices(prompt_ids, params)
         await asyncio.sleep(self.latency_s + self.token_latency_s * max(len(g.token_ids) for g in gens))
         return gens
 
@@ -114,10 +116,7 @@ class FakeEngine:
         self, prompt_ids: Sequence[int], params: SamplingParams, *, turn_id: str | None = None
     ) -> AsyncIterator[Delta]:
         """The same choices as `generate`, token by token (all choices advance together)."""
-        if self.closed:
-            raise RuntimeError(f"engine {self.model_name!r} is closed")
-        self.calls.append((list(prompt_ids), params))
-        gens = [self._one(prompt_ids, params, i) for i in range(params.n)]
+        gens = self._choices(prompt_ids, params)
         texts = [TextStream(self._decode, params.stop, frozenset({self._eos()})) for _ in gens]
         await asyncio.sleep(self.latency_s)
         for step in range(max(len(g.token_ids) for g in gens)):

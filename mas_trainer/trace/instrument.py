@@ -16,12 +16,13 @@ process cannot inject turns into a rollout, nor relabel a call's node or role.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hmac
 import secrets
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from opentelemetry import baggage, propagate, trace
 from opentelemetry.context import Context
@@ -133,14 +134,6 @@ def _with_headers(kwargs: dict[str, Any], headers: dict[str, str]) -> dict[str, 
     return {**kwargs, "extra_headers": extra}
 
 
-def _finish(span: trace.Span, result: Any) -> None:
-    usage = getattr(result, "usage", None)
-    if usage is not None:
-        span.set_attribute(A.GEN_AI_INPUT_TOKENS, getattr(usage, "prompt_tokens", 0) or 0)
-        span.set_attribute(A.GEN_AI_OUTPUT_TOKENS, getattr(usage, "completion_tokens", 0) or 0)
-    span.end()
-
-
 def _begin(kwargs: dict[str, Any]) -> tuple[trace.Span | None, dict[str, Any], CallContext | None]:
     """The call's span and its kwargs with trace headers; (None, kwargs) outside a graph, or
     when an outer wrapped method (parse calling create) already added them."""
@@ -151,31 +144,40 @@ def _begin(kwargs: dict[str, Any]) -> tuple[trace.Span | None, dict[str, Any], C
     return span, _with_headers(kwargs, _headers_for(call, span)), call
 
 
-def _answered(call: CallContext | None, resource: Any, result: Any) -> None:
-    if call is not None and call.on_result is not None:
-        call.on_result(resource, result)
-
-
-def _fail(span: trace.Span, exc: BaseException) -> None:
-    span.record_exception(exc)
-    span.set_status(trace.StatusCode.ERROR, str(exc))
+def _finished(span: trace.Span | None, call: CallContext | None, client: Any, result: Any) -> Any:
+    """`result`, once its span has the token counts and the rollout has the answer."""
+    if span is None:
+        return result
+    usage = getattr(result, "usage", None)
+    if usage is not None:
+        span.set_attribute(A.GEN_AI_INPUT_TOKENS, getattr(usage, "prompt_tokens", 0) or 0)
+        span.set_attribute(A.GEN_AI_OUTPUT_TOKENS, getattr(usage, "completion_tokens", 0) or 0)
     span.end()
+    if call is not None and call.on_result is not None:
+        call.on_result(client, result)
+    return result
+
+
+@contextlib.contextmanager
+def _failing(span: trace.Span | None) -> Iterator[None]:
+    """Ends `span` as failed with whatever the call raises, a cancellation included."""
+    try:
+        yield
+    except BaseException as exc:
+        if span is not None:
+            span.record_exception(exc)
+            span.set_status(trace.StatusCode.ERROR, str(exc))
+            span.end()
+        raise
 
 
 def _wrap_sync(method: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(method)
     def create(self: Any, *args: Any, **kwargs: Any) -> Any:
         span, kwargs, call = _begin(kwargs)
-        if span is None:
-            return method(self, *args, **kwargs)
-        try:
+        with _failing(span):
             result = method(self, *args, **kwargs)
-        except BaseException as exc:
-            _fail(span, exc)
-            raise
-        _finish(span, result)
-        _answered(call, self, result)
-        return result
+        return _finished(span, call, self, result)
 
     create.__mas_trainer_wrapped__ = method  # type: ignore[attr-defined]
     return create
@@ -185,16 +187,9 @@ def _wrap_async(method: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(method)
     async def create(self: Any, *args: Any, **kwargs: Any) -> Any:
         span, kwargs, call = _begin(kwargs)
-        if span is None:
-            return await method(self, *args, **kwargs)
-        try:
+        with _failing(span):
             result = await method(self, *args, **kwargs)
-        except BaseException as exc:
-            _fail(span, exc)
-            raise
-        _finish(span, result)
-        _answered(call, self, result)
-        return result
+        return _finished(span, call, self, result)
 
     create.__mas_trainer_wrapped__ = method  # type: ignore[attr-defined]
     return create

@@ -40,7 +40,7 @@ from mas_trainer.errors import UserError
 from mas_trainer.view.data import STEP_NAME, ViewSource
 from mas_trainer.view.page import content_security_policy, render_page
 
-__all__ = ["ViewServer", "serve_view", "write_html", "page_data", "select_steps"]
+__all__ = ["ViewServer", "serve_view", "serve_until_interrupted", "write_html", "page_data", "select_steps"]
 
 log = logging.getLogger(__name__)
 
@@ -348,6 +348,11 @@ def serve_view(source: ViewSource, port: int = 8765, *, announce: Any = print, i
     """Serve until Ctrl-C."""
     server = ViewServer(source, port, idle_timeout=idle_timeout, max_connections=max_connections)
     announce(f"viewing {source.path} at {server.url} (127.0.0.1 only; Ctrl-C to stop)")
+    serve_until_interrupted(server)
+
+
+def serve_until_interrupted(server: Any) -> None:
+    """`server.serve_forever()` until Ctrl-C; its socket closed however it ends."""
     try:
         server.serve_forever()
     except KeyboardInterrupt:
