@@ -698,7 +698,7 @@ def _list(value: Any) -> list[Any]:
 
 _NO_ADVANTAGES = {
     "val": "held-out rollouts are not trained on",
-    "forks": "counterfactual credit's continuations record none",
+    "forks": "forked continuations are trained on only with reward.counterfactual.train_forks",
     "train": "none recorded (a run written before fit recorded advantages, or nothing here was trained)",
     "trace": "this file records none",
 }
