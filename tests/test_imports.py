@@ -121,7 +121,7 @@ def test_loading_the_config_imports_no_server_tracing_or_training_stack():
 # register) and the trajectory schema they read. A module added here is paid by `--help`.
 CONFIG_IMPORTS = {
     "mas_trainer", "mas_trainer._lazy", "mas_trainer.config", "mas_trainer.errors",
-    "mas_trainer.algo", "mas_trainer.algo.config",
+    "mas_trainer.algo", "mas_trainer.algo.config", "mas_trainer.engines", "mas_trainer.engines.config",
     "mas_trainer.learners", "mas_trainer.learners.config",
     "mas_trainer.rewards", "mas_trainer.rewards.allocators", "mas_trainer.rewards.config",
     "mas_trainer.rewards.counterfactual", "mas_trainer.rewards.levels",

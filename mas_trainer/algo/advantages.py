@@ -86,7 +86,7 @@ class AdvantageBatch:
         lengths = self.response_mask.sum(dim=-1).long().tolist()
         return {
             tid: TurnAdvantage(self.advantages[i, :n].clone(), self.returns[i, :n].clone(), float(self.turn_weights[i]))
-            for i, (tid, n) in enumerate(zip(self.turn_ids, lengths))
+            for i, (tid, n) in enumerate(zip(self.turn_ids, lengths, strict=True))
         }
 
 

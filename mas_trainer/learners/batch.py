@@ -30,13 +30,13 @@ forward and backward are done once per group instead of once per sample.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["Turn", "PackedTurns", "SharedPrompts", "pack_turns", "share_prompts", "micro_batches", "mini_batches", "update_mini_batches"]
+__all__ = ["Turn", "PackedTurns", "SharedPrompts", "pack_turns", "share_prompts", "micro_batches", "mini_batches", "update_mini_batches", "run_epochs"]
 
 
 @dataclass(frozen=True)
@@ -212,7 +212,7 @@ class PackedTurns:
         """Split a token-aligned (B, T) tensor into each turn's (response_length,) values."""
         return [
             values[b, p : p + r]
-            for b, (p, r) in enumerate(zip(self.prompt_lengths, self.response_lengths))
+            for b, (p, r) in enumerate(zip(self.prompt_lengths, self.response_lengths, strict=True))
         ]
 
 
@@ -324,3 +324,22 @@ def update_mini_batches(turns: Sequence[Turn], size: int, *, epochs: int, shuffl
     seed derived from (seed, update count, epoch), so a resumed run draws the same order."""
     for epoch in range(epochs):
         yield from mini_batches(turns, size, shuffle=shuffle, seed=seed * 1_000_003 + update * 1009 + epoch)
+
+
+def run_epochs(turns: Sequence[Turn], config: Any, update: int, step: Callable[[list[Turn]], float | None],
+               optimizer: Any) -> tuple[int, int, list[float]]:
+    """`step` on every mini-batch of one update (`update_mini_batches` with the learner's or
+    critic's `mini_batch_size`, `ppo_epochs`, `shuffle`, `seed`); `step` returns the gradient
+    norm, None where a non-finite norm skipped the optimizer step. The gradients are cleared
+    however it ends. (mini-batches run, of them skipped, the finite norms)."""
+    steps, norms = 0, []
+    try:
+        for mini in update_mini_batches(turns, config.mini_batch_size, epochs=config.ppo_epochs, shuffle=config.shuffle,
+                                        seed=config.seed, update=update):
+            norm = step(mini)
+            steps += 1
+            if norm is not None:
+                norms.append(norm)
+    finally:
+        optimizer.zero_grad(set_to_none=True)
+    return steps, steps - len(norms), norms

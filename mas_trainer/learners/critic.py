@@ -40,7 +40,7 @@ import torch
 
 from mas_trainer.engines.models import bf16_is_fast
 
-from mas_trainer.learners.batch import PackedTurns, Turn, micro_batches, pack_turns, update_mini_batches
+from mas_trainer.learners.batch import PackedTurns, Turn, micro_batches, pack_turns, run_epochs
 from mas_trainer.learners.config import CriticConfig
 
 __all__ = ["TorchCritic"]
@@ -117,7 +117,7 @@ class TorchCritic:
             batch = pack_turns(micro, pad_id=self.pad_id).to(self.device)
             full = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
             full[:, batch.response_start :] = self._forward(batch)
-            for tid, v in zip(batch.turn_ids, batch.response_values(full)):
+            for tid, v in zip(batch.turn_ids, batch.response_values(full), strict=True):
                 out[tid] = v.cpu().tolist()
         return out
 
@@ -152,20 +152,13 @@ class TorchCritic:
         cfg = self.config
         sums: dict[str, float] = defaultdict(float)
         losses: list[float] = []
-        norms: list[float] = []
-        steps = skipped = 0
-        try:
-            for mini in update_mini_batches(turns, cfg.mini_batch_size, epochs=cfg.ppo_epochs, shuffle=cfg.shuffle,
-                                            seed=cfg.seed, update=self.updates):
-                loss, norm = self._mini_batch_step(mini, returns, old_values, sums)
-                losses.append(loss)
-                steps += 1
-                if norm is None:
-                    skipped += 1
-                else:
-                    norms.append(norm)
-        finally:
-            self.optimizer.zero_grad(set_to_none=True)
+
+        def step(mini: list[Turn]) -> float | None:
+            loss, norm = self._mini_batch_step(mini, returns, old_values, sums)
+            losses.append(loss)
+            return norm
+
+        steps, skipped, norms = run_epochs(turns, cfg, self.updates, step, self.optimizer)
         self.updates += 1
         n_tok = sums["_response_tokens"]
         metrics = {
@@ -185,7 +178,7 @@ class TorchCritic:
     def _aligned(self, batch: PackedTurns, table: Mapping[str, Any]) -> torch.Tensor:
         """Per-turn response values laid out like ``batch``: (B, T) float32, 0 off the response."""
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
-        for b, (tid, p, r) in enumerate(zip(batch.turn_ids, batch.prompt_lengths, batch.response_lengths)):
+        for b, (tid, p, r) in enumerate(zip(batch.turn_ids, batch.prompt_lengths, batch.response_lengths, strict=True)):
             out[b, p : p + r] = torch.as_tensor(table[tid], dtype=torch.float32).reshape(-1)
         return out.to(self.device)
 

@@ -54,7 +54,7 @@ import torch
 from mas_trainer.engines.models import bf16_is_fast
 
 from mas_trainer.errors import UserError
-from mas_trainer.learners.batch import PackedTurns, Turn, micro_batches, pack_turns, update_mini_batches
+from mas_trainer.learners.batch import PackedTurns, Turn, micro_batches, pack_turns, run_epochs
 from mas_trainer.learners.config import LearnerConfig
 
 __all__ = ["TorchLearner"]
@@ -220,7 +220,7 @@ class TorchLearner:
             log_prob, _ = self._forward(model, batch, entropy=False)
             full = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
             full[:, batch.response_start :] = log_prob
-            for turn, values in zip(micro, batch.response_values(full)):
+            for turn, values in zip(micro, batch.response_values(full), strict=True):
                 out[index[id(turn)]] = values.cpu()
         return out
 
@@ -271,34 +271,23 @@ class TorchLearner:
         t0 = time.perf_counter()
         learner = [lp.tolist() for lp in self.log_probs(turns)]
         metrics = {"time/old_logprob_s": time.perf_counter() - t0}
-        diff = [abs(a - b) for t, lp in zip(turns, learner) for a, b in zip(t.old_logprobs, lp)]
+        diff = [abs(a - b) for t, lp in zip(turns, learner, strict=True) for a, b in zip(t.old_logprobs, lp, strict=True)]
         metrics["logprob_diff"] = sum(diff) / max(1, len(diff))
         if self.config.old_logprobs == "recompute":
-            return [dataclasses.replace(t, old_logprobs=lp) for t, lp in zip(turns, learner)], metrics
+            return [dataclasses.replace(t, old_logprobs=lp) for t, lp in zip(turns, learner, strict=True)], metrics
         engine = padded([t.old_logprobs for t in turns])
         mask = padded([[1.0] * len(t.response_ids) for t in turns])
         weights, corr = rollout_is_weights(padded(learner, engine.shape[1]), engine, mask, self.config.rollout_is_threshold)
         metrics.update(corr)
         return [dataclasses.replace(t, old_logprobs=lp, is_weights=weights[b, : len(lp)].tolist())
-                for b, (t, lp) in enumerate(zip(turns, learner))], metrics
+                for b, (t, lp) in enumerate(zip(turns, learner, strict=True))], metrics
 
     def _update(self, turns: list[Turn], skipped_turns: int, t0: float) -> dict[str, float]:
         cfg = self.config
         sums: dict[str, float] = defaultdict(float)
         weights: dict[str, float] = defaultdict(float)
-        steps = skipped = 0
-        grad_norms: list[float] = []
-        try:
-            for mini in update_mini_batches(turns, cfg.mini_batch_size, epochs=cfg.ppo_epochs, shuffle=cfg.shuffle,
-                                            seed=cfg.seed, update=self.updates):
-                norm = self._mini_batch_step(mini, sums, weights)
-                steps += 1
-                if norm is None:
-                    skipped += 1
-                else:
-                    grad_norms.append(norm)
-        finally:
-            self.optimizer.zero_grad(set_to_none=True)
+        steps, skipped, grad_norms = run_epochs(turns, cfg, self.updates, lambda mini: self._mini_batch_step(mini, sums, weights),
+                                                self.optimizer)
         self.updates += 1
         seconds = time.perf_counter() - t0
         metrics = {k: sums[k] / weights[k] for k in sums if weights[k] > 0}
@@ -326,7 +315,7 @@ class TorchLearner:
                 computed = self.log_probs(missing)
         else:
             computed = self.log_probs(missing, model=self.reference)
-        values = dict(zip(map(id, missing), computed))
+        values = dict(zip(map(id, missing), computed, strict=True))
         return [
             t if t.ref_logprobs is not None else dataclasses.replace(t, ref_logprobs=values[id(t)].tolist())
             for t in turns

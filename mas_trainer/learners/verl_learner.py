@@ -154,7 +154,7 @@ class VerlLearner:
         ref = self._infer(self.ref, rows, real, "log_probs") if self.ref is not None else None
         trained = [replace(t, old_logprobs=o[: len(t.response_ids)], advantages=advantages[t.id].advantages.tolist(),
                            ref_logprobs=(ref[i][: len(t.response_ids)] if ref is not None else None))
-                   for i, (t, o) in enumerate(zip(local, old))]  # old also covers the filler rows
+                   for i, (t, o) in enumerate(zip(local, old[:real], strict=True))]
         td = self._batch(rows, trained)
         if ref is not None:
             td["ref_log_prob"] = response_tensor(td, [t.ref_logprobs for t in trained], len(rows))
@@ -172,7 +172,7 @@ class VerlLearner:
         self.updates += 1  # before the critic's update, whose shuffle seed counts this one
         metrics = {**(flatten_metrics(tu.get(out, "metrics")) if out is not None else {}),
                    "time/train_mini_batch_s": time.perf_counter() - t_train, **correction}
-        diff = [abs(a - b) for t, o in zip(local, old) for a, b in zip(t.old_logprobs, o)]
+        diff = [abs(a - b) for t, o in zip(local, old[:real], strict=True) for a, b in zip(t.old_logprobs, o, strict=True)]
         mismatch = all_gather({"sum": sum(diff), "n": len(diff)}, merge=lambda ds: {k: sum(d[k] for d in ds) for k in ds[0]})
         if mode != "bypass":  # bypass computes no learner log-probs to compare (ppo_kl shows the mismatch then)
             metrics["time/old_logprob_s"] = t_old

@@ -117,7 +117,8 @@ def test_verl_and_torch_learners_agree_on_one_update(tmp_path):
     gens = asyncio.run(sample())
     prompts = [[1, 17, 300 + i, 42][: 2 + i % 3] for i in range(8)]
     records = [TurnRecord(f"t{i}", f"r{i}", i // 4, "a", "p", len(g[0].token_ids), float(i % 3)) for i, g in enumerate(gens)]
-    [verl_metrics, _] = ray.get(group.train(records))
+    [verl_result, _] = ray.get(group.train(records))
+    verl_metrics = verl_result.metrics
     ray.get(group.save(str(tmp_path / "hf"), str(tmp_path / "learner")))
     ray.get(group.close())
 
@@ -128,6 +129,8 @@ def test_verl_and_torch_learners_agree_on_one_update(tmp_path):
     turns = [Turn(f"t{i}", prompts[i], g[0].token_ids, old[i].tolist(), adv[f"t{i}"].advantages.tolist()) for i, g in enumerate(gens)]
     torch_metrics = torch_learner.update(turns)
 
+    # the advantages the update used come back with it, as the one policy step computed them
+    assert verl_result.advantages == {tid: a.advantages.tolist() for tid, a in adv.items()}
     assert verl_metrics["pg_loss"] == pytest.approx(torch_metrics["pg_loss"], abs=1e-5)
     assert verl_metrics["grad_norm"] == pytest.approx(torch_metrics["grad_norm"], rel=1e-4)
     after = _params(tmp_path / "hf")
@@ -301,7 +304,7 @@ def test_verl_warm_start_moves_the_weights_and_matches_the_torch_learner(tmp_pat
     gens = [ray.get(group.workers[0].generate.remote([1, 17, 42], SamplingParams(max_tokens=4, seed=i), f"t{i}")) for i in range(4)]
     records = [TurnRecord(f"t{i}", f"r{i}", 0, "a", "p", len(g[0].token_ids), float(i)) for i, g in enumerate(gens)]
     [ppo, _] = ray.get(group.train(records))
-    assert "pg_loss" in ppo and ppo["turns"] == 4
+    assert "pg_loss" in ppo.metrics and ppo.metrics["turns"] == 4 and len(ppo.advantages) == 4
     ray.get(group.close())
 
     model, _ = load_model("tiny", seed=4)

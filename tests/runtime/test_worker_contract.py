@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from mas_trainer.engines.base import ENGINE_METRICS, EngineMeter, SamplingParams, choice_id
+from mas_trainer.engines.base import ENGINE_METRICS, SamplingParams, choice_id
 from mas_trainer.engines.fake import FakeEngine
 from mas_trainer.policy.contract import WorkerGroupHandle
 from mas_trainer.policy.turns import BufferedTurn, Serving, TurnStore
