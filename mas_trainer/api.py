@@ -176,7 +176,7 @@ def trace(app: Any, data: str | Path | Iterable[dict[str, Any]], *, n: int = 1, 
         trajs = session.run(tasks, n=n)
         elapsed = time.perf_counter() - start
         # scored while the session is up: a reward may call the app's own services
-        spec = RewardSpec(loaded.spec.spec.reward, loaded.spec.spec.role_rewards, loaded.spec.spec.turn_rewards)
+        spec = RewardSpec.of(loaded.spec.declared)
         result = TraceResult(trajs, elapsed, has_rewards=any(x is not None for x in (spec.trajectory, spec.roles, spec.turns)),
                              scored=False, output=Path(output) if output is not None else None)
         if rewards and result.has_rewards:

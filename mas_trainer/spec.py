@@ -153,13 +153,13 @@ def _match(key: str, nodes: list[str]) -> str:
 class ResolvedSpec:
     """A TrainSpec checked against one graph: routes node paths to (role, policy)."""
 
-    spec: TrainSpec
+    declared: TrainSpec  # as the decorator declared it, before the graph's nodes were known
     nodes: tuple[str, ...]
     qualified: Mapping[str, str]  # user's key -> qualified node name
 
     @property
     def policies(self) -> dict[str, PolicySpec]:
-        pols = dict(self.spec.policies)
+        pols = dict(self.declared.policies)
         if self._needs_frozen():
             base = next(iter(pols.values())).base_model if pols else "default"
             pols[FROZEN_POLICY] = PolicySpec(FROZEN_POLICY, base, trainable=False)
@@ -181,7 +181,7 @@ class ResolvedSpec:
             if node is not None:
                 raise SpecError(f"{what} key {key!r} is a node that plays role {self.route(node).role!r}: rewards are keyed "
                                 f"by role; the app's roles: {', '.join(roles) or '(none)'}")
-            if key in self.spec.policies or key == FROZEN_POLICY:
+            if key in self.declared.policies or key == FROZEN_POLICY:
                 played = [r for r in roles if self._policy_of_role(r) == key]
                 raise SpecError(f"{what} key {key!r} is a policy, not a role: rewards are keyed by role (the roles it "
                                 f"serves: {', '.join(played) or 'none'}); the app's roles: {', '.join(roles) or '(none)'}")
@@ -198,7 +198,7 @@ class ResolvedSpec:
                 and self.route(key).role == key)
 
     def _needs_frozen(self) -> bool:
-        return self.spec.default_policy is None or bool(self.spec.frozen)
+        return self.declared.default_policy is None or bool(self.declared.frozen)
 
     def route(self, node_path: str) -> Route:
         """Role and policy of a node call; `node_path` is qualified (``outer:inner``).
@@ -218,12 +218,12 @@ class ResolvedSpec:
     @cached_property
     def _by_node(self) -> dict[str, str]:
         # a key in roles/frozen wins over the same node named again in role_names
-        keys = [*self.spec.role_names, *self.spec.frozen, *self.spec.roles]
+        keys = [*self.declared.role_names, *self.declared.frozen, *self.declared.roles]
         return {self.qualified[k]: k for k in keys}
 
     @cached_property
     def _role_names(self) -> dict[str, str]:
-        return {self.qualified[k]: role for k, role in self.spec.role_names.items()}
+        return {self.qualified[k]: role for k, role in self.declared.role_names.items()}
 
     def _route(self, node_path: str) -> Route:
         by_node = self._by_node
@@ -234,10 +234,10 @@ class ResolvedSpec:
             if key is None:
                 continue
             role = self._role_names.get(q, key)
-            if key in self.spec.frozen:
+            if key in self.declared.frozen:
                 return Route(role, FROZEN_POLICY, False)
-            if key in self.spec.roles:
-                return Route(role, self.spec.roles[key], True)
-        if self.spec.default_policy is not None:
-            return Route(node_path, self.spec.default_policy, True)
+            if key in self.declared.roles:
+                return Route(role, self.declared.roles[key], True)
+        if self.declared.default_policy is not None:
+            return Route(node_path, self.declared.default_policy, True)
         return Route(node_path, FROZEN_POLICY, False)

@@ -62,7 +62,7 @@ class Router:
         self._fell_back: set[str] = set()  # model names already logged
         self._role_policy: dict[str, tuple[str, bool]] = {}
         if spec is not None:
-            for key in list(spec.spec.roles) + list(spec.spec.frozen):
+            for key in list(spec.declared.roles) + list(spec.declared.frozen):
                 route = spec.route(spec.qualified[key])
                 self._role_policy[route.role] = (route.policy, route.trainable)
 

@@ -32,11 +32,14 @@ import os
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mas_trainer.errors import UserError
 from mas_trainer.errors import shown_path as _shown
 from mas_trainer.trace.schema import LLMCall, Trajectory
+
+if TYPE_CHECKING:
+    from mas_trainer.spec import TrainSpec
 
 __all__ = [
     "TrajectoryReward",
@@ -176,6 +179,11 @@ class RewardSpec:
     trajectory: TrajectoryReward | None = None
     roles: RoleReward | Mapping[str, RoleReward] | None = None
     turns: TurnReward | Mapping[str, TurnReward] | None = None
+
+    @classmethod
+    def of(cls, declared: TrainSpec) -> RewardSpec:
+        """The rewards an app declared (`trainable(reward=..., role_rewards=..., turn_rewards=...)`)."""
+        return cls(declared.reward, declared.role_rewards, declared.turn_rewards)
 
     def __post_init__(self) -> None:
         if self.trajectory is not None and not callable(self.trajectory):

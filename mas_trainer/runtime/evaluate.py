@@ -100,7 +100,7 @@ def evaluate(app_ref: Any, tasks: list[dict], *, run_dir: str | Path | None = No
         failed = every_rollout_failed(trajs, "no reward to report")
         if failed is not None:
             raise failed
-        spec = RewardSpec(app.spec.spec.reward, app.spec.spec.role_rewards, app.spec.spec.turn_rewards)
+        spec = RewardSpec.of(app.spec.declared)
         cost, _ = score_rollouts(spec, trajs, r)
         settings = {"max_in_flight": session.max_in_flight, "timeout_s": session.timeout_s}
     used = {p: str(trained.get(p, pol.base_model)) for p, pol in app.spec.policies.items()}

@@ -114,7 +114,7 @@ class AppRecord(BaseModel):
 
     @classmethod
     def from_spec(cls, spec: ResolvedSpec) -> "AppRecord":
-        s = spec.spec
+        s = spec.declared
         return cls(nodes=list(spec.nodes), roles=dict(s.roles), role_names=dict(s.role_names), frozen=sorted(s.frozen),
                    default_policy=s.default_policy,
                    policies={p: PolicyRecord(base_model=pol.base_model, trainable=pol.trainable) for p, pol in spec.policies.items()})

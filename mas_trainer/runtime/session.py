@@ -33,7 +33,7 @@ from mas_trainer.apps import AppRunner, app_runner, load_object
 from mas_trainer.config import RuntimeConfig
 from mas_trainer.gateway import Gateway, GatewayServer, Ledger, PolicyBackend, RolloutSampling, Router
 
-from mas_trainer.runtime.backends import EngineSettings, policy_backends
+from mas_trainer.runtime.backends import policy_backends
 from mas_trainer.runtime.controller import Controller
 from mas_trainer.spec import FROZEN_POLICY
 from mas_trainer.trace import otel
@@ -124,7 +124,7 @@ class Session:
         timeout_s: float | None = 300.0,
         otel_exporter: str | None = None,
         default_max_tokens: int = 256,
-        engine_settings: EngineSettings | None = None,
+        engine_settings: RuntimeConfig | None = None,
         seed: int = 0,
         backend_factory: Callable[[str], PolicyBackend] | None = None,
     ) -> None:
@@ -226,7 +226,7 @@ class Session:
                                        factory=self.backend_factory)
             for name, backend in backends.items():
                 self.attach(name, backend)
-        fallback = app.spec.spec.default_policy or (FROZEN_POLICY if FROZEN_POLICY in app.spec.policies else None)
+        fallback = app.spec.declared.default_policy or (FROZEN_POLICY if FROZEN_POLICY in app.spec.policies else None)
         self.gateway.router = Router(app.spec, fallback=fallback)
         self.app = app
         return app

@@ -465,7 +465,7 @@ class _Fit:
         self.say(f"checking the model{'s' if len(bases) > 1 else ''} {', '.join(bases)}")
         for base in bases:
             check_model(base)  # here, in one line, not as a traceback from a worker; hub ids download once
-        self.reward_spec = RewardSpec(spec.spec.reward, spec.spec.role_rewards, spec.spec.turn_rewards)
+        self.reward_spec = RewardSpec.of(spec.declared)
         if needs_forks(c.reward.allocator):  # an app or task that cannot be forked: one line, before any rollout
             forks_of(app).check(self.reward_spec, c.reward.counterfactual.roles, self.tasks)
         if state is None:  # read, checked and tokenized here, before any worker group starts

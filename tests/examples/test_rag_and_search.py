@@ -338,7 +338,7 @@ def test_rag_qa_traces_on_tiny(attr, policies):
         # BM25 on the question + any rewrite still finds the gold passage
         assert t.task["passage_id"] in [p["id"] for p in t.final_state["passages"]]
         assert "answer" not in t.final_state  # the reference never reaches the graph
-        spec = app.spec.spec
+        spec = app.spec.declared
         assign_rewards(t, RewardSpec(spec.reward, spec.role_rewards, spec.turn_rewards))
         assert 0.0 <= t.rewards.trajectory <= 1.0 and t.rewards.roles["rewrite"] == 1.0
 
@@ -374,7 +374,7 @@ def test_agentic_search_traces_on_tiny_with_plans_decoded_under_the_schema(searc
         assert sum(c.role == "summariser" for c in t.llm_calls) == sum(bool(s["passages"]) for s in searches)
         assert [s["query"] for s in searches] == [p[1] for p in plans if p[0] == "search"]
         assert [tc.name for tc in t.tool_calls] == ["search_passages"] * len(searches)
-        spec = app.spec.spec
+        spec = app.spec.declared
         assign_rewards(t, RewardSpec(spec.reward, spec.role_rewards, spec.turn_rewards), allocator="turn_delta")
         assert all("turn" in t.rewards.detail["calls"][c.id]["parts"] for c in t.llm_calls)  # every call scored
 

@@ -35,7 +35,7 @@ def forked(keywords=None, reward=None, n=N, seed=7, checkpointer=None, builder="
         extra = {"checkpointer": checkpointer} if checkpointer is not None else {}
         graph = load_object(f"{APP}:{builder}")(**extra, **(keywords or {}))
         app = session.load_app(graph)
-        spec = RewardSpec(app.spec.spec.reward)
+        spec = RewardSpec(app.spec.declared.reward)
         session.reseed(seed)
         ids = [f"s1-t0-r{k}" for k in range(n)]
         reward = reward or RewardConfig(allocator="counterfactual", counterfactual={"k": 8})
@@ -190,7 +190,7 @@ def test_an_allocator_registered_as_needing_forks_gets_them_whatever_its_name(mo
                  timeout_s=300) as session:
         app = session.load_app(load_object(f"{APP}:build")())
         fit = _Fit(None, [], cfg, None, [], None)
-        fit.reward_spec = RewardSpec(app.spec.spec.reward)
+        fit.reward_spec = RewardSpec(app.spec.declared.reward)
         trajs, forks = session.loop.run_until_complete(fit.rollouts(session, [{"question": "q"}], 2, ["r0", "r1"], 7, fork=True))
         held_out, none = session.loop.run_until_complete(fit.rollouts(session, [{"question": "q"}], 1, ["v0"], 7))
     assert all(t.forks is not None and t.forks.k == 2 and seen[t.rollout_id] is t.forks for t in trajs)

@@ -130,7 +130,7 @@ def _fake_run(out: Path, app: str | Callable, tasks: list[dict], *, steps: int =
         run = RunDir(out)
         run.create(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         run.write_app(runner.spec)
-        spec = RewardSpec(runner.spec.spec.reward, runner.spec.spec.role_rewards, runner.spec.spec.turn_rewards)
+        spec = RewardSpec.of(runner.spec.declared)
         for step in range(0, steps + 1):
             for kind in (("val", "train") if step else ("val",)):
                 k = 1 if kind == "val" else n
