@@ -75,7 +75,7 @@ def fit_steps(model_ref: str, steps: int, samples: int, new_tokens: int, lr: flo
     from rich.console import Console
 
     from mas_trainer.config import load_config
-    from mas_trainer.runtime.trainer import fit
+    from mas_trainer.loop.trainer import fit
 
     cfg = load_config(overrides=[
         "runtime.execution=local", f"steps={steps}", f"rollout.tasks_per_step={len(PROMPTS)}", f"rollout.n={samples}",

@@ -59,7 +59,7 @@ def capture_prompts() -> list[dict]:
     """Run the three apps on fake engines; keep each agent's first turn on each task."""
     from mas_trainer.engines.fake import FakeChatFormat, FakeEngine, byte_text
     from mas_trainer.gateway import PolicyBackend
-    from mas_trainer.runtime.session import Session
+    from mas_trainer.loop.session import Session
     hand_off = "transfer_to_math_expert"
     runs = {"supervisor_pkg": {"supervisor": scripted(hand_off, "transfer_to_research_expert"), "math": scripted(),
                                "research": scripted()},
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.prompts, args.samples, args.forced_samples = args.prompts or 6, min(args.samples, 2), min(args.forced_samples, 2)
     from mas_trainer.engines.config import EngineSettings
-    from mas_trainer.runtime.backends import torch_backend
+    from mas_trainer.loop.backends import torch_backend
 
     cpu = [ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")][:1]
     print(f"{datetime.date.today()}; {(cpu or [platform.machine()])[0]}, {os.cpu_count()} cores; model {args.model}")

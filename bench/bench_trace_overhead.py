@@ -51,8 +51,8 @@ def main() -> None:
 
     from mas_trainer.engines.fake import FakeChatFormat, FakeEngine
     from mas_trainer.gateway import PolicyBackend
-    from mas_trainer.runtime.controller import Controller
-    from mas_trainer.runtime.session import Session
+    from mas_trainer.loop.controller import Controller
+    from mas_trainer.loop.session import Session
 
     def fake_backend(_: str) -> PolicyBackend:
         return PolicyBackend(FakeEngine(latency_s=args.latency_ms / 1000, reply="ok"), FakeChatFormat())

@@ -131,7 +131,7 @@ def run_case(case: str, args: argparse.Namespace, model: Path, params: int, peak
     if case == "nccl-sync" and args.device == "cpu":
         return {"case": case, "status": "skipped", "why": "NCCL needs GPUs (CI runs this path over gloo)"}
     from mas_trainer.config import load_config
-    from mas_trainer.runtime.trainer import fit
+    from mas_trainer.loop.trainer import fit
 
     run = Path(tempfile.mkdtemp(prefix=f"gpu-check-{case}-"))
     tasks = [json.loads(line) for line in DATA.read_text().splitlines()]

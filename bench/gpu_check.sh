@@ -90,10 +90,10 @@ case "${1:-}" in
     "$WORK/prove/bin/pip" install -q --no-compile --no-deps --no-build-isolation .
     (cd / && "$OLDPWD/$WORK/prove/bin/python" -c "
 from verl.workers.engine_workers import TrainingWorker
-import mas_trainer.runtime.trainer, mas_trainer.runtime.verl_group, mas_trainer.runtime.worker_group
-import mas_trainer.rollout.fleet, mas_trainer.rollout.torch_replica, mas_trainer.rollout.gloo_sync
+import mas_trainer.loop.trainer, mas_trainer.policy.verl_rank, mas_trainer.policy.local
+import mas_trainer.replicas.fleet, mas_trainer.replicas.torch_replica, mas_trainer.replicas.gloo_sync
 import mas_trainer.adapters.langgraph, mas_trainer.learners.torch_learner, mas_trainer.learners.verl_learner
-import mas_trainer.runtime.tracking
+import mas_trainer.run.tracking
 print('prove: the packed set imports TrainingWorker and the fit path')")  # not from the checkout
     py312=$(for p in python3.12 "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12; do
               "$p" -c "" 2>/dev/null && echo "$p" && break; done || true)

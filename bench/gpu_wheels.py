@@ -41,7 +41,7 @@ NEVER_IMPORTED = frozenset({
     "pytest", "pytest-asyncio", "iniconfig", "pluggy", "ruff", "mypy", "mypy-extensions", "pathspec", "librt",
     "py-spy", "virtualenv", "distlib",
     # the trackers the check does not use (gpu_check.py sets logger=[console]; each is imported
-    # only when named in `logger`: mas_trainer/runtime/tracking.py, verl/utils/tracking.py)
+    # only when named in `logger`: mas_trainer/run/tracking.py, verl/utils/tracking.py)
     "tensorboard", "tensorboard-data-server",
     "mlflow", "mlflow-skinny", "mlflow-tracing", "sqlalchemy", "alembic", "wandb", "sentry-sdk",
     # the example apps' retrieval and grading (examples/, not the words fixture app)

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
-from mas_trainer.data import load_tasks
+from mas_trainer.tasks import load_tasks
 from mas_trainer.errors import UserError
-from mas_trainer.runtime.quiet import quiet_libraries
+from mas_trainer.loop.quiet import quiet_libraries
 
 if TYPE_CHECKING:
     import threading
@@ -94,7 +94,7 @@ def fit(app: Any, data: str | Path | Iterable[dict[str, Any]], *, output: str | 
     passes its launch, so start-up counts."""
     import time
 
-    from mas_trainer.runtime.trainer import fit as run_fit
+    from mas_trainer.loop.trainer import fit as run_fit
 
     quiet_libraries()  # no third-party progress bars, as from the CLI
     started_at = time.perf_counter() if started_at is None else started_at
@@ -110,7 +110,7 @@ def evaluate(app: Any, data: str | Path | Iterable[dict[str, Any]], *, run: str 
     """Mean reward of `app` on `data`, overall and per role, with the trained policies of `run`
     (else the base models); `options` as `mas-trainer eval`'s (n, seed, max_tokens, temperature,
     max_in_flight, timeout_s, model)."""
-    from mas_trainer.runtime.evaluate import evaluate as run_evaluate
+    from mas_trainer.loop.evaluate import evaluate as run_evaluate
 
     quiet_libraries()  # no third-party progress bars, as from the CLI
     return run_evaluate(app, load_tasks(data), run_dir=run, **options)
@@ -118,7 +118,7 @@ def evaluate(app: Any, data: str | Path | Iterable[dict[str, Any]], *, run: str 
 
 def export(run: str | Path, out_dir: str | Path, *, adapter: bool = False) -> Path:
     """One Hugging Face folder per trained policy of `run`, plus `mas-trainer.json`."""
-    from mas_trainer.runtime.export import export as run_export
+    from mas_trainer.production.export import export as run_export
 
     quiet_libraries()  # no third-party progress bars, as from the CLI
     return run_export(run, out_dir, adapter=adapter)
@@ -143,7 +143,7 @@ class TraceResult:
     @property
     def failed(self) -> UserError | None:
         """The one-line error when every rollout failed (what `mas-trainer trace` exits 2 with)."""
-        from mas_trainer.runtime.evaluate import every_rollout_failed
+        from mas_trainer.loop.evaluate import every_rollout_failed
 
         return every_rollout_failed(self.trajectories, f"the trajectories: {self.output}" if self.output else "")
 
@@ -160,8 +160,8 @@ def trace(app: Any, data: str | Path | Iterable[dict[str, Any]], *, n: int = 1, 
 
     from mas_trainer.config import load_config
     from mas_trainer.rewards import RewardSpec
-    from mas_trainer.runtime.evaluate import score_rollouts
-    from mas_trainer.runtime.session import Session
+    from mas_trainer.loop.evaluate import score_rollouts
+    from mas_trainer.loop.session import Session
 
     quiet_libraries()  # no third-party progress bars, as from the CLI
     tasks = load_tasks(data)

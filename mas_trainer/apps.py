@@ -92,7 +92,7 @@ class AppRunner(Protocol):
 
 
 class AppForks(Protocol):
-    """What forking rollouts needs of an adapter (runtime/forking.py): `check` refuses an app or
+    """What forking rollouts needs of an adapter (loop/forking.py): `check` refuses an app or
     task that cannot be forked honestly; within `keeping_threads` finished rollouts keep their
     threads (rollout id -> thread id); a thread's `checkpoints` by superstep; `continuations`,
     the app run from them (fork rollout id -> checkpoint)."""

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from mas_trainer.errors import UserError
-from mas_trainer.runtime.quiet import quiet_libraries
+from mas_trainer.loop.quiet import quiet_libraries
 
 __all__ = ["main"]
 
@@ -30,7 +30,7 @@ def _load_tasks(args: argparse.Namespace) -> list[dict[str, Any]]:
         if not isinstance(task, dict):
             raise UsageError("--input must be a JSON object, e.g. '{\"question\": \"...\"}'")
         return [task]
-    from mas_trainer.data import load_tasks
+    from mas_trainer.tasks import load_tasks
 
     return load_tasks(args.data)
 
@@ -91,7 +91,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     _check_model(cfg.model)
     console = Console()
     # the Session says where its gateway listens and whom it answers, at INFO
-    session_log = logging.getLogger("mas_trainer.runtime.session")
+    session_log = logging.getLogger("mas_trainer.loop.session")
     if session_log.getEffectiveLevel() > logging.INFO:
         session_log.setLevel(logging.INFO)
     try:
@@ -115,10 +115,10 @@ def cmd_fit(args: argparse.Namespace) -> int:
 
 def _interrupted_fit(output: str, *, forced: bool) -> int:
     """Ctrl-C in `fit`: one line saying what was kept; exit status 130. Everything kept was
-    committed by an atomic rename (runtime/rundir.py), so a step cut short is neither kept nor
+    committed by an atomic rename (run/rundir.py), so a step cut short is neither kept nor
     counted. After a second Ctrl-C the engine threads may still be inside torch, which aborts at
     interpreter exit: then Ray is shut down and the process leaves at once."""
-    from mas_trainer.runtime.rundir import RunDir
+    from mas_trainer.run.rundir import RunDir
 
     try:
         state = RunDir(output).load_state()
@@ -141,7 +141,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from mas_trainer.api import evaluate
-    from mas_trainer.runtime.evaluate import timeout_warning
+    from mas_trainer.loop.evaluate import timeout_warning
 
     _check_model(args.model)
     if args.max_in_flight is not None and args.max_in_flight < 1:
@@ -207,7 +207,7 @@ def _pairs(items: list[str], flag: str, example: str) -> dict[str, str]:
 
 
 def cmd_import_traces(args: argparse.Namespace) -> int:
-    from mas_trainer.otel_import import Receiver, Unmapped, import_traces
+    from mas_trainer.production.otel_import import Receiver, Unmapped, import_traces
     from mas_trainer.view.server import serve_until_interrupted
 
     roles = _pairs(args.role, "--role", "NODE=ROLE (e.g. researcher=writer)")
@@ -250,7 +250,7 @@ def cmd_view(args: argparse.Namespace) -> int:
 def cmd_data(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from mas_trainer.curate import make_datasets
+    from mas_trainer.production.curate import make_datasets
 
     data = make_datasets(args.folders, args.out, force=args.force, min_score=args.min_score, label=args.label,
                          val_fraction=args.val_fraction, seed=args.seed, roles=args.role)

@@ -23,7 +23,7 @@ from mas_trainer.errors import UserError, did_you_mean
 from mas_trainer.learners.config import CriticConfig, LearnerConfig
 from mas_trainer.rewards.allocators import LevelWeights, allocator_names, check_allocator
 from mas_trainer.rewards.config import CounterfactualConfig
-from mas_trainer.rollout.config import ENGINES, ReplicaConfig
+from mas_trainer.replicas.config import ENGINES, ReplicaConfig
 
 __all__ = [
     "FitConfig", "PolicyConfig", "WarmStartConfig", "RuntimeConfig", "Resources", "load_config", "describe_keys", "check_torch_only", "check_policy_names",

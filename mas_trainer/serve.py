@@ -27,9 +27,10 @@ from typing import Any, Callable, Mapping
 from mas_trainer.config import ConfigError
 from mas_trainer.errors import did_you_mean
 from mas_trainer.gateway import Gateway, GatewayServer, Router
-from mas_trainer.record import Recorder, load_redactor
-from mas_trainer.runtime.backends import policy_backends, run_config, trained_policies
-from mas_trainer.runtime.rundir import RunDir
+from mas_trainer.production.record import Recorder, load_redactor
+from mas_trainer.loop.backends import policy_backends
+from mas_trainer.run.rundir import run_config, trained_policies
+from mas_trainer.run.rundir import RunDir
 from mas_trainer.spec import ResolvedSpec
 
 __all__ = ["load_run_spec", "build_gateway", "serve", "resolve_api_key", "API_KEY_ENV"]
@@ -103,7 +104,7 @@ def build_gateway(run_dir: str | Path, *, routes: Mapping[str, str] | None = Non
     gateway = Gateway(Router(spec, model_routes=routes, known_nodes_only=True), api_key=api_key, default_max_tokens=max_tokens)
     served = {}
     if engine != "embedded":
-        from mas_trainer.runtime.star import serving_backends
+        from mas_trainer.cluster.workers import serving_backends
 
         served = serving_backends({p: trained[p] for p, pol in spec.policies.items() if pol.trainable}, engine, cfg.runtime)
     for name, backend in policy_backends(spec.policies, cfg.runtime, seed=cfg.seed, checkpoints=trained,

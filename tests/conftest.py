@@ -2,7 +2,7 @@ import pytest
 
 from mas_trainer.engines.fake import FakeChatFormat, FakeEngine
 from mas_trainer.gateway import PolicyBackend
-from mas_trainer.runtime.session import Session
+from mas_trainer.loop.session import Session
 
 
 def fake_backend(_base_model: str) -> PolicyBackend:

@@ -119,7 +119,7 @@ def test_a_renamed_key_is_refused_with_its_new_name_but_a_run_written_before_sti
     (tmp_path / "config.yaml").write_text("steps: 3\nruntime:\n  backend: local\n")
     with pytest.raises(ConfigError, match="runtime.backend is now called runtime.execution"):
         load_config(tmp_path / "config.yaml")  # a user's file
-    from mas_trainer.runtime.backends import run_config
+    from mas_trainer.run.rundir import run_config
 
     cfg = run_config(tmp_path)  # a run directory's config.yaml, written before the rename
     assert cfg.runtime.execution == "local" and cfg.steps == 3

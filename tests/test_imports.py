@@ -125,7 +125,7 @@ CONFIG_IMPORTS = {
     "mas_trainer.learners", "mas_trainer.learners.config",
     "mas_trainer.rewards", "mas_trainer.rewards.allocators", "mas_trainer.rewards.config",
     "mas_trainer.rewards.counterfactual", "mas_trainer.rewards.levels",
-    "mas_trainer.rollout", "mas_trainer.rollout.config",
+    "mas_trainer.replicas", "mas_trainer.replicas.config",
     "mas_trainer.trace", "mas_trainer.trace.schema",
 }
 

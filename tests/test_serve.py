@@ -12,7 +12,7 @@ from mas_trainer.adapters.langgraph.serving import serving_runs
 from mas_trainer.apps import load_object
 from mas_trainer.config import ConfigError, load_config
 from mas_trainer.gateway import GatewayServer
-from mas_trainer.runtime.trainer import fit
+from mas_trainer.loop.trainer import fit
 from mas_trainer.serve import build_gateway
 
 APP = '''
@@ -178,9 +178,9 @@ def test_the_api_key_can_come_from_a_file_or_the_environment(tmp_path, monkeypat
 def test_record_runs_and_feedback_over_http(trained_run, tmp_path, monkeypatch):
     import httpx
 
-    from mas_trainer.client import feedback
+    from mas_trainer.production.client import feedback
     from mas_trainer.errors import UserError
-    from mas_trainer.record import Recorder, read_runs
+    from mas_trainer.production.record import Recorder, read_runs
 
     root, run = trained_run
     body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi bob@example.com"}], "max_tokens": 2}
@@ -254,7 +254,7 @@ def test_recorded_runs_survive_kill_9(trained_run, tmp_path):
 
     import httpx
 
-    from mas_trainer.record import read_runs
+    from mas_trainer.production.record import read_runs
 
     _, run = trained_run
     with socket.socket() as s:

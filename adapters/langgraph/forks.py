@@ -4,7 +4,7 @@ What LangGraph knows (`LangGraphForks`, reached through `mas_trainer.apps.forks_
 checkpointer a rollout runs on and keeping its thread until the forks ran (`keeping_threads`),
 a rollout's checkpoints by superstep (`checkpoints`), the app run from one of them
 (`continuations`), and whether the app may be forked at all (`check`).
-`mas_trainer/runtime/forking.py` drives them for a batch of rollouts.
+`mas_trainer/loop/forking.py` drives them for a batch of rollouts.
 
 **Checkpointer.** The app's own, when it was compiled with one (its threads are this run's
 own, fresh per rollout, and are deleted afterwards: the saver is left as it was); else a copy

@@ -7,7 +7,7 @@
 and the held-out score of the *served* graph before and after. Every step is the command a
 user would run (`mas-trainer serve`, `data`, `fit` as subprocesses); this script only plays
 the users: it invokes the unedited app against the server, as a production app would, and
-posts feedback with `mas_trainer.client.feedback`.
+posts feedback with `mas_trainer.production.client.feedback`.
 
 The simulated users know each question's reference answer (the dataset's `answer`): their
 feedback score is the token F1 of the app's prediction, and they send the reference along in
@@ -82,7 +82,7 @@ def play(graph: Any, rows: list[dict[str, Any]], base_url: str, key: str, *, fee
     from rag_qa.metrics import exact_match, f1  # type: ignore[import-not-found]
 
     from mas_trainer.adapters.langgraph.serving import serving_runs
-    from mas_trainer.client import feedback as send_feedback
+    from mas_trainer.production.client import feedback as send_feedback
 
     scores = []
     for row in rows:

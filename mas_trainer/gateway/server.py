@@ -57,7 +57,7 @@ from mas_trainer.gateway.sampling import RolloutSampling
 from mas_trainer.gateway.transport import GatewayServer, ServerLimits
 from mas_trainer.trace import attributes as A
 from mas_trainer.trace.instrument import BAGGAGE_TOKEN, rollout_token_ok
-from mas_trainer.record import Feedback, GraphRun, Recorder
+from mas_trainer.production.record import Feedback, GraphRun, Recorder
 from mas_trainer.trace.schema import LLMCall
 
 __all__ = ["PolicyBackend", "Gateway", "GatewayServer", "RequestLimits", "ServerLimits", "key_matches", "POLICY_HEADER", "RUN_HEADER"]
@@ -209,7 +209,7 @@ class Gateway:
         self.flights = Flights()
         # set by the HTTP server: told which connections carried an admitted request
         self.on_admitted: Callable[[Any], None] | None = None
-        # serve --record: keeps each served call (mas_trainer.record.Recorder); None keeps nothing
+        # serve --record: keeps each served call (mas_trainer.production.record.Recorder); None keeps nothing
         self.recorder: Recorder | None = None
         self.app = self._build_app()
 

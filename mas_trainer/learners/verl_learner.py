@@ -27,7 +27,6 @@ from mas_trainer.learners.verl_parts import (
 
 if TYPE_CHECKING:
     from mas_trainer.algo.advantages import TurnAdvantage
-    from mas_trainer.config import WarmStartConfig
     from mas_trainer.learners.config import CriticConfig, LearnerConfig
 
 __all__ = ["VerlLearner", "torch_device"]
@@ -195,13 +194,13 @@ class VerlLearner:
         return {f"critic/{k}": v for k, v in flatten_metrics(tu.get(out, "metrics")).items()} if out is not None else {}
 
     # --- the supervised warm start -------------------------------------------------------
-    def warm_start(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]], config: WarmStartConfig) -> tuple[
-            list[float], list[float], int]:
-        """`config.steps` optimizer steps of verl's `sft_loss` on (prompt ids, completion ids)
+    def warm_start(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]], *, steps: int, lr: float,
+                   batch_size: int) -> tuple[list[float], list[float], int]:
+        """`steps` optimizer steps of verl's `sft_loss` on (prompt ids, completion ids)
         examples (`learners/sft.py` batches, each cut over the ranks), then `ppo_loss` again;
         (losses, grad norms, completion tokens).
 
-        The learner's own optimizer, at `config.lr` for the phase, and its moments cleared
+        The learner's own optimizer, at `lr` for the phase, and its moments cleared
         afterwards: at a fresh run it holds no state yet, so this is a fresh AdamW for the warm
         start and again for RL (see `TorchLearner.supervised` for why). `train_batch`, not
         `train_mini_batch`, so verl's LR scheduler does not advance."""
@@ -219,8 +218,8 @@ class VerlLearner:
         try:
             with self.on_device():
                 for group in optimizer.param_groups:
-                    group["lr"] = config.lr
-                for batch in sft_batches(len(turns), config.steps, config.batch_size, self.seed):
+                    group["lr"] = lr
+                for batch in sft_batches(len(turns), steps, batch_size, self.seed):
                     tokens += self._sft_step([turns[i] for i in batch], losses, norms)
                 for group, lr in zip(optimizer.param_groups, lrs, strict=True):
                     group["lr"] = lr
@@ -256,11 +255,9 @@ class VerlLearner:
             self.critic.save_checkpoint(os.path.join(learner_dir, "critic"))
 
     def load_checkpoint(self, learner_dir: str) -> None:
+        """verl unpickles these with weights_only=False: vet the folder first (`run/untrusted.py`)."""
         import os
 
-        from mas_trainer.runtime.untrusted import refuse_code_in_checkpoints
-
-        refuse_code_in_checkpoints(learner_dir)  # verl unpickles these with weights_only=False
         self.actor.load_checkpoint(learner_dir, del_local_after_load=False)
         if self.critic is not None:
             self.critic.load_checkpoint(os.path.join(learner_dir, "critic"), del_local_after_load=False)

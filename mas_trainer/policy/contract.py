@@ -1,7 +1,7 @@
 """The contracts of a policy's worker group: what it is told to be, and what it presents.
 
 `WorkerPlan` is what the controller tells a worker group to be (picklable: it crosses into a
-Ray actor's constructor), decided once in the run plan (`runtime/plan.py`).
+Ray actor's constructor), decided once in the run plan (`cluster/plan.py`).
 
 `WorkerGroupHandle` is what every host of a policy presents (this process, one Ray actor,
 verl's worker group of ranks, or rollout replicas in front of one): the trainer and the
@@ -21,7 +21,7 @@ from mas_trainer.algo.config import AdvantageConfig
 from mas_trainer.config import Resources
 from mas_trainer.engines.config import EngineSettings
 from mas_trainer.learners.config import CriticConfig, LearnerConfig
-from mas_trainer.rollout.config import ReplicaConfig
+from mas_trainer.replicas.config import ReplicaConfig
 
 if TYPE_CHECKING:  # the core imports no torch at module import
     from mas_trainer.algo.advantages import TurnRecord

@@ -117,7 +117,7 @@ class LocalPolicy:
 
     async def load(self, learner_dir: str) -> int:
         """Resume the optimizer and counters (the weights came with the plan's model folder)."""
-        from mas_trainer.runtime.untrusted import load_tensors
+        from mas_trainer.run.untrusted import load_tensors
 
         state = load_tensors(os.path.join(learner_dir, "optimizer.pt"))
 

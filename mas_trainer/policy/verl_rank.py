@@ -95,7 +95,7 @@ class ReplicaSink:
 
     def __init__(self, plan: WorkerPlan, learner: VerlLearner, rank: int) -> None:
         from mas_trainer.engines.models import load_model
-        from mas_trainer.rollout.fleet import learner_checkpoint_engine, rollout_config
+        from mas_trainer.replicas.fleet import learner_checkpoint_engine, rollout_config
 
         self.host_model: Any = None
         self.tokenizer: Any = None
@@ -189,7 +189,7 @@ class PolicyWorker(Worker):
         `sft_metrics` on rank 0."""
         from mas_trainer.learners.sft import sft_metrics
 
-        losses, norms, tokens = self.learner.warm_start(examples, config)
+        losses, norms, tokens = self.learner.warm_start(examples, steps=config.steps, lr=config.lr, batch_size=config.batch_size)
         self._changed()
         return sft_metrics(losses, tokens, len(examples), norms) if self.rank == 0 else None
 
@@ -241,6 +241,9 @@ class PolicyWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def load(self, learner_dir: str) -> int:
         """Resume: shards, optimizer and RNG from `learner_dir`, then the weights to the sink."""
+        from mas_trainer.run.untrusted import refuse_code_in_checkpoints
+
+        refuse_code_in_checkpoints(learner_dir)  # verl unpickles these with weights_only=False
         with self.learner.on_device():
             self.learner.load_checkpoint(learner_dir)
             self.learner.updates = json.loads((Path(learner_dir) / "mas_trainer.json").read_text())["updates"]

@@ -66,7 +66,7 @@ _NEEDS_FORKS: set[str] = set()
 def register_allocator(name: str, *, needs_forks: bool = False) -> Callable[[Allocator], Allocator]:
     """Decorator: make ``fn`` selectable as ``allocator=name``; a second, different fn is an error.
     ``needs_forks``: it reads ``Trajectory.forks``, so `fit` checks that the app can be forked
-    and forks its training rollouts (runtime/forking.py, config ``reward.counterfactual``)."""
+    and forks its training rollouts (loop/forking.py, config ``reward.counterfactual``)."""
 
     def decorator(fn: Allocator) -> Allocator:
         if name in _ALLOCATORS and _ALLOCATORS[name] is not fn:

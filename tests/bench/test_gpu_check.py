@@ -25,10 +25,10 @@ ROOT = Path(__file__).resolve().parents[2]
 IMPORTS = """
 import importlib.metadata as md, json, os, sys
 from verl.workers.engine_workers import TrainingWorker
-import mas_trainer.runtime.trainer, mas_trainer.policy.verl_rank, mas_trainer.policy.local
-import mas_trainer.rollout.fleet, mas_trainer.rollout.torch_replica, mas_trainer.rollout.gloo_sync
+import mas_trainer.loop.trainer, mas_trainer.policy.verl_rank, mas_trainer.policy.local
+import mas_trainer.replicas.fleet, mas_trainer.replicas.torch_replica, mas_trainer.replicas.gloo_sync
 import mas_trainer.adapters.langgraph, mas_trainer.learners.torch_learner, mas_trainer.learners.verl_parts
-import mas_trainer.learners.verl_cpu, mas_trainer.runtime.tracking
+import mas_trainer.learners.verl_cpu, mas_trainer.run.tracking
 dists = md.packages_distributions()
 # each loaded module by where its file lies: Ray's vendored copies (ray/thirdparty_files) are Ray's
 roots = [p for p in sys.path if p.endswith("site-packages")]
@@ -171,7 +171,7 @@ def test_the_nccl_case_is_skipped_with_its_reason_on_one_gpu(load_bench, monkeyp
     def fit(*args, **kwargs):
         raise AssertionError("the nccl-sync case ran on one GPU")
 
-    monkeypatch.setattr("mas_trainer.runtime.trainer.fit", fit)
+    monkeypatch.setattr("mas_trainer.loop.trainer.fit", fit)
     args = argparse.Namespace(device="cuda", steps=1, tasks=2, n=2)
     result = check.run_case("nccl-sync", args, model=None, params=0, peak=None, gpus=1)
     assert result["status"] == "skipped" and "two ranks on one GPU" in result["why"]
@@ -204,7 +204,7 @@ def test_set_adds_an_override_to_every_case(load_bench, monkeypatch, tmp_path):
         seen.append(cfg.learner.old_logprobs)
         return []
 
-    monkeypatch.setattr("mas_trainer.runtime.trainer.fit", fit)
+    monkeypatch.setattr("mas_trainer.loop.trainer.fit", fit)
     args = argparse.Namespace(device="cpu", steps=1, tasks=2, n=2, set=["learner.old_logprobs=rollout_correction"])
     assert check.run_case("torch", args, model=tmp_path, params=0, peak=None, gpus=0)["status"] == "ok"
     assert seen == ["rollout_correction"]

@@ -15,7 +15,7 @@ import pytest
 
 from mas_trainer.engines.fake import FakeChatFormat, FakeEngine, byte_text
 from mas_trainer.gateway import PolicyBackend
-from mas_trainer.runtime.session import Session
+from mas_trainer.loop.session import Session
 
 # langgraph-supervisor builds its supervisor with the deprecated create_react_agent
 pytestmark = pytest.mark.filterwarnings("ignore:create_react_agent has been moved")

@@ -243,7 +243,7 @@ def test_rewards_all_passed_and_turn_delta(traced, app_module):
 
 def test_fit_one_step_turn_delta(tmp_path):
     from mas_trainer.config import load_config
-    from mas_trainer.runtime.trainer import fit
+    from mas_trainer.loop.trainer import fit
 
     tasks = [json.loads(line) for line in EASY.read_text().splitlines()[:2]]
     cfg = load_config(overrides=[
@@ -270,7 +270,7 @@ def test_graph_coder_trains_the_coder_alone_and_caps_the_notes(tmp_path):
     """`graph_coder`: planner and reflector are served by the base model and never trained, and
     their replies stop at NOTE_TOKENS while the coder's length is the run's max_tokens."""
     from mas_trainer.config import load_config
-    from mas_trainer.runtime.trainer import fit
+    from mas_trainer.loop.trainer import fit
 
     task = json.loads(EASY.read_text().splitlines()[0])
     cfg = load_config(overrides=[

@@ -15,8 +15,8 @@ from mas_trainer.adapters.langgraph import spec_of
 from mas_trainer.config import load_config
 from mas_trainer.rewards import RewardSpec, assign_rewards
 from mas_trainer.rewards.levels import evaluate_levels
-from mas_trainer.runtime.session import Session
-from mas_trainer.runtime.trainer import fit
+from mas_trainer.loop.session import Session
+from mas_trainer.loop.trainer import fit
 from mas_trainer.trace.schema import LLMCall, Trajectory
 
 ROOT = Path(__file__).resolve().parents[2]

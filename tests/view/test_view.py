@@ -28,9 +28,9 @@ from mas_trainer.engines.models import load_tokenizer
 from mas_trainer.gateway import PolicyBackend
 from mas_trainer.rewards import RewardSpec
 from mas_trainer.rewards.allocators import assign_rewards
-from mas_trainer.runtime.rundir import RunDir
-from mas_trainer.runtime.session import Session
-from mas_trainer.runtime.trainer import fit, summarize, take_tasks
+from mas_trainer.run.rundir import RunDir
+from mas_trainer.loop.session import Session
+from mas_trainer.loop.trainer import fit, summarize, take_tasks
 from mas_trainer.view import ViewServer, ViewSource, build_charts, token_pieces, write_html
 from mas_trainer.view.page import embed_json
 

@@ -1,0 +1,253 @@
+"""Worker groups on Ray: their actors' start and stop, and the typed proxies (the
+`WorkerGroupHandle` contract) the trainer and the gateway call. `ActorGroup`: one
+`LocalPolicy` actor (the torch learner). `VerlGroup`: a verl `RayWorkerGroup` of
+`PolicyWorker`s; serving goes to rank 0 (engine, turns), training and checkpoints to every
+rank. Both forward the contract the same way (`_RayGroup`): an abandoned await cancels its
+Ray task, and a worker's `UserError` arrives as its own line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
+
+from mas_trainer.engines.base import Generation, SamplingParams
+from mas_trainer.errors import UserError
+from mas_trainer.policy.contract import StepResult, WarmStartExample, WorkerPlan
+from mas_trainer.policy.turns import BufferedTurn
+from mas_trainer.cluster.ray_init import init_ray, init_ray_for
+
+if TYPE_CHECKING:
+    from mas_trainer.algo.advantages import TurnRecord
+    from mas_trainer.config import WarmStartConfig
+
+__all__ = ["ActorGroup", "VerlGroup", "start_actor_groups", "start_verl_groups"]
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _user_errors() -> Iterator[None]:
+    """A UserError raised in a Ray worker reaches the CLI as its one line, not as Ray's
+    traceback-laden wrapper (which is also an instance of the cause's type)."""
+    try:
+        yield
+    except UserError as exc:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, UserError) and cause is not exc:
+            raise UserError(str(cause)) from None
+        raise
+
+
+async def _cancellable(ref: Any) -> Any:
+    """Await a Ray task; if the awaiting request is cancelled (its client hung up), cancel the
+    task too: an abandoned generation must not keep the engine busy."""
+    try:
+        return await ref
+    except asyncio.CancelledError:
+        import ray
+
+        ray.cancel(ref)
+        raise
+
+
+class _RayGroup:
+    """The `WorkerGroupHandle` contract forwarded to Ray: serving calls to the process that
+    serves (`_serve`), training and checkpoint calls to every process (`_all`)."""
+
+    policy: str
+
+    async def _serve(self, method: str, *args: Any) -> Any:
+        raise NotImplementedError
+
+    async def _all(self, method: str, *args: Any) -> Any:
+        raise NotImplementedError
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, turn_id: str | None = None) -> list[Generation]:
+        return await self._serve("generate", list(prompt_ids), params, turn_id)
+
+    async def discard(self) -> int:
+        return await self._serve("discard")
+
+    async def train(self, records: Sequence[TurnRecord], turns: dict[str, BufferedTurn] | None = None) -> StepResult:
+        """`turns`: the records' turns, when rollout replicas generated them (`ReplicaGroupHandle`)."""
+        return await self._all("train", records, *([turns] if turns is not None else []))
+
+    async def warm_start(self, examples: Sequence[WarmStartExample], config: WarmStartConfig) -> dict[str, float]:
+        return await self._all("warm_start", list(examples), config)
+
+    async def save(self, folder: str, learner_dir: str) -> None:
+        await self._all("save", folder, learner_dir)
+
+    async def load(self, learner_dir: str) -> int | None:
+        return await self._all("load", learner_dir)
+
+    def failure(self) -> BaseException | None:
+        return None  # a dead actor fails the call that reaches it
+
+
+class ActorGroup(_RayGroup):
+    """A torch-learner worker group running as one Ray actor (`LocalPolicy`)."""
+
+    def __init__(self, policy: str, actor: Any) -> None:
+        self.policy = policy
+        self.actor = actor
+
+    async def _serve(self, method: str, *args: Any) -> Any:
+        with _user_errors():
+            return await _cancellable(getattr(self.actor, method).remote(*args))
+
+    _all = _serve
+
+    def close(self) -> None:
+        import ray
+
+        try:
+            ray.get(self.actor.close.remote(), timeout=30)
+        finally:
+            ray.kill(self.actor)
+
+
+class VerlGroup(_RayGroup):
+    """A verl worker group of one policy; `plan` is the plan its ranks started with. Rank 0
+    serves; every rank trains (verl's ONE_TO_ALL) and rank 0 answers."""
+
+    def __init__(self, plan: WorkerPlan, group: Any, pool: Any = None) -> None:
+        self.policy = plan.policy
+        self.plan = plan
+        self.group = group
+        self.pool = pool  # its placement groups are released on close (none when shared)
+
+    async def _serve(self, method: str, *args: Any) -> Any:
+        with _user_errors():
+            return await _cancellable(getattr(self.group.workers[0], method).remote(*args))
+
+    async def _all(self, method: str, *args: Any) -> Any:
+        with _user_errors():
+            return (await asyncio.gather(*getattr(self.group, method)(*args)))[0]
+
+    def close(self) -> None:
+        import ray
+
+        try:
+            ray.get(self.group.close(), timeout=30)
+        finally:
+            for w in self.group.workers:
+                ray.kill(w)
+            for pg in (self.pool.pgs or []) if self.pool is not None else []:
+                ray.util.remove_placement_group(pg)
+
+
+def start_actor_groups(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, ActorGroup]:
+    """One `LocalPolicy` actor per policy; returns once every one has started."""
+    import ray
+
+    from mas_trainer.policy.local import LocalPolicy
+
+    init_ray(runtime, 0, {})
+    actor_cls = ray.remote(LocalPolicy)
+    groups = {}
+    for name, plan in plans.items():  # the plan decided each group's torch threads
+        gpus = plan.resources.gpus_per_proc if plan.device == "cuda" else 0
+        actor = actor_cls.options(num_cpus=runtime.worker_cpus, num_gpus=gpus, max_concurrency=1000).remote(plan)
+        groups[name] = ActorGroup(name, actor)
+    # fail here, not at the first request, if an actor cannot start (e.g. a bad model path)
+    ray.get([g.actor.discard.remote() for g in groups.values()])
+    return groups
+
+
+_PORT_ATTEMPTS = 3
+
+
+def _verl_group(plan: WorkerPlan, pool: Any, env: dict, cls_with_args: Any, group_cls: Any) -> tuple[WorkerPlan, Any, Any]:
+    import ray
+
+    from mas_trainer.policy.verl_rank import PolicyWorker
+
+    cls = cls_with_args(cls=ray.remote(PolicyWorker), plan=plan)
+    return plan, group_cls(resource_pool=pool, ray_cls_with_init=cls, device_name=plan.device, worker_env=env), pool
+
+
+def _port_lost(started: dict[str, tuple[WorkerPlan, Any, Any]]) -> set[str]:
+    """Wait for every rank of every group to start; the groups whose rank 0 found its master
+    port taken. verl picks the port by binding port 0 and letting it go, so until rank 0 binds
+    it any process on the node (an outgoing connection, another run) can take it. Rank 0 is
+    waited for first: the other ranks would wait for its store until torch's timeout. Any
+    other start-up failure is raised."""
+    import ray
+
+    lost = set()
+    for name, (_plan, group, _pool) in started.items():
+        try:
+            ray.get(group.workers[0].__ray_ready__.remote())
+        except Exception as exc:
+            if "EADDRINUSE" not in str(exc) and "address already in use" not in str(exc):
+                raise
+            lost.add(name)
+            continue
+        ray.get([w.__ray_ready__.remote() for w in group.workers[1:]])
+    return lost
+
+
+def _kill(group: Any) -> None:
+    import ray
+
+    for w in group.workers:
+        ray.kill(w)
+
+
+def start_verl_groups(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, VerlGroup]:
+    """One verl worker group per policy, world size `nodes x procs_per_node`: FSDP2 over NCCL
+    on GPUs, over gloo on CPU; with `runtime.share_gpus`, all on one pool."""
+
+    devices = {p.device for p in plans.values()}
+    cpu = devices == {"cpu"}
+    # one logical CPU per rank and per CPU rollout replica
+    replicas = sum(p.replica.replicas for p in plans.values() if p.engine != "embedded") if cpu else 0
+    env = init_ray_for("cpu" if cpu else "cuda", runtime, sum(p.resources.world_size for p in plans.values()) + replicas)
+    from verl.single_controller.ray.base import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+
+    def pool(r: Any, colocate: int) -> Any:
+        return RayResourcePool(process_on_nodes=[r.procs_per_node] * r.nodes, use_gpu=not cpu,
+                               max_colocate_count=colocate, name_prefix=None)
+
+    shared = None  # the plan checked that the policies' resources agree
+    if any(p.offload_between_phases for p in plans.values()):
+        shared = pool(next(iter(plans.values())).resources, len(plans))
+    started: dict[str, tuple[WorkerPlan, Any, Any]] = {}
+    for name, plan in plans.items():  # each plan has its own replica ranks (resolve_plan)
+        # one rank per GPU bundle: NCCL refuses two ranks of one group on one GPU (a share below 1
+        # is refused when the config loads, see config._check_learner)
+        started[name] = _verl_group(plan, shared or pool(plan.resources, 1), env, RayClassWithInitArgs, RayWorkerGroup)
+    groups: dict[str, VerlGroup] = {}
+    try:
+        for attempt in range(1, _PORT_ATTEMPTS + 1):
+            lost = _port_lost(started)
+            for name in started.keys() - lost:
+                plan, group, own = started[name]
+                groups[name] = VerlGroup(plan, group, None if shared else own)
+            if not lost:
+                break
+            if attempt == _PORT_ATTEMPTS:
+                raise UserError(f"the verl worker group of {', '.join(sorted(lost))} found its master port taken "
+                                f"{_PORT_ATTEMPTS} times: another process on this node keeps taking free ports; stop it or run again")
+            restarted = {}
+            for name in sorted(lost):  # another process took the port between verl's probe and rank 0's bind
+                plan, group, own = started[name]
+                log.warning("policy %s: its group's master port was taken before rank 0 bound it; "
+                            "starting the group again on a new port (try %d of %d)", name, attempt + 1, _PORT_ATTEMPTS)
+                _kill(group)
+                restarted[name] = _verl_group(plan, own, env, RayClassWithInitArgs, RayWorkerGroup)
+            started = restarted
+    except BaseException:
+        for handle in groups.values():
+            handle.close()
+        for name, (_plan, group, _own) in started.items():
+            if name not in groups:
+                _kill(group)
+        raise
+    for name, group in groups.items():
+        log.info("policy %s: verl worker group of %d rank(s) on %s", name, group.plan.resources.world_size, group.plan.device)
+    return groups

@@ -1,0 +1,138 @@
+"""What `fit` will do, decided once before anything starts: the run plan (`RunPlan`: learner,
+device, where the workers run, pools, engines, trackers, allocator) and in it one worker plan per trainable
+policy (`policy.contract.WorkerPlan`: what the controller tells a worker group to be).
+
+The plan crosses a process boundary (a Ray actor's constructor), so it carries plain data and
+pydantic models (picklable): the already-validated sections of the `fit` config.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mas_trainer.engines.config import EngineSettings
+from mas_trainer.policy.contract import WorkerPlan
+from mas_trainer.config import ConfigError, FitConfig, RuntimeConfig, check_runtime, old_logprobs_mode, resolve_learner
+from mas_trainer.replicas.config import first_replica_ranks, replica_count, require_vllm
+
+__all__ = ["RunPlan", "Machine", "probe_machine", "decide_device", "resolve_plan"]
+
+
+class Machine(BaseModel):
+    """What `auto` is decided against: this machine as torch sees it (`probe_machine`; tests pass their own)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    gpus: int = Field(0, ge=0, description="GPUs torch sees here")
+    cpus: int = Field(1, ge=1, description="CPU cores here")
+
+
+def probe_machine() -> Machine:
+    try:
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:  # pragma: no cover - the core runs without torch
+        gpus = 0
+    return Machine(gpus=gpus, cpus=os.cpu_count() or 1)
+
+
+def decide_device(device: str, machine: Machine | None = None) -> Literal["cpu", "cuda"]:
+    """`runtime.device` decided: `auto` is `cuda` where torch sees a GPU (on `machine`, default
+    this one), else `cpu`. `fit`'s plan and the verbs' engines (`serve`, `eval`, `trace`) ask here."""
+    if device in ("cpu", "cuda"):
+        return device  # type: ignore[return-value]
+    return "cuda" if (machine or probe_machine()).gpus else "cpu"
+
+
+class RunPlan(BaseModel):
+    """The `fit` config resolved once against the app and the machine, before any worker group
+    or Ray starts: everything after it reads the plan instead of deciding again. Written as
+    RUN_DIR/plan.json."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    learner: Literal["torch", "verl"]
+    device: Literal["cpu", "cuda"]
+    execution: Literal["ray", "local"]
+    machine: Machine
+    share_gpus: bool = Field(False, description="verl on GPUs: every worker group on one pool, offloaded between phases")
+    gpus_needed: float = Field(0.0, description="GPUs the worker groups and rollout replicas take (0 on CPU)")
+    trackers: list[str] = Field(default_factory=list)
+    allocator: str = "broadcast"
+    workers: dict[str, WorkerPlan] = Field(default_factory=dict, description="one per trainable policy")
+    runtime: RuntimeConfig = Field(description="runtime.*, with learner and device decided")
+
+    def summary(self) -> str:
+        where = "in this process" if self.execution == "local" else "on Ray"
+        pools = " (one shared GPU pool)" if self.share_gpus else ""
+        each = "; ".join(f"{p}: {w.engine} engine, {w.resources.world_size} rank(s), {w.advantage.estimator}"
+                         for p, w in self.workers.items()) or "no trainable policy"
+        return f"{self.learner} learner on {self.device} {where}{pools}; {each}"
+
+
+def resolve_plan(cfg: FitConfig, models: Mapping[str, tuple[str, str]], *, machine: Machine | None = None) -> RunPlan:
+    """The run plan of `cfg` for the app's trainable policies (`models`: policy -> (weights to start
+    from, base model)), on `machine` (default: this one, probed). Every rule the learner choice
+    brings is checked here (`check_runtime`), so nothing is refused after Ray starts."""
+    machine = machine or probe_machine()
+    rt = cfg.runtime
+    device = decide_device(rt.device, machine)
+    learner = resolve_learner(cfg, device)
+    assert learner is not None  # the device is known
+    check_runtime(cfg, learner, device)
+    stale = cfg.rollout.max_staleness
+    workers = {p: WorkerPlan(policy=p, model=model, reference=base, advantage=cfg.advantage_for(p), max_staleness=stale,
+                             learner=cfg.learner_for(p).model_copy(  # `auto` decided here, once, for every learner
+                                 update={"old_logprobs": old_logprobs_mode(cfg.learner_for(p), learner, stale)}),
+                             critic=cfg.critic_for(p), seed=cfg.seed, device=device, resources=cfg.resources_for(p),
+                             engine_settings=EngineSettings.of(rt), engine=cfg.engine_for(p), replica=rt.replica)
+               for p, (model, base) in models.items()}
+    if any(w.engine == "vllm" for w in workers.values()):  # before minutes of start-up, not after
+        require_vllm()
+    shared = rt.share_gpus and learner == "verl" and device == "cuda"
+    if shared and len({(w.resources.nodes, w.resources.procs_per_node) for w in workers.values()}) > 1:
+        raise ConfigError("runtime.share_gpus puts every policy on one pool, so every policy needs the same resources: "
+                          "set runtime.resources only, not policies.NAME.resources")
+    ranks = sum(w.resources.world_size for w in workers.values())
+    first = first_replica_ranks({p: 0 if w.engine == "embedded" else replica_count(w.replica, device, w.resources.world_size)
+                                 for p, w in workers.items()})
+    for name, w in workers.items():  # torch threads per process: configured, else the cores shared out
+        threads = rt.torch_threads
+        if threads is None and rt.execution == "ray" and (learner == "torch" or device == "cpu"):
+            threads = max(1, machine.cpus // max(1, ranks if learner == "verl" else len(workers)))
+        workers[name] = w.model_copy(update={"torch_threads": threads if rt.execution == "ray" else None,
+                                             "offload_between_phases": shared,
+                                             "replica_first_rank": first[name]})
+    needed = _gpus_needed(workers, learner, shared, rt.execution) if device == "cuda" else 0.0
+    if device == "cuda" and rt.ray_address is None and needed > machine.gpus:
+        fix = ("lower runtime.resources.gpus_per_proc (0.5: two policies a GPU)" if learner == "torch" else
+               "lower runtime.resources.procs_per_node or the replicas" + ("" if shared else ", set runtime.share_gpus=true"))
+        raise ConfigError(f"the {learner} learner needs {needed:g} GPU(s) here ({_gpu_use(workers, learner)}), and torch sees "
+                          f"{machine.gpus}: {fix}, or join a cluster with runtime.ray_address")
+    return RunPlan(learner=learner, device=device, execution=rt.execution, machine=machine, share_gpus=shared, gpus_needed=needed,
+                   trackers=list(cfg.logger), allocator=cfg.reward.allocator, workers=workers,
+                   runtime=rt.model_copy(update={"learner": learner, "device": device}))
+
+
+def _replica_gpus(w: WorkerPlan) -> int:
+    """GPUs of a policy's rollout replicas beside its learner (colocated ones use the learner's)."""
+    if w.engine != "vllm" or w.replica.placement == "colocated":
+        return 0
+    return w.replica.replicas * w.replica.tensor_parallel_size
+
+
+def _gpus_needed(workers: Mapping[str, WorkerPlan], learner: str, shared: bool, where: str) -> float:
+    if learner == "torch":  # in this process every policy takes the one GPU; on Ray each its share
+        return float(bool(workers)) if where == "local" else sum(w.resources.gpus_per_proc for w in workers.values())
+    ranks = [w.resources.world_size for w in workers.values()]
+    return float((max(ranks, default=0) if shared else sum(ranks)) + sum(map(_replica_gpus, workers.values())))
+
+
+def _gpu_use(workers: Mapping[str, WorkerPlan], learner: str) -> str:
+    each = (w.resources.gpus_per_proc if learner == "torch" else w.resources.world_size + _replica_gpus(w)
+            for w in workers.values())
+    return ", ".join(f"{p}: {n:g}" for p, n in zip(workers, each))

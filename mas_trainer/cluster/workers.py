@@ -1,0 +1,227 @@
+"""The start of each trainable policy's worker group, by learner kind (`HOSTS`), and the
+handle of a policy served by rollout replicas.
+
+Every host presents the same typed contract (`policy.contract.WorkerGroupHandle`), so the
+trainer and the gateway never ask which one runs:
+
+- `verl` (`runtime.learner=verl`): each trainable policy is a verl `RayWorkerGroup` of
+  `PolicyWorker`s (`policy/verl_rank.py`) on its own `RayResourcePool`, world size
+  `nodes x procs_per_node`: FSDP2 over NCCL on GPUs, over gloo on CPU. This is the path that
+  runs on clusters. With rollout replicas (`engine: vllm | torch-replica`) a
+  `ReplicaGroupHandle` wraps it.
+- `torch` (`runtime.learner=torch`): one process per policy, the embedded torch learner
+  (`policy/local.py`), as a Ray actor or, with `runtime.execution=local`, the `LocalPolicy`
+  object itself in the controller's process. On 2 CPU cores it updates faster
+  (bench/bench_learner_verl.py).
+
+The Ray proxies and the actors' life cycle are in `cluster/groups.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from mas_trainer.engines.base import Generation, SamplingParams, choice_id
+from mas_trainer.engines.config import EngineSettings
+from mas_trainer.policy.contract import StepResult, WarmStartExample, WorkerGroupHandle, WorkerPlan
+from mas_trainer.policy.turns import Serving, TurnStore
+from mas_trainer.cluster.plan import decide_device
+from mas_trainer.cluster.ray_init import init_ray_for
+from mas_trainer.cluster.groups import VerlGroup, start_actor_groups, start_verl_groups
+
+if TYPE_CHECKING:
+    from mas_trainer.algo.advantages import TurnRecord
+    from mas_trainer.config import RuntimeConfig, WarmStartConfig
+
+__all__ = ["WorkerGroupHandle", "ReplicaGroupHandle", "WorkerEngine", "HOSTS", "register_host", "start_workers",
+           "serving_backends"]
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaGroupHandle:
+    """The contract when rollout replicas serve the policy (`engine: vllm | torch-replica`):
+    generation goes to the replicas through verl's client, the turns' tokens stay here until
+    the update, which gets them with the records; after each update verl's weight sync sends
+    the new weights to every replica before the next rollout starts (the step's
+    `time/weight_sync_s`). Each answer carries the weights version that produced it: turns
+    trained on weights one update behind are counted (`replica/stale_turns`, 0 unless
+    `rollout.max_staleness` overlaps the rollouts with the update); older ones are never trained
+    (`turns/stale`)."""
+
+    def __init__(self, learner: VerlGroup, fleet: Any, tokenizer: Any) -> None:
+        self.policy = learner.policy
+        self.learner = learner
+        self.fleet = fleet
+        self._versions: dict[str, int] = {}
+        self.engine = fleet.engine(tokenizer, on_output=self._answered)
+        self.serving = Serving(self.engine, TurnStore(learner.policy, learner.plan.max_staleness))
+
+    def _answered(self, request_id: str, out: Any) -> None:
+        self._versions[request_id] = int(out.extra_fields.get("global_steps") or 0)
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, turn_id: str | None = None) -> list[Generation]:
+        call = turn_id or uuid.uuid4().hex  # named here, so a call without a turn leaves no version behind either
+        gens = await self.engine.generate(prompt_ids, params, turn_id=call)
+        answered = [self._versions.pop(choice_id(call, i), self.fleet.version) for i in range(len(gens))]
+        if turn_id is not None:  # the oldest weights any of its choices came from
+            self.serving.turns.record(turn_id, prompt_ids, gens, min(answered, default=self.fleet.version))
+        return gens
+
+    async def discard(self) -> int:
+        self._versions.clear()
+        return self.serving.discard()
+
+    def failure(self) -> BaseException | None:
+        return self.engine.failure
+
+    async def train(self, records: Sequence[TurnRecord]) -> StepResult:
+        if self.engine.failure is not None:  # never train on a step a dead replica cut short
+            raise self.engine.failure
+        store = self.serving.turns
+        turns = {r.turn_id: t for r, t in store.take(records, self.fleet.version)}
+        refused = store.stale_metrics()
+        stale = sum(1 for t in turns.values() if t.version != self.fleet.version)
+        if not store.max_staleness:  # nothing in flight: forget what cancelled calls left
+            self._versions.clear()
+        await self.fleet.sleep(self.learner.group)
+        result = await self.learner.train(records, turns)
+        metrics = result.metrics
+        try:
+            metrics.update(await self.fleet.sync_weights(self.learner.group, int(metrics.get("updates", 0))))
+        except Exception as exc:  # a replica gone during the sync: stop here, resumable
+            raise self.engine.fail(f"weight sync: {type(exc).__name__}: {str(exc).strip()[:200]}") from exc
+        metrics["replica/stale_turns"] = float(stale)
+        for key, n in refused.items():  # the ones refused here, beside any the learner refused
+            metrics[key] = metrics.get(key, 0.0) + n
+        metrics.update(self.serving.figures())
+        return result
+
+    async def warm_start(self, examples: Sequence[WarmStartExample], config: WarmStartConfig) -> dict[str, float]:
+        """The learner's warm start, then verl's weight sync to the replicas (no rollout has run yet)."""
+        await self.fleet.sleep(self.learner.group)
+        metrics = await self.learner.warm_start(examples, config)
+        try:
+            await self.fleet.sync_weights(self.learner.group, self.fleet.version)
+        except Exception as exc:
+            raise self.engine.fail(f"weight sync: {type(exc).__name__}: {str(exc).strip()[:200]}") from exc
+        return metrics
+
+    async def save(self, folder: str, learner_dir: str) -> None:
+        await self.learner.save(folder, learner_dir)
+
+    async def load(self, learner_dir: str) -> int:
+        updates = int(await self.learner.load(learner_dir) or 0)
+        await self.fleet.set_version(updates)  # the replicas started from the checkpoint's weights
+        return updates
+
+    def close(self) -> None:
+        try:
+            self.fleet.close()
+        finally:
+            self.learner.close()
+
+
+class WorkerEngine:
+    """The gateway's `Engine` for a policy served by a worker group."""
+
+    def __init__(self, handle: WorkerGroupHandle) -> None:
+        self.handle = handle
+        self.model_name = handle.policy
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, *, turn_id: str | None = None) -> list[Generation]:
+        return await self.handle.generate(list(prompt_ids), params, turn_id)
+
+    def close(self) -> None:  # the trainer closes worker groups; the gateway must not
+        pass
+
+
+HOSTS: dict[str, Callable[[dict[str, WorkerPlan], RuntimeConfig], dict[str, WorkerGroupHandle]]] = {}
+"""learner kind (`runtime.learner`) -> what starts its policies' worker groups (`register_host`)."""
+
+
+def register_host(learner: str) -> Callable[[Callable], Callable]:
+    def add(start: Callable) -> Callable:
+        HOSTS[learner] = start
+        return start
+    return add
+
+
+def start_workers(plans: dict[str, WorkerPlan], runtime: RuntimeConfig) -> dict[str, WorkerGroupHandle]:
+    """One worker group per trainable policy, as the run plan (`cluster/plan.py`, where every rule
+    was checked) says: `runtime` is its runtime section, learner and device decided."""
+    return HOSTS[runtime.learner](plans, runtime)
+
+
+@register_host("torch")
+def _start_torch(plans: dict[str, WorkerPlan], runtime: RuntimeConfig) -> dict[str, WorkerGroupHandle]:
+    if runtime.execution == "local":
+        from mas_trainer.policy.local import LocalPolicy
+
+        return {name: LocalPolicy(plan) for name, plan in plans.items()}
+    return dict(start_actor_groups(plans, runtime))
+
+
+@register_host("verl")
+def _start_verl(plans: dict[str, WorkerPlan], runtime: RuntimeConfig) -> dict[str, WorkerGroupHandle]:
+    groups = start_verl_groups(plans, runtime)
+    handles: dict[str, WorkerGroupHandle] = dict(groups)
+    try:
+        for name, group in groups.items():
+            if group.plan.engine != "embedded":
+                handles[name] = _with_replicas(group)
+    except BaseException:
+        for handle in handles.values():
+            handle.close()
+        raise
+    return handles
+
+
+def _with_replicas(learner: VerlGroup) -> ReplicaGroupHandle:
+    """Start the policy's rollout replicas on its base (or resumed) weights."""
+    from mas_trainer.engines.models import load_tokenizer, materialize
+    from mas_trainer.replicas.fleet import RolloutFleet
+
+    plan = learner.plan
+    model_dir = str(materialize(plan.model, seed=plan.seed))
+    try:
+        fleet = RolloutFleet(plan.policy, model_dir, plan.engine, plan.replica, device=plan.device, settings=plan.engine_settings,
+                             torch_threads=plan.torch_threads, first_rank=plan.replica_first_rank).start(learner.group)
+    except BaseException:
+        learner.close()
+        raise
+    return ReplicaGroupHandle(learner, fleet, load_tokenizer(model_dir))
+
+
+def serving_backends(checkpoints: dict[str, Any], kind: str, runtime: RuntimeConfig) -> dict[str, Any]:
+    """`serve --engine vllm|torch-replica`: rollout replicas on each trained policy's Hugging
+    Face folder (no learner, no weight sync), as gateway backends; closing a backend's engine
+    stops its replicas."""
+    from mas_trainer.engines.chat import HFChatFormat
+    from mas_trainer.engines.models import load_tokenizer
+    from mas_trainer.gateway import PolicyBackend
+    from mas_trainer.replicas.config import ReplicaConfig, first_replica_ranks, require_vllm
+    from mas_trainer.replicas.fleet import RolloutFleet
+
+    if kind == "vllm":
+        require_vllm()
+    device = decide_device(runtime.device)
+    cfg: ReplicaConfig = runtime.replica.model_copy(update={"placement": "separate"})
+    init_ray_for(device, runtime, cfg.replicas * len(checkpoints))
+    backends: dict[str, Any] = {}
+    fleets: list[RolloutFleet] = []
+    try:
+        first = first_replica_ranks({name: cfg.replicas for name in checkpoints})
+        for name, folder in checkpoints.items():
+            fleet = RolloutFleet(name, str(folder), kind, cfg, device=device, settings=EngineSettings.of(runtime),
+                                 first_rank=first[name]).start()
+            fleets.append(fleet)
+            tokenizer = load_tokenizer(str(folder))
+            backends[name] = PolicyBackend(fleet.engine(tokenizer, owned=True), HFChatFormat(tokenizer))
+    except BaseException:
+        for fleet in fleets:
+            fleet.close()
+        raise
+    return backends

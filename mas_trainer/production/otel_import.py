@@ -1,0 +1,652 @@
+"""`mas-trainer import-traces`: OTel GenAI spans of an app traced elsewhere, as a record folder.
+
+Reads OTLP/JSON export requests (`{"resourceSpans": [...]}`: one per file, or one per line as
+the collector's file exporter writes them), groups spans by trace id (one trace = one run, run id
+= the trace id), turns each LLM span into an `LLMCall` (OpenAI-style messages; no token ids) and
+files it under the LangGraph node its ancestors name. The result is written with the `Recorder`,
+so `read_runs(DIR)` reads imported and served runs alike. What cannot be mapped is counted by
+reason in an `ImportReport`, never guessed. docs/serving.md lists the forms read.
+
+OTLP JSON is parsed here, not with `opentelemetry-proto`'s protobuf `json_format`: that package is
+not a core dependency, and `json_format` reads trace/span ids as base64 where OTLP/JSON writes
+hex, and rejects a whole request for one bad span where a report per span is wanted.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from mas_trainer.engines.base import choice_id
+from mas_trainer.errors import UserError
+from mas_trainer.production.record import Recorder
+from mas_trainer.trace.schema import LLMCall
+
+__all__ = ["MAX_FILE_BYTES", "MAX_BODY_BYTES", "MAX_DEPTH", "ImportReport", "Unmapped", "Span", "Receiver", "load_spans", "map_traces", "import_traces"]
+
+MAX_FILE_BYTES = 512 * 2**20  # one input file
+MAX_DEPTH = 64  # nesting of an attribute value (AnyValue arrays / kvlists, JSON inside strings)
+EXAMPLES = 3  # examples kept per reason
+LLM_OPERATIONS = {"chat", "text_completion", "generate_content"}
+# Where instrumentations put LangChain's `langgraph_node` metadata (docs/serving.md)
+NODE_KEYS = ("langgraph.node", "langgraph_node", "mas.node", "langsmith.metadata.langgraph_node",
+             "traceloop.association.properties.langgraph_node")
+NODE_JSON_KEYS = ("metadata",)  # OpenInference: the run's metadata as one JSON string
+INDEXED_INPUT = ("gen_ai.prompt.", "llm.input_messages.")  # OpenLLMetry, OpenInference
+INDEXED_OUTPUT = ("gen_ai.completion.", "llm.output_messages.")
+EVENT_ROLES = {"gen_ai.system.message": "system", "gen_ai.user.message": "user",
+               "gen_ai.assistant.message": "assistant", "gen_ai.tool.message": "tool"}
+
+
+class Unmapped(Exception):
+    """`strict`: something could not be imported; nothing was written. `.report` says what."""
+
+    def __init__(self, report: ImportReport) -> None:
+        super().__init__("; ".join(report.lines()))
+        self.report = report
+
+
+class _Bad(ValueError):
+    """One span (or line) cannot be read; the message is the report's reason."""
+
+
+@dataclass
+class Span:
+    trace_id: str
+    span_id: str
+    parent_id: str | None
+    name: str
+    start: float | None
+    end: float | None
+    attrs: dict[str, Any]
+    events: list[tuple[str, dict[str, Any]]]
+
+
+@dataclass
+class ImportReport:
+    runs: int = 0
+    calls: int = 0
+    partial_runs: int = 0  # written with some LLM spans left out
+    duplicates: int = 0  # runs already in DIR, skipped
+    nested: int = 0  # LLM spans inside another LLM span (one call seen by two instrumentations), counted once
+    unmapped: Counter[str] = field(default_factory=Counter)
+    examples: dict[str, list[str]] = field(default_factory=dict)
+
+    def skip(self, reason: str, where: str) -> None:
+        self.unmapped[reason] += 1
+        ex = self.examples.setdefault(reason, [])
+        if len(ex) < EXAMPLES:
+            ex.append(where)
+
+    def lines(self) -> list[str]:
+        out = [f"imported {self.runs} runs ({self.calls} LLM calls); {self.duplicates} duplicate runs skipped"
+               + (f"; {self.partial_runs} runs written without some of their LLM spans" if self.partial_runs else "")
+               + (f"; {self.nested} LLM spans inside another LLM span counted once" if self.nested else "")]
+        for reason, n in self.unmapped.most_common():
+            out.append(f"  not imported: {n} x {reason} (e.g. {', '.join(self.examples.get(reason, []))})")
+        return out
+
+
+# ---- OTLP JSON ---------------------------------------------------------------------------------
+
+def _id(value: Any, nbytes: int) -> str:
+    """A trace (16 bytes) or span (8 bytes) id: hex as OTLP/JSON writes it, or base64 (protobuf JSON)."""
+    if not isinstance(value, str) or not value:
+        raise _Bad("malformed span (missing or non-string id)")
+    if len(value) == 2 * nbytes:
+        try:
+            raw = bytes.fromhex(value)
+        except ValueError:
+            raw = b""
+    else:
+        raw = b""
+    if not raw:
+        try:
+            raw = base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            raw = b""
+    if len(raw) != nbytes or not any(raw):
+        raise _Bad(f"malformed span (id {value[:40]!r} is not {nbytes} bytes in hex or base64)")
+    return raw.hex()
+
+
+def _any(value: Any, depth: int = 0) -> Any:
+    """An OTLP AnyValue as a plain value; too deep or of an unknown shape -> _Bad."""
+    if depth > MAX_DEPTH:
+        raise _Bad("malformed span (an attribute value nested too deep)")
+    if not isinstance(value, dict) or len(value) > 1:
+        raise _Bad("malformed span (an attribute value is not an OTLP AnyValue)")
+    if not value:
+        return None
+    (kind, v), = value.items()
+    if kind == "stringValue" and isinstance(v, str):
+        return v
+    if kind == "boolValue" and isinstance(v, bool):
+        return v
+    if kind == "intValue" and isinstance(v, (int, str)) and not isinstance(v, bool):
+        try:
+            return int(v)
+        except ValueError:
+            raise _Bad("malformed span (an intValue is not an integer)") from None
+    if kind == "doubleValue" and isinstance(v, (int, float, str)) and not isinstance(v, bool):
+        try:
+            return float(v)
+        except ValueError:
+            raise _Bad("malformed span (a doubleValue is not a number)") from None
+    if kind == "bytesValue" and isinstance(v, str):
+        return v
+    if kind == "arrayValue" and isinstance(v, dict) and isinstance(v.get("values", []), list):
+        return [_any(x, depth + 1) for x in v.get("values", [])]
+    if kind == "kvlistValue" and isinstance(v, dict):
+        return _kv(v.get("values", []), depth + 1)
+    raise _Bad(f"malformed span (attribute value of kind {str(kind)[:40]!r})")
+
+
+def _kv(items: Any, depth: int = 0) -> dict[str, Any]:
+    if not isinstance(items, list):
+        raise _Bad("malformed span (attributes are not a list)")
+    out: dict[str, Any] = {}
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("key"), str):
+            raise _Bad("malformed span (an attribute is not {key, value})")
+        out[item["key"]] = _any(item.get("value", {}), depth)
+    return out
+
+
+def _seconds(value: Any) -> float | None:
+    try:
+        return int(value) / 1e9 if isinstance(value, (int, str)) and not isinstance(value, bool) else None
+    except ValueError:
+        return None
+
+
+def _span(raw: Any) -> Span:
+    if not isinstance(raw, dict):
+        raise _Bad("malformed span (not a JSON object)")
+    events = []
+    if not isinstance(raw.get("events") or [], list):
+        raise _Bad("malformed span (events are not a list)")
+    for ev in raw.get("events") or []:
+        if not isinstance(ev, dict) or not isinstance(ev.get("name"), str):
+            raise _Bad("malformed span (an event is not {name, attributes})")
+        events.append((ev["name"], _kv(ev.get("attributes") or [])))
+    parent = raw.get("parentSpanId")
+    name = raw.get("name")
+    return Span(trace_id=_id(raw.get("traceId"), 16), span_id=_id(raw.get("spanId"), 8),
+                parent_id=_id(parent, 8) if parent else None, name=name if isinstance(name, str) else "",
+                start=_seconds(raw.get("startTimeUnixNano")), end=_seconds(raw.get("endTimeUnixNano")),
+                attrs=_kv(raw.get("attributes") or []), events=events)
+
+
+def _request_spans(req: Any, where: str, report: ImportReport) -> Iterator[Span]:
+    bad = "malformed export (resourceSpans / scopeSpans / spans not lists of objects)"
+    for rs in req.get("resourceSpans") or []:
+        scopes = rs.get("scopeSpans", rs.get("instrumentationLibrarySpans", [])) if isinstance(rs, dict) else None
+        if not isinstance(scopes, list):
+            report.skip(bad, where)
+            continue
+        for ss in scopes:
+            spans = ss.get("spans", []) if isinstance(ss, dict) else None
+            if not isinstance(spans, list):
+                report.skip(bad, where)
+                continue
+            for raw in spans:
+                try:
+                    yield _span(raw)
+                except _Bad as exc:
+                    ids = raw if isinstance(raw, dict) else {}
+                    report.skip(str(exc), f"{where} span {str(ids.get('spanId'))[:32]}")
+
+
+def _is_request(obj: Any) -> bool:
+    return isinstance(obj, dict) and isinstance(obj.get("resourceSpans"), list)
+
+
+def load_spans(path: str | Path, report: ImportReport) -> list[Span]:
+    """The spans of one OTLP/JSON file (one request, or one request per line)."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read it ({exc.strerror}); give an OTLP JSON file") from None
+    if size > MAX_FILE_BYTES:
+        raise UserError(f"{path}: {size / 2**20:.0f} MB is over the {MAX_FILE_BYTES >> 20} MB limit per file; "
+                        "split it (the collector's file exporter: rotation.max_megabytes)")
+    text = path.read_bytes().decode("utf-8", errors="replace")
+    try:
+        whole: Any = json.loads(text)
+    except RecursionError:
+        raise UserError(f"{path}: JSON nested too deep; give OTLP JSON export requests") from None
+    except ValueError:
+        whole = None
+    if whole is not None:
+        if not _is_request(whole):
+            raise UserError(f"{path}: JSON but not an OTLP trace export (no resourceSpans list); export with "
+                            "OTLP/JSON (OTLP HTTP JSON, or the collector's file exporter)")
+        return list(_request_spans(whole, path.name, report))
+    spans: list[Span] = []
+    good, first_bad = 0, ""
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            req = json.loads(line)
+            reason = "" if _is_request(req) else "malformed line (JSON, but not an OTLP trace export)"
+        except RecursionError:
+            reason = "malformed line (JSON nested too deep)"
+        except ValueError:
+            reason = "malformed line (not JSON)"
+        if reason:
+            report.skip(reason, f"{path.name}:{n}")
+            first_bad = first_bad or f"{path}:{n}: {reason.removeprefix('malformed line (').rstrip(')')}"
+            continue
+        good += 1
+        spans.extend(_request_spans(req, f"{path.name}:{n}", report))
+    if good == 0:
+        raise UserError(f"{first_bad or path}; give OTLP/JSON trace exports: one JSON object with resourceSpans, "
+                        "or one per line (the collector's file exporter)")
+    return spans
+
+
+# ---- GenAI messages -> OpenAI chat messages -----------------------------------------------------
+
+def _json(value: Any) -> Any:
+    """A value that may be JSON in a string (attributes hold structures as JSON text)."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except RecursionError:
+            raise _Bad("malformed span (JSON in an attribute nested too deep)") from None
+        except ValueError:
+            return value
+    return value
+
+
+def _args(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _tool_call(id_: Any, name: Any, arguments: Any) -> dict[str, Any]:
+    if not isinstance(name, str) or not name:
+        raise _Bad("a tool call without a name")
+    return {"id": str(id_ or ""), "type": "function", "function": {"name": name, "arguments": _args(arguments or {})}}
+
+
+def _content(texts: list[str]) -> Any:
+    return texts[0] if len(texts) == 1 else ([{"type": "text", "text": t} for t in texts] if texts else None)
+
+
+def _semconv_messages(value: Any, system: Any = None) -> list[dict[str, Any]]:
+    """`gen_ai.input.messages` / `gen_ai.output.messages` (list of {role, parts}) as chat messages."""
+    msgs = _json(value)
+    if not isinstance(msgs, list):
+        raise _Bad("messages attribute is not a JSON list")
+    out: list[dict[str, Any]] = []
+    sys_parts = _json(system)
+    if isinstance(sys_parts, list) and sys_parts:
+        out.extend(_semconv_messages([{"role": "system", "parts": sys_parts}]))
+    for m in msgs:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("parts"), list):
+            raise _Bad("a message is not {role, parts}")
+        texts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        for p in m["parts"]:
+            kind = p.get("type") if isinstance(p, dict) else None
+            if kind == "text" and isinstance(p.get("content"), str):
+                texts.append(p["content"])
+            elif kind == "tool_call":
+                calls.append(_tool_call(p.get("id"), p.get("name"), p.get("arguments")))
+            elif kind == "tool_call_response":
+                resp = p.get("response")
+                out.append({"role": "tool", "tool_call_id": str(p.get("id") or ""),
+                            "content": resp if isinstance(resp, str) else json.dumps(resp)})
+            elif kind == "reasoning":
+                continue  # the model's thinking: not part of the chat messages an OpenAI client sends
+            else:
+                raise _Bad(f"unsupported message part ({str(kind)[:40]})")
+        if texts or calls or m["role"] != "tool":
+            msg: dict[str, Any] = {"role": m["role"], "content": _content(texts)}
+            if calls:
+                msg["tool_calls"] = calls
+            if isinstance(m.get("finish_reason"), str):
+                msg["finish_reason"] = m["finish_reason"]
+            out.append(msg)
+    return out
+
+
+def _indexed(attrs: dict[str, Any], prefixes: tuple[str, ...]) -> list[dict[str, Any]]:
+    """`gen_ai.prompt.0.role` (OpenLLMetry) / `llm.input_messages.0.message.role` (OpenInference) as messages."""
+    rows: dict[int, dict[str, Any]] = {}
+    for key, value in attrs.items():
+        prefix = next((p for p in prefixes if key.startswith(p)), None)
+        if prefix is None:
+            continue
+        idx, _, rest = key[len(prefix):].partition(".")
+        if not idx.isdigit() or len(idx) > 6:
+            continue
+        rest = rest.removeprefix("message.")
+        row = rows.setdefault(int(idx), {"tool_calls": {}})
+        head, _, sub = rest.partition(".")
+        if head == "tool_calls":
+            j, _, tkey = sub.partition(".")
+            if j.isdigit() and len(j) <= 6:
+                tkey = tkey.removeprefix("tool_call.").removeprefix("function.")
+                row["tool_calls"].setdefault(int(j), {})[tkey] = value
+        elif rest in ("role", "content", "tool_call_id", "finish_reason"):
+            row[rest] = value
+    out = []
+    for _, row in sorted(rows.items()):
+        if not isinstance(row.get("role"), str):
+            raise _Bad("an indexed message without a role")
+        content = row.get("content")
+        msg: dict[str, Any] = {"role": row["role"], "content": content if isinstance(content, str) else None}
+        calls = [_tool_call(t.get("id"), t.get("name"), t.get("arguments")) for _, t in sorted(row["tool_calls"].items())]
+        if calls:
+            msg["tool_calls"] = calls
+        if row.get("tool_call_id") is not None:
+            msg["tool_call_id"] = str(row["tool_call_id"])
+        if isinstance(row.get("finish_reason"), str):
+            msg["finish_reason"] = row["finish_reason"]
+        out.append(msg)
+    return out
+
+
+def _event_message(name: str, attrs: dict[str, Any]) -> dict[str, Any]:
+    """An older-semconv event (`gen_ai.user.message`, `gen_ai.choice`, ...) as a chat message."""
+    body = _json(attrs.get("message")) if name == "gen_ai.choice" else attrs
+    if not isinstance(body, dict):
+        raise _Bad("a gen_ai.choice event without a message")
+    content = _json(body.get("content"))
+    msg: dict[str, Any] = {"role": body.get("role") if isinstance(body.get("role"), str) else EVENT_ROLES.get(name, "assistant"),
+                           "content": content if isinstance(content, str) or content is None else json.dumps(content)}
+    raw_calls = _json(body.get("tool_calls"))
+    if isinstance(raw_calls, list) and raw_calls:
+        msg["tool_calls"] = [_tool_call(c.get("id"), (c.get("function") or {}).get("name"), (c.get("function") or {}).get("arguments"))
+                             for c in raw_calls if isinstance(c, dict) and isinstance(c.get("function"), dict)]
+    if name == "gen_ai.tool.message" and attrs.get("id") is not None:
+        msg["tool_call_id"] = str(attrs["id"])
+    if isinstance(attrs.get("finish_reason"), str):
+        msg["finish_reason"] = attrs["finish_reason"]
+    return msg
+
+
+def _messages(span: Span) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(input messages, output messages) of an LLM span, from the first form it carries."""
+    a = span.attrs
+    if "gen_ai.input.messages" in a or "gen_ai.output.messages" in a:
+        return (_semconv_messages(a.get("gen_ai.input.messages", "[]"), a.get("gen_ai.system_instructions")),
+                _semconv_messages(a.get("gen_ai.output.messages", "[]")))
+    inputs = _indexed(a, INDEXED_INPUT)
+    outputs = _indexed(a, INDEXED_OUTPUT)
+    if inputs or outputs:
+        return inputs, outputs
+    ins = [_event_message(n, e) for n, e in span.events if n in EVENT_ROLES]
+    outs = [_event_message(n, e) for n, e in span.events if n == "gen_ai.choice"]
+    return ins, outs
+
+
+# ---- spans -> runs -----------------------------------------------------------------------------
+
+def _is_llm(span: Span) -> bool:
+    a = span.attrs
+    return (a.get("gen_ai.operation.name") in LLM_OPERATIONS or a.get("llm.request.type") in ("chat", "completion")
+            or a.get("openinference.span.kind") == "LLM")
+
+
+def _node_name(span: Span) -> str | None:
+    for key in NODE_KEYS:
+        if isinstance(v := span.attrs.get(key), str) and v:
+            return v
+    for key in NODE_JSON_KEYS:
+        meta = span.attrs.get(key)
+        try:
+            meta = json.loads(meta) if isinstance(meta, str) else meta
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(meta, dict) and isinstance(v := meta.get("langgraph_node"), str) and v:
+            return v
+    return None
+
+
+def _node_of(span: Span, by_id: dict[str, Span]) -> tuple[str, str | None] | None:
+    """(node name, node span id) of an LLM span: the nearest span, itself or an ancestor, naming a
+    node; then up while the parent names the same node (LangChain copies a node's metadata onto
+    every run inside it), so the outermost is the node's own span. Only the LLM span itself naming
+    it: the node is known, its execution (node id) is not."""
+    seen: set[str] = set()
+    cur: Span | None = span
+    found: Span | None = None
+    while cur is not None and cur.span_id not in seen:
+        seen.add(cur.span_id)
+        name = _node_name(cur)
+        if found is not None and name != _node_name(found):
+            break
+        if name is not None:
+            found = cur
+        elif found is not None:
+            break
+        cur = by_id.get(cur.parent_id) if cur.parent_id else None
+    if found is None:
+        return None
+    node = _node_name(found)
+    assert node is not None
+    return node, (found.span_id if found is not span else None)
+
+
+def _inside_llm(span: Span, by_id: dict[str, Span]) -> bool:
+    """An LLM span under another (LangChain's chat span over the OpenAI SDK's): the same call twice."""
+    seen = {span.span_id}
+    cur = by_id.get(span.parent_id) if span.parent_id else None
+    while cur is not None and cur.span_id not in seen:
+        if _is_llm(cur):
+            return True
+        seen.add(cur.span_id)
+        cur = by_id.get(cur.parent_id) if cur.parent_id else None
+    return False
+
+
+def _str_list(value: Any) -> list[str]:
+    value = _json(value)
+    return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
+
+
+def _calls(span: Span, node: str, node_id: str | None, roles: dict[str, str], policies: dict[str, str]) -> list[LLMCall]:
+    inputs, outputs = _messages(span)
+    if not inputs and not outputs:
+        raise _Bad("LLM span without messages")
+    a = span.attrs
+    model = next((m for m in (a.get("gen_ai.response.model"), a.get("gen_ai.request.model"), a.get("llm.model_name"))
+                  if isinstance(m, str)), None)
+    reasons = _str_list(a.get("gen_ai.response.finish_reasons"))
+    role = roles.get(node, node)
+    calls = []
+    for i, out in enumerate(outputs or [{}]):
+        finish = out.pop("finish_reason", None) or (reasons[i] if i < len(reasons) else None)
+        content = out.get("content")
+        text = content if isinstance(content, str) else (
+            "".join(p["text"] for p in content) if isinstance(content, list) else None)
+        calls.append(LLMCall(
+            id=choice_id(span.span_id, i), node_id=node_id, node=node, role=role,
+            policy=policies.get(role, role), messages=[{k: v for k, v in m.items() if k != "finish_reason"} for m in inputs],
+            output_text=text, tool_calls=out.get("tool_calls", []), prompt_ids=[], response_ids=[], response_logprobs=[],
+            finish_reason=finish, model=model, start_time=span.start, end_time=span.end))
+    return calls
+
+
+def map_traces(spans: Iterable[Span], report: ImportReport, roles: dict[str, str] | None = None,
+               policies: dict[str, str] | None = None) -> dict[str, list[LLMCall]]:
+    """run id (trace id) -> its LLM calls in start order; what cannot be mapped goes to the report."""
+    traces: dict[str, dict[str, Span]] = {}
+    for s in spans:
+        traces.setdefault(s.trace_id, {}).setdefault(s.span_id, s)  # a span exported twice counts once
+    runs: dict[str, list[LLMCall]] = {}
+    for trace_id, by_id in traces.items():
+        calls: list[LLMCall] = []
+        left_out = 0
+        for span in by_id.values():
+            if not _is_llm(span):
+                continue
+            if _inside_llm(span, by_id):
+                report.nested += 1
+                continue
+            where = f"trace {trace_id} span {span.span_id}"
+            node = _node_of(span, by_id)
+            if node is None:
+                report.skip("LLM span with no LangGraph node ancestor", where)
+                left_out += 1
+                continue
+            try:
+                calls.extend(_calls(span, *node, roles or {}, policies or {}))
+            except _Bad as exc:
+                report.skip(str(exc), where)
+                left_out += 1
+        if not calls:
+            if not left_out:
+                report.skip("trace with no LLM spans", f"trace {trace_id}")
+            continue
+        report.partial_runs += bool(left_out)
+        runs[trace_id] = sorted(calls, key=lambda c: (c.start_time is None, c.start_time or 0.0))
+    return runs
+
+
+def import_traces(files: Iterable[str | Path], out: str | Path, *, roles: dict[str, str] | None = None,
+                  policies: dict[str, str] | None = None, strict: bool = False) -> ImportReport:
+    """Import OTLP/JSON files into the record folder `out` (appended; runs already there are skipped).
+    Bad input (a missing file, not JSON, not OTLP): UserError. `strict`: anything not imported
+    raises Unmapped and nothing is written."""
+    report = ImportReport()
+    spans: list[Span] = []
+    for f in files:
+        spans.extend(load_spans(f, report))
+    runs = map_traces(spans, report, roles, policies)
+    if strict and report.unmapped:
+        raise Unmapped(report)
+    recorder = Recorder(out, max_mb=2**30)  # never trim: an import only adds
+    for run_id, calls in runs.items():
+        if recorder.check(run_id, None) is None:
+            report.duplicates += 1
+            continue
+        for call in calls:
+            recorder.record(run_id, call)
+        report.runs += 1
+        report.calls += len(calls)
+    return report
+
+
+# ---- OTLP/HTTP receiver (JSON only) -------------------------------------------------------------
+
+MAX_BODY_BYTES = 64 * 2**20
+
+
+class Receiver:
+    """`import-traces --listen`: POST /v1/traces (OTLP/HTTP, JSON encoding) into the record folder
+    `out`. Spans are held per trace until its root span (no parent) arrives, or `idle_s` passes
+    without new spans of it (a root in another service), then mapped and written like a file import;
+    `close()` writes what is left. Protobuf bodies get 415."""
+
+    def __init__(self, out: str | Path, *, roles: dict[str, str] | None = None, policies: dict[str, str] | None = None,
+                 idle_s: float = 30.0, max_spans: int = 200_000) -> None:
+        import threading
+
+        self.out, self.roles, self.policies, self.idle_s, self.max_spans = Path(out), roles, policies, idle_s, max_spans
+        self.report = ImportReport()
+        self._spans: dict[str, list[Span]] = {}
+        self._seen: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def accept(self, body: bytes, content_type: str) -> tuple[int, dict[str, Any]]:
+        """(HTTP status, JSON answer) for one POST /v1/traces body."""
+        import time
+
+        if "protobuf" in content_type:
+            return 415, {"error": "OTLP protobuf is not read here: set the exporter to JSON "
+                                  "(OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/json)"}
+        try:
+            req = json.loads(body)
+        except (ValueError, RecursionError):
+            return 400, {"error": "the body is not JSON"}
+        if not _is_request(req):
+            return 400, {"error": "not an OTLP trace export (no resourceSpans list)"}
+        with self._lock:
+            before = sum(self.report.unmapped.values())
+            now = time.monotonic()
+            for s in _request_spans(req, "POST /v1/traces", self.report):
+                self._spans.setdefault(s.trace_id, []).append(s)
+                self._seen[s.trace_id] = now
+            rejected = sum(self.report.unmapped.values()) - before
+            done = [t for t, spans in self._spans.items()
+                    if any(s.parent_id is None for s in spans) or now - self._seen[t] > self.idle_s]
+            while sum(map(len, self._spans.values())) - sum(len(self._spans[t]) for t in done) > self.max_spans:
+                done.append(min((t for t in self._spans if t not in done), key=self._seen.__getitem__))
+            self._write(done)
+        return 200, ({"partialSuccess": {"rejectedSpans": str(rejected), "errorMessage": "malformed spans"}}
+                     if rejected else {})
+
+    def _write(self, trace_ids: list[str]) -> None:
+        spans = [s for t in trace_ids for s in self._spans.pop(t, [])]
+        for t in trace_ids:
+            self._seen.pop(t, None)
+        if not spans:
+            return
+        recorder = Recorder(self.out, max_mb=2**30)
+        for run_id, calls in map_traces(spans, self.report, self.roles, self.policies).items():
+            if recorder.check(run_id, None) is None:
+                self.report.duplicates += 1
+                continue
+            for call in calls:
+                recorder.record(run_id, call)
+            self.report.runs += 1
+            self.report.calls += len(calls)
+
+    def close(self) -> ImportReport:
+        with self._lock:
+            self._write(list(self._spans))
+        return self.report
+
+    def server(self, host: str, port: int) -> Any:
+        """A stdlib HTTP server answering POST /v1/traces; `serve_forever()` it, `close()` after."""
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self, status: int, body: dict[str, Any]) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
+                if self.path.split("?")[0] != "/v1/traces":
+                    return self._answer(404, {"error": "POST OTLP JSON traces to /v1/traces"})
+                try:
+                    size = int(self.headers.get("content-length", ""))
+                except ValueError:
+                    return self._answer(411, {"error": "send a content-length"})
+                if size > MAX_BODY_BYTES or size < 0:
+                    return self._answer(413, {"error": f"over {MAX_BODY_BYTES >> 20} MB; export smaller batches"})
+                body = self.rfile.read(size)
+                encoding = self.headers.get("content-encoding", "").strip().lower()
+                if encoding == "gzip":  # the collector's otlphttp exporter compresses by default
+                    try:
+                        body = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(body, MAX_BODY_BYTES + 1)
+                    except zlib.error:
+                        return self._answer(400, {"error": "the gzip body is damaged"})
+                    if len(body) > MAX_BODY_BYTES:
+                        return self._answer(413, {"error": f"over {MAX_BODY_BYTES >> 20} MB unpacked; export smaller batches"})
+                elif encoding not in ("", "identity"):
+                    return self._answer(415, {"error": f"content-encoding {encoding[:20]!r}: send gzip or none"})
+                self._answer(*receiver.accept(body, self.headers.get("content-type", "")))
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet
+                pass
+
+        return ThreadingHTTPServer((host, port), Handler)

@@ -1,0 +1,141 @@
+"""serve --record: what reaches disk (redacted, rotated, fsync'ed lines) and what feedback is refused."""
+
+import json
+import logging
+
+import pytest
+
+from mas_trainer.production.record import Feedback, GraphRun, Recorder, read_runs
+from mas_trainer.trace.schema import LLMCall
+
+SECRET = "alice@example.com"
+
+
+def call(i, text="hi", node="planner"):
+    return LLMCall(id=f"{i:016x}", node_id=f"n{i}", node=node, role="lead", policy="lead",
+                   messages=[{"role": "user", "content": f"{text} {SECRET}"}], output_text=f"ok {SECRET}",
+                   prompt_ids=[1, 2], response_ids=[3], response_logprobs=[-0.1], finish_reason="stop",
+                   start_time=1.0, end_time=2.0)
+
+
+def run_id(i):
+    return f"{i:032x}"
+
+
+def test_runs_and_feedback_read_back_and_survive_a_restart(tmp_path):
+    rec = Recorder(tmp_path)
+    assert rec.record(run_id(1), call(1)) and rec.record(run_id(1), call(2, node="writer"))
+    assert rec.check(run_id(1), None) is None and rec.check(run_id(1), "chatcmpl-" + call(2).id) is None
+    rec.feedback(Feedback(run_id=run_id(1), score=0.5, turn=call(2).id))
+    again = Recorder(tmp_path)  # the index is rebuilt from the files
+    assert again.check(run_id(1), call(1).id) is None
+    assert "no recorded run" in again.check(run_id(2), None)
+    assert "has no turn" in again.check(run_id(1), "ffff")
+    assert "no recorded run" in again.check("../../etc/passwd", None)
+    [(traj, fb)] = list(read_runs(tmp_path))
+    assert traj.rollout_id == run_id(1) and [c.node for c in traj.llm_calls] == ["planner", "writer"]
+    assert [n.name for n in traj.nodes] == ["planner", "writer"] and fb[0]["score"] == 0.5
+
+
+def test_redaction_is_applied_before_the_disk_and_a_failing_hook_writes_nothing(tmp_path, caplog):
+    rec = Recorder(tmp_path / "a", redact=lambda s: s.replace(SECRET, "[email]"))
+    rec.record(run_id(1), call(1))
+    text = "".join(p.read_text() for p in (tmp_path / "a").iterdir())
+    assert SECRET not in text and "[email]" in text
+
+    def broken(s):
+        raise RuntimeError("no")
+
+    rec = Recorder(tmp_path / "b", redact=broken)
+    with caplog.at_level(logging.ERROR):
+        assert not rec.record(run_id(1), call(1))
+    assert "not recorded" in caplog.text
+    assert all(p.stat().st_size == 0 for p in (tmp_path / "b").iterdir())
+    assert "no recorded run" in rec.check(run_id(1), None)
+
+
+def test_rotation_bounds_the_disk_and_forgets_rotated_runs(tmp_path):
+    rec = Recorder(tmp_path, file_mb=1 / 1024, max_mb=3 / 1024)  # 1 KiB files, 3 KiB in all
+    for i in range(1, 21):
+        rec.record(run_id(i), call(i))
+    files = sorted(tmp_path.glob("runs-*.jsonl"))
+    assert len(files) >= 2 and sum(p.stat().st_size for p in files) <= 3 * 1024 + 1024
+    assert all(p.stat().st_size <= 1024 for p in files)
+    assert "rotated away" in rec.check(run_id(1), None)  # the oldest went
+    assert rec.check(run_id(20), None) is None
+    assert "rotated away" in Recorder(tmp_path, file_mb=1 / 1024, max_mb=3 / 1024).check(run_id(1), None)
+
+
+def test_feedback_is_kept_with_the_runs_and_rotated_with_them(tmp_path):
+    rec = Recorder(tmp_path, file_mb=1 / 1024, max_mb=3 / 1024)
+    rec.record(run_id(1), call(1))
+    rec.feedback(Feedback(run_id=run_id(1), score=1.0, comment="x" * 300))
+    [(_, feedback)] = list(read_runs(tmp_path))
+    assert [fb["score"] for fb in feedback] == [1.0]
+    for i in range(2, 21):  # no feedback file grows without bound: it goes with its run's file
+        rec.record(run_id(i), call(i))
+        rec.feedback(Feedback(run_id=run_id(i), label="good", comment="y" * 300))
+    files = list(tmp_path.iterdir())
+    assert all(p.name.startswith("runs-") for p in files) and sum(p.stat().st_size for p in files) <= 4 * 1024
+    runs = {t.rollout_id: fb for t, fb in read_runs(tmp_path)}
+    assert run_id(1) not in runs and runs[run_id(20)] == [{"label": "good", "comment": "y" * 300, "run_id": run_id(20)}]
+
+
+def test_a_torn_last_line_is_skipped(tmp_path, caplog):
+    rec = Recorder(tmp_path)
+    rec.record(run_id(1), call(1))
+    with (tmp_path / "runs-0000.jsonl").open("a") as f:
+        f.write('{"run_id": "' + run_id(2) + '", "call": {"id')  # killed mid-write
+    with caplog.at_level(logging.WARNING):
+        assert [t.rollout_id for t, _ in read_runs(tmp_path)] == [run_id(1)]
+        assert Recorder(tmp_path).check(run_id(1), None) is None
+    assert "torn" in caplog.text
+
+
+def test_lines_that_are_json_but_not_served_calls_are_skipped(tmp_path, caplog):
+    """A crafted or foreign line in a records folder is read past, not trusted and not fatal."""
+    rec = Recorder(tmp_path)
+    rec.record(run_id(1), call(1))
+    crafted = ['[1, 2]', '"text"', '{"call": {}}', '{"run_id": "../../etc/passwd", "call": ' + call(2).model_dump_json() + '}',
+               '{"run_id": "' + run_id(3) + '", "call": {"id": 5}}']
+    with (tmp_path / "runs-0000.jsonl").open("a") as f:
+        f.write("\n".join(crafted) + "\n")
+    (tmp_path / "feedback.jsonl").write_text('[1]\n{"score": 1}\n{"run_id": "' + run_id(1) + '", "score": 0.5}\n')
+    with caplog.at_level(logging.WARNING):
+        runs = list(read_runs(tmp_path))
+    assert [(t.rollout_id, len(t.llm_calls), fb) for t, fb in runs] == [(run_id(1), 1, [{"run_id": run_id(1), "score": 0.5}])]
+    assert caplog.text.count("not a served call") == len(crafted)
+
+
+def test_feedback_wire_schema():
+    with pytest.raises(ValueError, match="score or a label"):
+        Feedback(run_id=run_id(1))
+    for bad in ("../x", "A" * 32, run_id(1) + "0", "a" * 31):
+        with pytest.raises(ValueError):
+            Feedback(run_id=bad, score=1)
+    with pytest.raises(ValueError):
+        Feedback(run_id=run_id(1), label="x" * 201)
+    with pytest.raises(ValueError):
+        Feedback(run_id=run_id(1), score=float("nan"))
+    assert json.loads(Feedback(run_id=run_id(1), label="good").model_dump_json(exclude_none=True)) == {
+        "run_id": run_id(1), "label": "good"}
+
+
+def test_a_runs_graph_record_is_kept_once_redacted_and_only_for_a_recorded_run(tmp_path):
+    rec = Recorder(tmp_path, redact=lambda s: s.replace(SECRET, "[email]"))
+    assert rec.record_graph(GraphRun(run_id=run_id(1), input={"q": "x"}))[0] == "unknown"
+    rec.record(run_id(1), call(1))
+    assert rec.record_graph(GraphRun(run_id=run_id(1), input={"q": f"mail {SECRET}"}, output={"a": 1})) is None
+    assert rec.record_graph(GraphRun(run_id=run_id(1), input={"q": "again"}))[0] == "duplicate"
+    assert Recorder(tmp_path).record_graph(GraphRun(run_id=run_id(1), input={}))[0] == "duplicate"  # after a restart too
+    [(traj, _)] = list(read_runs(tmp_path))
+    assert traj.task == {"q": "mail [email]"} and traj.final_state == {"a": 1} and traj.status == "ok"
+
+    def broken(s):
+        raise RuntimeError("no")
+
+    rec = Recorder(tmp_path / "b")
+    rec.record(run_id(2), call(2))
+    rec.redact = broken
+    assert rec.record_graph(GraphRun(run_id=run_id(2), input={"q": "x"}))[0] == "redaction"
+    assert [t.task for t, _ in read_runs(tmp_path / "b")] == [{}]
