@@ -97,7 +97,7 @@ class TorchEngine:
         before its request fails (`engines/grammar.py`)."""
         # a bare engine (tests, benchmarks) computes in fp32, so its log-probs match an fp32 forward
         settings = settings or EngineSettings(engine_bf16=False)
-        self.model_name = model_name
+        self.model_name, self.settings = model_name, settings
         # bf16 autocast while decoding (CPU: ~1.5x faster). Log-probs then carry bf16 rounding,
         # like a learner's bf16 forward. "auto": where bf16 is fast on the device (not on AVX2-only CPUs)
         if settings.engine_bf16 == "auto":

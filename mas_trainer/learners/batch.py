@@ -30,13 +30,14 @@ forward and backward are done once per group instead of once per sample.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["Turn", "PackedTurns", "SharedPrompts", "pack_turns", "share_prompts", "micro_batches", "mini_batches", "update_mini_batches", "run_epochs"]
+__all__ = ["Turn", "PackedTurns", "SharedPrompts", "pack_turns", "share_prompts", "micro_batches", "mini_batches", "update_mini_batches", "run_epochs", "clipped_step"]
 
 
 @dataclass(frozen=True)
@@ -324,6 +325,17 @@ def update_mini_batches(turns: Sequence[Turn], size: int, *, epochs: int, shuffl
     seed derived from (seed, update count, epoch), so a resumed run draws the same order."""
     for epoch in range(epochs):
         yield from mini_batches(turns, size, shuffle=shuffle, seed=seed * 1_000_003 + update * 1009 + epoch)
+
+
+def clipped_step(params: Sequence[Any], optimizer: Any, max_grad_norm: float | None) -> float | None:
+    """One optimizer step on the accumulated gradients, clipped to `max_grad_norm` (None: no
+    clipping); the pre-clip norm, or None where it is not finite: then no step (a non-finite
+    gradient would poison the moments). The gradients are cleared either way."""
+    norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm is not None else math.inf))
+    if math.isfinite(norm):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm if math.isfinite(norm) else None
 
 
 def run_epochs(turns: Sequence[Turn], config: Any, update: int, step: Callable[[list[Turn]], float | None],

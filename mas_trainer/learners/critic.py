@@ -28,19 +28,17 @@ one thread.
 from __future__ import annotations
 
 import copy
-import math
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from mas_trainer.engines.models import bf16_is_fast
 
-from mas_trainer.learners.batch import PackedTurns, Turn, micro_batches, pack_turns, run_epochs
+from mas_trainer.learners.batch import PackedTurns, Turn, clipped_step, micro_batches, pack_turns, run_epochs
 from mas_trainer.learners.config import CriticConfig
 
 __all__ = ["TorchCritic"]
@@ -228,14 +226,8 @@ class TorchCritic:
             sums["vpred_mean"] += float(self._verl_F.masked_mean(vpreds.detach(), mask)) * n
             sums["_response_tokens"] += n
             sums["_tokens"] += float(batch.num_tokens)
-        max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
-        norm = float(torch.nn.utils.clip_grad_norm_(self._params, max_norm))
-        if not math.isfinite(norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            return total, None
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.optimizer_steps += 1
+        norm = clipped_step(self._params, self.optimizer, cfg.max_grad_norm)
+        self.optimizer_steps += norm is not None
         return total, norm
 
     # ---------------------------------------------------------------- state
@@ -258,15 +250,3 @@ class TorchCritic:
         self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
         self.updates = int(state["updates"])
         self.optimizer_steps = int(state["optimizer_steps"])
-
-    def save(self, folder: str | Path) -> Path:
-        """Write ``state_dict()`` to ``folder/critic.pt``; returns that path."""
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / "critic.pt"
-        torch.save(self.state_dict(), path)
-        return path
-
-    def load(self, folder: str | Path) -> None:
-        """Load what ``save(folder)`` wrote."""
-        self.load_state_dict(torch.load(Path(folder) / "critic.pt", map_location=self.device, weights_only=True))

@@ -41,7 +41,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
-import math
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -54,7 +53,7 @@ import torch
 from mas_trainer.engines.models import bf16_is_fast
 
 from mas_trainer.errors import UserError
-from mas_trainer.learners.batch import PackedTurns, Turn, micro_batches, pack_turns, run_epochs
+from mas_trainer.learners.batch import PackedTurns, Turn, clipped_step, micro_batches, pack_turns, run_epochs
 from mas_trainer.learners.config import LearnerConfig
 
 __all__ = ["TorchLearner"]
@@ -350,14 +349,8 @@ class TorchLearner:
         # mini-batch totals in global_batch_info), then averaged over optimiser steps.
         for key, value in totals.items():
             self._add(sums, weights, key, value, 1.0)
-        max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
-        norm = float(torch.nn.utils.clip_grad_norm_(self._params, max_norm))
-        if not math.isfinite(norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            return None
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.optimizer_steps += 1
+        norm = clipped_step(self._params, self.optimizer, cfg.max_grad_norm)
+        self.optimizer_steps += norm is not None
         return norm
 
     def _micro_loss(self, batch: PackedTurns) -> tuple[torch.Tensor, dict[str, float], dict[str, Any]]:
@@ -418,7 +411,6 @@ class TorchLearner:
         losses: list[float] = []
         norms: list[float] = []
         tokens = 0
-        max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
         self._unmerge()
         try:
             for batch in sft_batches(len(turns), steps, batch_size, seed):
@@ -434,11 +426,9 @@ class TorchLearner:
                     loss_sum += loss.item()
                 losses.append(loss_sum)
                 tokens += total
-                norm = float(torch.nn.utils.clip_grad_norm_(self._params, max_norm))
-                if math.isfinite(norm):  # as in RL: a non-finite gradient is no step
-                    optimizer.step()
+                norm = clipped_step(self._params, optimizer, cfg.max_grad_norm)  # as in RL
+                if norm is not None:
                     norms.append(norm)
-                optimizer.zero_grad(set_to_none=True)
         finally:
             optimizer.zero_grad(set_to_none=True)
             self._merge()

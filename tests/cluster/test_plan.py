@@ -137,3 +137,34 @@ def test_a_torch_replica_gets_the_engine_settings_whole():
     rcfg = rollout_config("p", "torch-replica", ReplicaConfig(), device="cpu", settings=settings, torch_threads=1)
     # what TorchRolloutServer reads back
     assert EngineSettings.model_validate(rcfg.custom["mas_torch"]["engine"]) == settings
+
+
+# every engine setting away from its default: what a new setting would be
+SETTINGS = ("runtime.max_batch_size=3", "runtime.batch_wait_ms=1", "runtime.prefix_cache_mb=1", "runtime.fast_decode=false",
+            "runtime.engine_bf16=false")
+
+
+def test_every_engine_setting_reaches_the_engine_on_every_path():
+    """A setting is a field of `EngineSettings` and its use in the engine: the plan, a worker
+    group in this process, the verbs' backends (serve, eval, trace) and a torch replica's config
+    hand the object through whole, so the engines get all of it and nothing is copied by name."""
+    pytest.importorskip("torch")
+    from mas_trainer.engines.config import EngineSettings
+    from mas_trainer.loop.backends import policy_backends
+    from mas_trainer.policy.local import LocalPolicy
+    from mas_trainer.spec import PolicySpec
+
+    cfg = load_config(overrides=[*SETTINGS, "runtime.execution=local"])
+    want = EngineSettings.of(cfg.runtime)
+    assert all(getattr(want, k) != f.default for k, f in EngineSettings.model_fields.items())  # none left at its default
+    plan = resolve_plan(cfg, {"solo": ("tiny", "tiny")}, machine=Machine(gpus=0, cpus=2))
+    group = LocalPolicy(plan.workers["solo"])
+    try:
+        assert group.engine.settings == want
+    finally:
+        group.close()
+    backends = policy_backends({"solo": PolicySpec("solo", "tiny", trainable=True)}, cfg.runtime)
+    try:
+        assert backends["solo"].engine.settings == want
+    finally:
+        backends["solo"].engine.close()
