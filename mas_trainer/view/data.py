@@ -24,6 +24,7 @@ and named in the payload's ``warnings`` (and logged once), never an error of the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -33,7 +34,7 @@ import statistics
 import threading
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import yaml
 
@@ -45,9 +46,8 @@ __all__ = ["ViewSource", "build_charts", "token_pieces", "finite_json", "fork_tr
 log = logging.getLogger(__name__)
 
 STEP_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,199}$")  # what a step name (a file stem) may look like
-_TRAIN_FILE = re.compile(r"^step_(\d+)$")
-_VAL_FILE = re.compile(r"^step_(\d+)_val$")
-_FORKS_FILE = re.compile(r"^step_(\d+)_forks$")  # counterfactual credit's continuations of a training step
+# fit's trajectory files: a training step, a held-out evaluation, counterfactual credit's continuations of a step
+_STEP_FILE = re.compile(r"^step_(\d+)(_val|_forks)?$")
 # fit's ids: s000001-t00005-r0, and s000001d1-t00005-r0 for a later draw of rollout.filter_groups
 _ROLLOUT_ID = re.compile(r"^(?P<group>[sv]\d+(?:d\d+)?-t(?P<task>\d+))-r(?P<k>\d+)$")
 # far deeper than anything fit writes, far shallower than what the recursive code downstream
@@ -117,12 +117,9 @@ def build_charts(rows: list[dict[str, Any]], per_policy: dict[str, dict[str, lis
     # otherwise the mean allocated reward of the policy's calls, read from the trajectory files
     pol_series = []
     for kind, rs in (("train", train), ("val", val)):
-        names = sorted({k[len("reward/policy/"):] for r in rs for k in r if k.startswith("reward/policy/")})
-        if names:
-            pol_series += [_series(f"{p} ({'held-out' if kind == 'val' else 'train'})", _points(rs, f"reward/policy/{p}"), kind) for p in names]
-        else:
-            for p, pts in sorted((per_policy or {}).get(kind, {}).items()):
-                pol_series.append(_series(f"{p} ({'held-out' if kind == 'val' else 'train'})", pts, kind))
+        names = {k[len("reward/policy/"):] for r in rs for k in r if k.startswith("reward/policy/")}
+        found = {p: _points(rs, f"reward/policy/{p}") for p in names} if names else (per_policy or {}).get(kind, {})
+        pol_series += [_series(f"{p} ({'held-out' if kind == 'val' else 'train'})", pts, kind) for p, pts in sorted(found.items())]
     pol_series = [s for s in pol_series if s["points"]]
     if pol_series:
         main.append({"id": "reward-policy", "title": "reward per policy (mean allocated reward of its calls)", "y": "reward",
@@ -144,12 +141,9 @@ def build_charts(rows: list[dict[str, Any]], per_policy: dict[str, dict[str, lis
         else:
             chart = more.setdefault(k, {"id": f"m-{k}", "title": k, "y": k, "series": []})
             chart["series"] += [_series("train", _points(train, k), "train"), _series("held-out", _points(val, k), "val")]
-    extra = []
     for chart in more.values():
         chart["series"] = [s for s in chart["series"] if s["points"]]
-        if chart["series"]:
-            extra.append(chart)
-    return main, extra
+    return main, [chart for chart in more.values() if chart["series"]]
 
 
 # --- reading files ---------------------------------------------------------------------------------
@@ -211,12 +205,11 @@ def token_pieces(tokenizer: Any, ids: list[int]) -> list[str]:
     difference of two decodes that share the previous token as context.
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        def decode(xs: list[int]) -> str:
-            return backend.decode(xs, skip_special_tokens=False)
-    else:
-        def decode(xs: list[int]) -> str:
-            return tokenizer.decode(xs, skip_special_tokens=False)
+    decoder = tokenizer if backend is None else backend
+
+    def decode(xs: list[int]) -> str:
+        return decoder.decode(xs, skip_special_tokens=False)
+
     pieces: list[str] = []
     prefix = read = 0
     for i in range(len(ids)):
@@ -255,10 +248,11 @@ class ViewSource:
         self.tokenizer_model = tokenizer
         self._lock = threading.RLock()
         self._tokenizers: dict[str, tuple[Any, str]] = {}
-        self._summaries: dict[str, tuple[tuple[int, int], dict[str, Any]]] = {}
-        self._steps: dict[str, tuple[tuple[int, int], dict[str, Any]]] = {}
+        # (size, mtime) of the file -> what was built from it (`_cached`)
+        self._summaries: dict[str, Any] = {}
+        self._steps: dict[str, Any] = {}
+        self._trees: dict[str, Any] = {}
         self._said: set[str] = set()
-        self._trees: dict[str, tuple[tuple[int, int], dict[str, Any] | None, str]] = {}
         if p.is_dir():
             if not ((p / "trajectories").is_dir() or (p / "metrics.jsonl").is_file()):
                 raise UserError(f"{path}: not a run directory of `mas-trainer fit` (no metrics.jsonl or trajectories/); "
@@ -347,10 +341,9 @@ class ViewSource:
             real = self.inside(f, warnings=warnings)
             if real is None:
                 continue
-            m, v, fk = _TRAIN_FILE.match(stem), _VAL_FILE.match(stem), _FORKS_FILE.match(stem)
-            found = m or v or fk
+            found = _STEP_FILE.match(stem)
             step = int(found.group(1)) if found else None
-            kind = "train" if m else "val" if v else "forks" if fk else "trace"
+            kind = {None: "train", "_val": "val", "_forks": "forks"}[found.group(2)] if found else "trace"
             label = f"trajectories/{f.name}" if self.single is None else f.name
             out.append(_StepFile(stem, real, label, step, kind))
         order = {"val": 0, "train": 1, "forks": 2, "trace": 3}
@@ -390,16 +383,10 @@ class ViewSource:
             return None
         # parsed once per version of the file: every request reads both, and a hostile
         # config.yaml can take PyYAML seconds to refuse
-        stamp = self._stamp(path)
-        with self._lock:
-            cached = self._trees.get(rel)
-        if cached is None or cached[0] != stamp:
-            cached = (stamp, *self._parse_tree(path, rel))
-            with self._lock:
-                self._trees[rel] = cached
-        if cached[2]:
-            self._warn(f"{rel}: {cached[2]}; ignored", warnings)
-        return cached[1]
+        tree, why = self._cached(self._trees, rel, path, lambda: self._parse_tree(path, rel))
+        if why:
+            self._warn(f"{rel}: {why}; ignored", warnings)
+        return tree
 
     @staticmethod
     def _parse_tree(path: Path, rel: str) -> tuple[dict[str, Any] | None, str]:
@@ -427,18 +414,27 @@ class ViewSource:
             self._warn(message, warnings)
         return rows
 
-    @staticmethod
-    def _stamp(path: Path) -> tuple[int, int]:
+    def _cached(self, store: dict[str, Any], key: str, path: Path, build: Callable[[], Any], keep: int | None = None) -> Any:
+        """`build()`, kept in `store` under `key` until the file at `path` changes (size, mtime);
+        `keep`: at most that many entries, the oldest dropped first."""
         st = path.stat()
-        return st.st_size, st.st_mtime_ns
+        stamp = (st.st_size, st.st_mtime_ns)
+        with self._lock:
+            cached = store.get(key)
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+        value = build()
+        with self._lock:
+            store[key] = (stamp, value)
+            while keep is not None and len(store) > keep:
+                store.pop(next(iter(store)))
+        return value
 
     # --- index ---------------------------------------------------------------------------------
     def _summary(self, s: _StepFile) -> dict[str, Any]:
-        stamp = self._stamp(s.path)
-        with self._lock:
-            cached = self._summaries.get(s.name)
-            if cached and cached[0] == stamp:
-                return cached[1]
+        return self._cached(self._summaries, s.name, s.path, lambda: self._build_summary(s))
+
+    def _build_summary(self, s: _StepFile) -> dict[str, Any]:
         warnings: list[str] = []
         trajs = self._rows(s.path, s.label, warnings)
         per_policy: dict[str, list[float]] = defaultdict(list)
@@ -453,14 +449,11 @@ class ViewSource:
             r = _traj_reward(t)
             if r is not None:
                 rewards.append(r)
-        summary = {"name": s.name, "step": s.step, "kind": s.kind, "rollouts": len(trajs), "warnings": warnings,
-                   "groups": len({_group_key(t) for t in trajs}),
-                   "mean_reward": statistics.fmean(rewards) if rewards else None,
-                   "errors": sum(1 for t in trajs if t.get("status") != "ok"),
-                   "policy_reward": {p: statistics.fmean(v) for p, v in per_policy.items()}}
-        with self._lock:
-            self._summaries[s.name] = (stamp, summary)
-        return summary
+        return {"name": s.name, "step": s.step, "kind": s.kind, "rollouts": len(trajs), "warnings": warnings,
+                "groups": len({_group_key(t) for t in trajs}),
+                "mean_reward": statistics.fmean(rewards) if rewards else None,
+                "errors": sum(1 for t in trajs if t.get("status") != "ok"),
+                "policy_reward": {p: statistics.fmean(v) for p, v in per_policy.items()}}
 
     def index(self) -> dict[str, Any]:
         """Everything but the trajectories: curves, policy map, settings, list of steps, and
@@ -544,19 +537,7 @@ class ViewSource:
     # --- one step ------------------------------------------------------------------------------
     def step(self, name: str) -> dict[str, Any] | None:
         s = self.find_step(name)
-        if s is None:
-            return None
-        stamp = self._stamp(s.path)
-        with self._lock:
-            cached = self._steps.get(name)
-            if cached and cached[0] == stamp:
-                return cached[1]
-        data = self._build_step(s)
-        with self._lock:
-            self._steps[name] = (stamp, data)
-            while len(self._steps) > 16:
-                self._steps.pop(next(iter(self._steps)))
-        return data
+        return None if s is None else self._cached(self._steps, name, s.path, lambda: self._build_step(s), keep=16)
 
     def _build_step(self, s: _StepFile) -> dict[str, Any]:
         warnings: list[str] = []
@@ -595,10 +576,8 @@ class ViewSource:
                 tokenizers.setdefault(policy, label)
             pieces = None
             if tok is not None:
-                try:
+                with contextlib.suppress(Exception):  # ids out of this vocabulary: show ids
                     pieces = token_pieces(tok, ids)
-                except Exception:  # noqa: BLE001 - ids out of this vocabulary: show ids
-                    pieces = None
             adv = advantages.get(cid)
             calls.append({
                 "id": cid, "node_id": c.get("node_id"), "node": c.get("node"), "role": c.get("role"),

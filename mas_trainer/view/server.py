@@ -26,6 +26,7 @@ thread per connection, so it keeps its own table here.)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -33,7 +34,7 @@ import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from mas_trainer.errors import UserError
@@ -52,11 +53,10 @@ _BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\nConne
          b"Content-Length: 35\r\n\r\ntoo many open connections, retry.\r\n")
 
 
-def _initial_step(source: ViewSource, index: dict[str, Any]) -> str | None:
+def _initial_step(index: dict[str, Any]) -> str | None:
     steps = index["steps"]
     train = [s for s in steps if s["kind"] == "train"]
-    pick = train[-1] if train else steps[-1] if steps else None
-    return pick["name"] if pick else None
+    return (train or steps)[-1]["name"] if steps else None
 
 
 def page_data(source: ViewSource, step: str | None = None, *, all_steps: Iterable[str] | None = None) -> dict[str, Any]:
@@ -65,7 +65,7 @@ def page_data(source: ViewSource, step: str | None = None, *, all_steps: Iterabl
     if all_steps is not None:
         names = list(all_steps)
         return {"index": index, "steps_data": source.all_steps(names), "initial_step": names[-1] if names else None}
-    name = step or _initial_step(source, index)
+    name = step or _initial_step(index)
     steps_data = {name: source.step(name)} if name else {}
     return {"index": index, "steps_data": {k: v for k, v in steps_data.items() if v is not None}, "initial_step": name}
 
@@ -142,11 +142,17 @@ class _Handler(BaseHTTPRequestHandler):
         self.do_GET()
 
     def do_GET(self) -> None:  # noqa: N802
+        self._answer(self._route)
+
+    def _bad_method(self) -> None:
+        self._answer(lambda: self._error(HTTPStatus.METHOD_NOT_ALLOWED, "only GET and HEAD"))
+
+    def _answer(self, respond: Callable[[], None]) -> None:
         if not self.server.request_begins(self.connection):  # closed to make room for a new connection
             self.close_connection = True
             return
         try:
-            self._route()
+            respond()
         except (BrokenPipeError, ConnectionResetError):
             pass
         except TimeoutError:
@@ -154,17 +160,6 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception as exc:  # noqa: BLE001 - one bad file must not take the server down
             log.exception("view: %s failed", self.path)
             self._error(500, f"{type(exc).__name__}: {str(exc)[:300]}")
-        finally:
-            self.server.request_ends(self.connection)
-
-    def _bad_method(self) -> None:
-        if not self.server.request_begins(self.connection):
-            self.close_connection = True
-            return
-        try:
-            self._error(HTTPStatus.METHOD_NOT_ALLOWED, "only GET and HEAD")
-        except (BrokenPipeError, ConnectionResetError):
-            pass
         finally:
             self.server.request_ends(self.connection)
 
@@ -297,10 +292,8 @@ class ViewServer(ThreadingHTTPServer):
                 return False
             victim.evicted = True
         log.info("view: closed the connection idle the longest to make room for %s", client_address)
-        try:
+        with contextlib.suppress(OSError):
             victim.sock.shutdown(socket.SHUT_RDWR)  # its thread's read returns at once, and the thread ends
-        except OSError:
-            pass
         return victim.done.wait(_EVICT_WAIT_S)
 
     def request_begins(self, sock: Any) -> bool:
@@ -320,11 +313,9 @@ class ViewServer(ThreadingHTTPServer):
                 self._conns[sock] = conn
 
     def _refuse(self, request: socket.socket) -> None:
-        try:
+        with contextlib.suppress(OSError):
             request.settimeout(1.0)
             request.sendall(_BUSY)
-        except OSError:
-            pass
         self.shutdown_request(request)
 
     def host_ok(self, host: str | None) -> bool:
@@ -354,9 +345,8 @@ def serve_view(source: ViewSource, port: int = 8765, *, announce: Any = print, i
 def serve_until_interrupted(server: Any) -> None:
     """`server.serve_forever()` until Ctrl-C; its socket closed however it ends."""
     try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+        with contextlib.suppress(KeyboardInterrupt):
+            server.serve_forever()
     finally:
         server.server_close()
 
