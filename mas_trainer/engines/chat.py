@@ -14,14 +14,7 @@ import re
 import uuid
 from typing import Any
 
-__all__ = [
-    "HFChatFormat",
-    "parse_tool_calls",
-    "normalize_messages",
-    "tools_system_prompt",
-    "render_tool_call",
-    "new_call_id",
-]
+__all__ = ["HFChatFormat", "parse_tool_calls", "normalize_messages", "tools_system_prompt", "render_tool_call", "new_call_id"]
 
 _TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -212,15 +205,17 @@ class HFChatFormat:
             template = " ".join(template.values())
         self.native_tools = native_tools if native_tools is not None else ("tool_calls" in template and "tools" in template)
 
+    def _template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, prompt: bool) -> str:
+        """The chat template's text of `messages` (`prompt`: ending with the assistant prefix)."""
+        if self.native_tools:
+            return self.tokenizer.apply_chat_template(_native_messages(messages), tools=tools or None,
+                                                      add_generation_prompt=prompt, tokenize=False)
+        return self.tokenizer.apply_chat_template(normalize_messages(messages, tools), add_generation_prompt=prompt,
+                                                  tokenize=False)
+
     def render_text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         """The prompt as text (what `render` encodes), ending with the assistant prefix."""
-        if self.native_tools:
-            return self.tokenizer.apply_chat_template(
-                _native_messages(messages), tools=tools or None, add_generation_prompt=True, tokenize=False
-            )
-        return self.tokenizer.apply_chat_template(
-            normalize_messages(messages, tools), add_generation_prompt=True, tokenize=False
-        )
+        return self._template(messages, tools, prompt=True)
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Prompt ids for `messages`, ending with the assistant generation prompt."""
@@ -234,11 +229,7 @@ class HFChatFormat:
         assistant message (tool calls included), up to and with its end-of-turn token, which is
         where the engine stops generating."""
         prompt = self.render_text(messages, tools)
-        turn = [*messages, {**completion, "role": "assistant"}]
-        if self.native_tools:
-            full = self.tokenizer.apply_chat_template(_native_messages(turn), tools=tools or None, tokenize=False)
-        else:
-            full = self.tokenizer.apply_chat_template(normalize_messages(turn, tools), tokenize=False)
+        full = self._template([*messages, {**completion, "role": "assistant"}], tools, prompt=False)
         if not full.startswith(prompt):  # a template that rewrites earlier turns (e.g. drops reasoning): the content alone
             content, calls = _text_of(completion.get("content")), completion.get("tool_calls") or []
             full = prompt + "\n".join([content] * bool(content) + [render_tool_call(c) for c in calls]) + (self.tokenizer.eos_token or "")

