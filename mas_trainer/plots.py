@@ -36,11 +36,7 @@ def role_styles(n: int) -> list[tuple[Any, str]]:
 
 def _values(rows: list[dict[str, Any]], key: str) -> list[float]:
     """`key` of each row as a float; missing or not a number: NaN (a gap in the curve)."""
-    out = []
-    for r in rows:
-        v = r.get(key)
-        out.append(float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else float("nan"))
-    return out
+    return [float(v) if isinstance(v := r.get(key), (int, float)) and not isinstance(v, bool) else float("nan") for r in rows]
 
 
 def reward_figure(rows: list[dict[str, Any]]) -> Figure:

@@ -107,10 +107,7 @@ class TrainSpec:
     def resolve(self, node_names: Iterable[str]) -> "ResolvedSpec":
         """Check every name against the graph's nodes; raise SpecError listing the valid ones."""
         nodes = qualified_nodes(node_names)
-        keyed = {}
-        for key in [*self.roles, *self.frozen, *self.role_names]:
-            keyed[key] = _match(key, nodes)
-        resolved = ResolvedSpec(self, tuple(nodes), keyed)
+        resolved = ResolvedSpec(self, tuple(nodes), {key: _match(key, nodes) for key in [*self.roles, *self.frozen, *self.role_names]})
         for what, rewards in (("role_rewards", self.role_rewards), ("turn_rewards", self.turn_rewards)):
             if isinstance(rewards, Mapping):
                 resolved.check_reward_roles(what, rewards)

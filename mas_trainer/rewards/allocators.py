@@ -166,10 +166,8 @@ def turn_delta(trajectory: Trajectory, values: LevelValues, weights: LevelWeight
 
 
 def _allocator_name(fn: Allocator) -> str:
-    for name, registered in _ALLOCATORS.items():
-        if registered is fn:
-            return name
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+    return next((name for name, registered in _ALLOCATORS.items() if registered is fn),
+                f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}")
 
 
 def is_dropped(trajectory: Trajectory) -> bool:

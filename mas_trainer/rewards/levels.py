@@ -25,6 +25,7 @@ named by that file, not by the module name the loader gave it (``_mas_app_<hash>
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
@@ -41,15 +42,7 @@ from mas_trainer.trace.schema import LLMCall, Trajectory
 if TYPE_CHECKING:
     from mas_trainer.spec import TrainSpec
 
-__all__ = [
-    "TrajectoryReward",
-    "RoleReward",
-    "TurnReward",
-    "RewardError",
-    "RewardSpec",
-    "LevelValues",
-    "evaluate_levels",
-]
+__all__ = ["TrajectoryReward", "RoleReward", "TurnReward", "RewardError", "RewardSpec", "LevelValues", "evaluate_levels"]
 
 TrajectoryReward = Callable[[dict[str, Any], Any, Trajectory], "float | None"]
 RoleReward = Callable[[dict[str, Any], Sequence[LLMCall], Trajectory], "float | None"]
@@ -69,10 +62,8 @@ def _target(fn: Callable[..., Any]) -> Any:
     that keep ``__wrapped__``; a callable object's ``__call__``."""
     while isinstance(fn, functools.partial):
         fn = fn.func
-    try:
+    with contextlib.suppress(ValueError):  # a cycle of __wrapped__
         fn = inspect.unwrap(fn)
-    except ValueError:  # a cycle of __wrapped__
-        pass
     if getattr(fn, "__code__", None) is None and callable(fn):
         call = type(fn).__call__
         if getattr(call, "__code__", None) is not None:
@@ -221,9 +212,7 @@ def evaluate_levels(spec: RewardSpec, trajectory: Trajectory) -> LevelValues:
     task, rid = trajectory.task, trajectory.rollout_id
     values = LevelValues()
     if spec.trajectory is not None:
-        values.trajectory = _call(
-            spec.trajectory, f"trajectory level, rollout {rid}", task, trajectory.final_state, trajectory
-        )
+        values.trajectory = _call(spec.trajectory, f"trajectory level, rollout {rid}", task, trajectory.final_state, trajectory)
     by_role: dict[str, list[LLMCall]] = {}
     for call in trajectory.llm_calls:
         by_role.setdefault(call.role, []).append(call)

@@ -156,14 +156,10 @@ class FitProgress:
         self._bar.console.print(line, markup=False, highlight=False, soft_wrap=True)
 
     def show(self, row: dict[str, Any]) -> None:
-        if row.get("kind") == "warm_start":
+        if row.get("kind") in ("warm_start", "val"):
             if self.lines:
-                for line in warm_start_lines(row):
+                for line in warm_start_lines(row) if row["kind"] == "warm_start" else [val_line(row)]:
                     self.print(line)
-            return
-        if row.get("kind") == "val":
-            if self.lines:
-                self.print(val_line(row))
             return
         step = int(row["step"])
         eta = self.eta(step)

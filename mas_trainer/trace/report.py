@@ -4,7 +4,7 @@ of LLM calls per role and policy, and a table of each rollout's rewards at every
 from __future__ import annotations
 
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any, Iterable
 
 from rich.console import Console
@@ -78,9 +78,7 @@ def print_trajectories(trajs: list[Trajectory], console: Console | None = None, 
     if len(trajs) > max_trees:
         console.print(f"… {len(trajs) - max_trees} more rollouts in the output file")
     console.print(role_table(trajs))
-    by_status: defaultdict[str, int] = defaultdict(int)
-    for t in trajs:
-        by_status[t.status] += 1
+    by_status = Counter(t.status for t in trajs)
     console.print("rollouts: " + ", ".join(f"{k} {v}" for k, v in sorted(by_status.items())))
 
 
