@@ -15,11 +15,13 @@ hex, and rejects a whole request for one bad span where a report per span is wan
 from __future__ import annotations
 
 import base64
-import binascii
 import json
+import threading
+import time
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -99,18 +101,15 @@ def _id(value: Any, nbytes: int) -> str:
     """A trace (16 bytes) or span (8 bytes) id: hex as OTLP/JSON writes it, or base64 (protobuf JSON)."""
     if not isinstance(value, str) or not value:
         raise _Bad("malformed span (missing or non-string id)")
-    if len(value) == 2 * nbytes:
-        try:
-            raw = bytes.fromhex(value)
-        except ValueError:
-            raw = b""
-    else:
+    try:
+        raw = bytes.fromhex(value) if len(value) == 2 * nbytes else b""
+    except ValueError:
         raw = b""
     if not raw:
         try:
             raw = base64.b64decode(value, validate=True)
-        except (binascii.Error, ValueError):
-            raw = b""
+        except ValueError:  # binascii.Error is a ValueError
+            pass
     if len(raw) != nbytes or not any(raw):
         raise _Bad(f"malformed span (id {value[:40]!r} is not {nbytes} bytes in hex or base64)")
     return raw.hex()
@@ -125,7 +124,7 @@ def _any(value: Any, depth: int = 0) -> Any:
     if not value:
         return None
     (kind, v), = value.items()
-    if kind == "stringValue" and isinstance(v, str):
+    if kind in ("stringValue", "bytesValue") and isinstance(v, str):
         return v
     if kind == "boolValue" and isinstance(v, bool):
         return v
@@ -139,8 +138,6 @@ def _any(value: Any, depth: int = 0) -> Any:
             return float(v)
         except ValueError:
             raise _Bad("malformed span (a doubleValue is not a number)") from None
-    if kind == "bytesValue" and isinstance(v, str):
-        return v
     if kind == "arrayValue" and isinstance(v, dict) and isinstance(v.get("values", []), list):
         return [_any(x, depth + 1) for x in v.get("values", [])]
     if kind == "kvlistValue" and isinstance(v, dict):
@@ -414,41 +411,37 @@ def _node_name(span: Span) -> str | None:
     return None
 
 
+def _lineage(span: Span, by_id: dict[str, Span]) -> Iterator[Span]:
+    """The span, then its ancestors nearest first (a crafted parent cycle is walked once)."""
+    seen: set[str] = set()
+    cur: Span | None = span
+    while cur is not None and cur.span_id not in seen:
+        seen.add(cur.span_id)
+        yield cur
+        cur = by_id.get(cur.parent_id) if cur.parent_id else None
+
+
 def _node_of(span: Span, by_id: dict[str, Span]) -> tuple[str, str | None] | None:
     """(node name, node span id) of an LLM span: the nearest span, itself or an ancestor, naming a
     node; then up while the parent names the same node (LangChain copies a node's metadata onto
     every run inside it), so the outermost is the node's own span. Only the LLM span itself naming
     it: the node is known, its execution (node id) is not."""
-    seen: set[str] = set()
-    cur: Span | None = span
     found: Span | None = None
-    while cur is not None and cur.span_id not in seen:
-        seen.add(cur.span_id)
+    node: str | None = None
+    for cur in _lineage(span, by_id):
         name = _node_name(cur)
-        if found is not None and name != _node_name(found):
+        if found is not None and name != node:
             break
         if name is not None:
-            found = cur
-        elif found is not None:
-            break
-        cur = by_id.get(cur.parent_id) if cur.parent_id else None
-    if found is None:
+            found, node = cur, name
+    if found is None or node is None:
         return None
-    node = _node_name(found)
-    assert node is not None
     return node, (found.span_id if found is not span else None)
 
 
 def _inside_llm(span: Span, by_id: dict[str, Span]) -> bool:
     """An LLM span under another (LangChain's chat span over the OpenAI SDK's): the same call twice."""
-    seen = {span.span_id}
-    cur = by_id.get(span.parent_id) if span.parent_id else None
-    while cur is not None and cur.span_id not in seen:
-        if _is_llm(cur):
-            return True
-        seen.add(cur.span_id)
-        cur = by_id.get(cur.parent_id) if cur.parent_id else None
-    return False
+    return any(_is_llm(s) for s in islice(_lineage(span, by_id), 1, None))
 
 
 def _str_list(value: Any) -> list[str]:
@@ -527,6 +520,12 @@ def import_traces(files: Iterable[str | Path], out: str | Path, *, roles: dict[s
     runs = map_traces(spans, report, roles, policies)
     if strict and report.unmapped:
         raise Unmapped(report)
+    _write_runs(out, runs, report)
+    return report
+
+
+def _write_runs(out: str | Path, runs: dict[str, list[LLMCall]], report: ImportReport) -> None:
+    """Append the runs not already in the record folder `out`, counting them in `report`."""
     recorder = Recorder(out, max_mb=2**30)  # never trim: an import only adds
     for run_id, calls in runs.items():
         if recorder.check(run_id, None) is None:
@@ -536,7 +535,6 @@ def import_traces(files: Iterable[str | Path], out: str | Path, *, roles: dict[s
             recorder.record(run_id, call)
         report.runs += 1
         report.calls += len(calls)
-    return report
 
 
 # ---- OTLP/HTTP receiver (JSON only) -------------------------------------------------------------
@@ -552,8 +550,6 @@ class Receiver:
 
     def __init__(self, out: str | Path, *, roles: dict[str, str] | None = None, policies: dict[str, str] | None = None,
                  idle_s: float = 30.0, max_spans: int = 200_000) -> None:
-        import threading
-
         self.out, self.roles, self.policies, self.idle_s, self.max_spans = Path(out), roles, policies, idle_s, max_spans
         self.report = ImportReport()
         self._spans: dict[str, list[Span]] = {}
@@ -562,8 +558,6 @@ class Receiver:
 
     def accept(self, body: bytes, content_type: str) -> tuple[int, dict[str, Any]]:
         """(HTTP status, JSON answer) for one POST /v1/traces body."""
-        import time
-
         if "protobuf" in content_type:
             return 415, {"error": "OTLP protobuf is not read here: set the exporter to JSON "
                                   "(OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/json)"}
@@ -592,17 +586,8 @@ class Receiver:
         spans = [s for t in trace_ids for s in self._spans.pop(t, [])]
         for t in trace_ids:
             self._seen.pop(t, None)
-        if not spans:
-            return
-        recorder = Recorder(self.out, max_mb=2**30)
-        for run_id, calls in map_traces(spans, self.report, self.roles, self.policies).items():
-            if recorder.check(run_id, None) is None:
-                self.report.duplicates += 1
-                continue
-            for call in calls:
-                recorder.record(run_id, call)
-            self.report.runs += 1
-            self.report.calls += len(calls)
+        if spans:
+            _write_runs(self.out, map_traces(spans, self.report, self.roles, self.policies), self.report)
 
     def close(self) -> ImportReport:
         with self._lock:
