@@ -153,9 +153,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
                       temperature=args.temperature, max_in_flight=args.max_in_flight, timeout_s=args.timeout)
     table = Table(title=f"reward on {len(tasks)} tasks x {args.n} ({'trained: ' + args.run if args.run else 'base models'})")
     table.add_column("")
-    table.add_column("mean reward", justify="right")
-    table.add_column("rollouts scored", justify="right")
-    table.add_column("timed out (not scored)", justify="right")
+    for column in ("mean reward", "rollouts scored", "timed out (not scored)"):
+        table.add_column(column, justify="right")
     timed_out = result.get("rollouts/timeout", 0)
     table.add_row("overall", f"{result['reward/mean']:.4f}" if result["reward/mean"] is not None else "-",
                   str(result["rollouts"] - timed_out), str(timed_out))
@@ -187,12 +186,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from mas_trainer.api import serve
     from mas_trainer.serve import resolve_api_key
 
-    routes = {}
-    for item in args.route:
-        if "=" not in item:
-            raise UsageError(f"--route {item!r} must look like MODEL=POLICY (e.g. gpt-4o-mini=planner)")
-        name, policy = item.split("=", 1)
-        routes[name] = policy
+    routes = _pairs(args.route, "--route", "MODEL=POLICY (e.g. gpt-4o-mini=planner)")
     serve(args.run_dir, host=args.host, port=args.port, routes=routes, api_key=resolve_api_key(args.api_key, args.api_key_file),
           engine=args.engine, record=args.record, record_file_mb=args.record_file_mb, record_max_mb=args.record_max_mb,
           redact=args.redact, model=args.model)

@@ -29,11 +29,9 @@ from mas_trainer.errors import did_you_mean
 from mas_trainer.gateway import Gateway, GatewayServer, Router
 from mas_trainer.production.record import Recorder, load_redactor
 from mas_trainer.loop.backends import policy_backends
-from mas_trainer.run.rundir import run_config, trained_policies
-from mas_trainer.run.rundir import RunDir
-from mas_trainer.spec import ResolvedSpec
+from mas_trainer.run.rundir import RunDir, run_config, trained_policies
 
-__all__ = ["load_run_spec", "build_gateway", "serve", "resolve_api_key", "API_KEY_ENV"]
+__all__ = ["build_gateway", "serve", "resolve_api_key", "API_KEY_ENV"]
 
 log = logging.getLogger(__name__)
 API_KEY_ENV = "MAS_TRAINER_API_KEY"
@@ -62,10 +60,6 @@ def resolve_api_key(api_key: str | None = None, api_key_file: str | Path | None 
     return api_key
 
 
-def load_run_spec(run_dir: str | Path) -> ResolvedSpec:
-    return RunDir(run_dir).app().resolved()
-
-
 def build_gateway(run_dir: str | Path, *, routes: Mapping[str, str] | None = None, api_key: str | None = None,
                   max_tokens: int = 256, engine: str = "embedded", model: str | None = None) -> Gateway:
     """`run_dir`: a `fit` run directory (its trained policies), or an app `path.py:attr` (its base
@@ -91,7 +85,7 @@ def build_gateway(run_dir: str | Path, *, routes: Mapping[str, str] | None = Non
     else:
         if model is not None:
             raise ConfigError("--model replaces an app's base model; a run directory serves the models it trained")
-        trained, spec, cfg = trained_policies(run_dir), load_run_spec(run_dir), run_config(run_dir)
+        trained, spec, cfg = trained_policies(run_dir), RunDir(run_dir).app().resolved(), run_config(run_dir)
     routes = dict(routes or {})
     unknown = sorted(set(routes.values()) - set(spec.policies))
     if unknown:

@@ -5,10 +5,8 @@ Kept in one module so exporters, the gateway and the assembler agree.
 """
 
 __all__ = [
-    "GEN_AI_OPERATION", "GEN_AI_PROVIDER", "GEN_AI_REQUEST_MODEL", "GEN_AI_RESPONSE_MODEL",
-    "GEN_AI_AGENT_NAME", "GEN_AI_TOOL_NAME", "GEN_AI_TOOL_CALL_ID", "GEN_AI_INPUT_TOKENS",
-    "GEN_AI_OUTPUT_TOKENS", "GEN_AI_FINISH_REASONS", "GEN_AI_REQUEST_TEMPERATURE",
-    "GEN_AI_REQUEST_MAX_TOKENS", "GEN_AI_REQUEST_TOP_P",
+    "GEN_AI_OPERATION", "GEN_AI_PROVIDER", "GEN_AI_REQUEST_MODEL", "GEN_AI_AGENT_NAME", "GEN_AI_TOOL_NAME",
+    "GEN_AI_TOOL_CALL_ID", "GEN_AI_INPUT_TOKENS", "GEN_AI_OUTPUT_TOKENS",
     "ROLLOUT_ID", "NODE", "NODE_CALL_ID", "STEP", "PARENT_NODE_CALL_ID", "ROLE", "POLICY",
     "ATTEMPT", "CHECKPOINT_NS", "KIND",
     "BAGGAGE_ROLLOUT", "BAGGAGE_NODE", "BAGGAGE_NODE_CALL", "BAGGAGE_ROLE",
@@ -17,16 +15,11 @@ __all__ = [
 GEN_AI_OPERATION = "gen_ai.operation.name"  # "chat", "execute_tool", "invoke_agent"
 GEN_AI_PROVIDER = "gen_ai.provider.name"
 GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
-GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
 GEN_AI_AGENT_NAME = "gen_ai.agent.name"
 GEN_AI_TOOL_NAME = "gen_ai.tool.name"
 GEN_AI_TOOL_CALL_ID = "gen_ai.tool.call.id"
 GEN_AI_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 GEN_AI_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
-GEN_AI_FINISH_REASONS = "gen_ai.response.finish_reasons"
-GEN_AI_REQUEST_TEMPERATURE = "gen_ai.request.temperature"
-GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
-GEN_AI_REQUEST_TOP_P = "gen_ai.request.top_p"
 
 KIND = "mas.kind"  # "rollout" | "node" | "llm" | "tool"
 ROLLOUT_ID = "mas.rollout_id"
