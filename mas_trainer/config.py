@@ -8,7 +8,6 @@ here, before anything starts. Importing this module does not import torch.
 
 from __future__ import annotations
 
-
 import importlib.util
 import os
 from pathlib import Path

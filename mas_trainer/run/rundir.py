@@ -413,16 +413,15 @@ class RunDir:
         """(save_every, steps) of config.yaml: the config of the `fit` that wrote the records
         after the checkpoint (each `fit` writes it once it has removed the previous one's)."""
         path = self.root / "config.yaml"
+        unchecked = ("without it the checkpoint cannot be checked against the run's records, so nothing was deleted; "
+                     "restore it (the run's resolved config), or train into a new --output")
         try:
             config = yaml.safe_load(path.read_text())
         except FileNotFoundError:
-            raise UserError(f"{path} is missing: without it the checkpoint cannot be checked against the run's records, "
-                            f"so nothing was deleted; restore it (the run's resolved config), or train into a new --output") from None
+            raise UserError(f"{path} is missing: {unchecked}") from None
         except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
             why = str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise UserError(f"{path} is damaged ({why}): without it the checkpoint cannot be checked against the run's "
-                            "records, so nothing was deleted; restore it (the run's resolved config), or train into a new "
-                            "--output") from None
+            raise UserError(f"{path} is damaged ({why}): {unchecked}") from None
         config = config if isinstance(config, dict) else {}
         values = []
         for key, default in (("save_every", _DEFAULT_SAVE_EVERY), ("steps", _DEFAULT_STEPS)):
