@@ -98,10 +98,6 @@ class Flights:
         self._open.add(flight)
         return flight
 
-    @staticmethod
-    def finish(flight: Flight) -> None:
-        flight.done = True
-
     def _stop(self, rollouts: set[str] | None) -> list[Flight]:
         with self._lock:
             if rollouts is None:

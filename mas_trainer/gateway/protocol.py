@@ -9,14 +9,14 @@ a 400 naming the field, never an AttributeError deep in the server (a 500).
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Iterable, Literal, Union
+from typing import Annotated, Any, Iterable, Literal, Mapping, Sequence, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from mas_trainer.engines.grammar import MAX_SCHEMA_BYTES, MAX_SCHEMA_VALUES, check_schema
 
-__all__ = ["ChatMessage", "ChatRequest", "error_body", "json_schema_of", "bound_schema", "nested_too_deep", "MAX_DEPTH",
-           "MAX_SCHEMA_BYTES", "MAX_SCHEMA_VALUES"]
+__all__ = ["ChatMessage", "ChatRequest", "Refused", "error_body", "describe_errors", "json_schema_of", "bound_schema",
+           "nested_too_deep", "MAX_DEPTH", "MAX_SCHEMA_BYTES", "MAX_SCHEMA_VALUES"]
 
 # JSON nested deeper than this is refused before validation: real requests (tool schemas
 # included) stay far below, and deeper values would only exercise recursion limits.
@@ -157,6 +157,42 @@ class ChatRequest(_Open):
 
 def error_body(message: str, *, param: str | None = None, code: str | None = None, kind: str = "invalid_request_error") -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class Refused(Exception):
+    """A refused request: its HTTP status and error body. `close`: the connection is closed after
+    the answer; `retry=False`: retrying cannot help, and the answer says so."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", close: bool = False, retry: bool = True) -> None:
+        super().__init__(message)
+        self.status, self.body = status, error_body(message, param=param, code=code, kind=kind)
+        self.close, self.retry = close, retry
+
+    @classmethod
+    def invalid(cls, exc: ValidationError, status: int = 400, *, retry: bool = True) -> Refused:
+        """A body that failed validation: what is wrong, the deepest error's field as `param`."""
+        errors = exc.errors()
+        deepest = max(errors, key=lambda e: len(e.get("loc", ())), default=None)
+        return cls(status, describe_errors(errors), param=None if deepest is None else _loc(deepest), retry=retry)
+
+
+def _loc(err: Mapping[str, Any]) -> str:
+    # pydantic names union members in the location ("str", "list[...]"): not fields
+    parts = [str(p) for p in err.get("loc", ()) if p != "body" and not (isinstance(p, str) and ("[" in p or p == "str"))]
+    return ".".join(parts) or "body"
+
+
+def describe_errors(errors: Sequence[Mapping[str, Any]]) -> str:
+    # the deepest locations first: for a union they say which member came closest
+    parts: list[str] = []
+    for err in sorted(errors, key=lambda e: -len(e.get("loc", ()))):
+        part = f"{_loc(err)}: {err.get('msg')}"
+        if part not in parts:
+            parts.append(part)
+        if len(parts) == 3:
+            break
+    return "; ".join(parts)
 
 
 def nested_too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:

@@ -93,7 +93,6 @@ class Router:
         names = sorted(policies | set(self.model_routes))
         raise UnknownModel(f"model {model!r} is not served here; available models: {', '.join(names)}")
 
-
     def _known(self, node: str) -> bool:
         """The node, or a subgraph node inside it (`outer:inner`), is one of the app's."""
         parts = node.split(":")

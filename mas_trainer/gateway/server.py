@@ -28,6 +28,7 @@ with `close()` (every call answered or refused with a 503, before the engines cl
 run that ends with calls in flight prints no tracebacks.
 
 Refused requests (4xx, and the 503s above) are logged at INFO on `mas_trainer.gateway.server`.
+`serve --record`'s own endpoints (feedback, graph runs) are in `recording.py`.
 """
 
 from __future__ import annotations
@@ -39,40 +40,38 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence, TypeVar
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import baggage, propagate, trace
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from mas_trainer.engines.base import (ChatFormat, Delta, Engine, EngineUnavailable, Generation, SamplingParams, choice_id, max_context,
                                       stream_generation)
+from mas_trainer.gateway.recording import FEEDBACK, GRAPH_RUN, Endpoint
 from mas_trainer.gateway.flights import Flight, Flights, Stopped
 from mas_trainer.gateway.ledger import Ledger, Replayed
-from mas_trainer.gateway.protocol import MAX_DEPTH, ChatRequest, bound_schema, error_body, json_schema_of, nested_too_deep
+from mas_trainer.gateway.protocol import (MAX_DEPTH, ChatRequest, Refused, bound_schema, describe_errors, error_body,
+                                          json_schema_of, nested_too_deep)
 from mas_trainer.gateway.router import RouteDecision, Router, UnknownModel, UnknownNode
 from mas_trainer.gateway.sampling import RolloutSampling
 from mas_trainer.gateway.transport import GatewayServer, ServerLimits
 from mas_trainer.trace import attributes as A
 from mas_trainer.trace.instrument import BAGGAGE_TOKEN, rollout_token_ok
-from mas_trainer.production.record import Feedback, GraphRun, Recorder
+from mas_trainer.production.record import Recorder
 from mas_trainer.trace.schema import LLMCall
 
 __all__ = ["PolicyBackend", "Gateway", "GatewayServer", "RequestLimits", "ServerLimits", "key_matches", "POLICY_HEADER", "RUN_HEADER"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-M = TypeVar("M", bound=BaseModel)
 
 # Names the policy that answered, on every completion (streamed or not).
 POLICY_HEADER = "x-mas-policy"
 # With a recorder (serve --record): the recorded run a completion belongs to.
 RUN_HEADER = "x-mas-run-id"
-# A feedback body is a few fields; anything bigger is not feedback.
-_MAX_FEEDBACK_BYTES = 8 * 1024
-_MAX_GRAPH_RUN_BYTES = 1024 * 1024  # a graph's input and output; larger ones are refused, not truncated
 # Bodies up to this size are parsed and validated on the event loop: cheaper than a thread
 # hop, and over in microseconds. Larger ones go to a thread so they delay nobody.
 _INLINE_BODY_BYTES = 64 * 1024
@@ -93,19 +92,6 @@ class RequestLimits:
     max_header_bytes: int = 32 * 1024  # h11 bounds only headers that arrive in pieces
     body_timeout_s: float = 30.0
     max_depth: int = MAX_DEPTH
-
-
-class _Refused(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error", close: bool = False, retry: bool = True) -> None:
-        super().__init__(message)
-        self.status, self.body, self.close = status, error_body(message, param=param, code=code, kind=kind), close
-        self.retry = retry
-
-    @classmethod
-    def stopped(cls, exc: Stopped) -> "_Refused":
-        # retrying cannot help: the rollout is over, or the whole run is
-        return cls(503, str(exc), code=exc.code, kind="server_error", retry=False)
 
 
 class _ClientGone(Exception):
@@ -244,20 +230,20 @@ class Gateway:
             node, node_call, role = (None if bag.get(k) is None else str(bag.get(k))
                                      for k in (A.BAGGAGE_NODE, A.BAGGAGE_NODE_CALL, A.BAGGAGE_ROLE))
             if call_id is None or not rollout_token_ok(bag.get(BAGGAGE_TOKEN), str(rollout), node, node_call, role, call_id):
-                raise _Refused(403, f"the call names rollout {str(rollout)[:64]!r} without its token: this gateway takes "
+                raise Refused(403, f"the call names rollout {str(rollout)[:64]!r} without its token: this gateway takes "
                                     "only the calls of rollouts its own run started", kind="permission_error",
                                code="invalid_rollout_token")
         elif not self._key_ok(request):
-            raise _Refused(401, "invalid or missing API key", kind="authentication_error", code="invalid_api_key")
+            raise _unauthorised()
         if self.on_admitted is not None:
             self.on_admitted(request.scope.get("client"))
         return rollout is not None and self.rollouts
 
-    async def _read_body(self, request: Request) -> bytes:
-        limit = self.limits.max_body_bytes
+    async def _read_body(self, request: Request, limit: int, what: str = "request body") -> bytes:
         declared = request.headers.get("content-length")
+        too_large = Refused(413, f"{what} over {limit} bytes", code="request_too_large")
         if declared is not None and declared.isdigit() and int(declared) > limit:  # h11 checked its form
-            raise _Refused(413, f"request body over {limit} bytes", code="request_too_large")
+            raise too_large
         chunks, size = [], 0
         try:
             async with asyncio.timeout(self.limits.body_timeout_s):
@@ -268,28 +254,28 @@ class Gateway:
                     chunk = message.get("body", b"")
                     size += len(chunk)
                     if size > limit:
-                        raise _Refused(413, f"request body over {limit} bytes", code="request_too_large")
+                        raise too_large
                     chunks.append(chunk)
                     if not message.get("more_body", False):
                         return b"".join(chunks)
         except TimeoutError:
-            raise _Refused(408, f"request body not received within {self.limits.body_timeout_s:g} s", close=True) from None
+            raise Refused(408, f"request body not received within {self.limits.body_timeout_s:g} s", close=True) from None
 
     def _decode(self, raw: bytes) -> ChatRequest:
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
-            raise _Refused(400, "request body is not valid JSON") from None
+            raise Refused(400, "request body is not valid JSON") from None
         except RecursionError:
             body = None
         if body is None or nested_too_deep(body, self.limits.max_depth):
-            raise _Refused(400, f"request body nests JSON deeper than {self.limits.max_depth} levels")
+            raise Refused(400, f"request body nests JSON deeper than {self.limits.max_depth} levels")
         if not isinstance(body, dict):
-            raise _Refused(400, "request body must be a JSON object")
+            raise Refused(400, "request body must be a JSON object")
         try:
             return ChatRequest.model_validate(body)
         except ValidationError as exc:
-            raise _Refused(400, _describe(exc.errors()), param=_first_loc(exc.errors())) from None
+            raise Refused.invalid(exc) from None
 
     # --- one request -----------------------------------------------------------------------
     def _params(self, req: ChatRequest) -> SamplingParams:
@@ -321,17 +307,17 @@ class Gateway:
             chars = sum(len(json.dumps(m["content"])) if isinstance(m.get("content"), list) else len(m.get("content") or "")
                         for m in messages)
             if chars > context * _MAX_CHARS_PER_TOKEN:
-                raise _Refused(400, f"messages: {chars} characters cannot fit the model's context of {context} tokens",
+                raise Refused(400, f"messages: {chars} characters cannot fit the model's context of {context} tokens",
                                param="messages", code="context_length_exceeded")
         try:
             prompt_ids = list(await asyncio.to_thread(backend.chat.render, messages, tools))
         except Exception as exc:  # noqa: BLE001 - templates raise anything on odd input; it is the request's fault
-            raise _Refused(400, f"messages: cannot be rendered by the chat template: {exc}", param="messages") from None
+            raise Refused(400, f"messages: cannot be rendered by the chat template: {exc}", param="messages") from None
         context = max_context(backend.engine) if context is None else context  # a lazy engine knows it once loaded
         if context is not None:
             room = context - len(prompt_ids)
             if room < 1:
-                raise _Refused(400, f"messages: the prompt is {len(prompt_ids)} tokens; the model's context is {context} "
+                raise Refused(400, f"messages: the prompt is {len(prompt_ids)} tokens; the model's context is {context} "
                                     "(prompt + completion)", param="messages", code="context_length_exceeded")
             if params.max_tokens > room:
                 params = replace(params, max_tokens=room)
@@ -341,43 +327,33 @@ class Gateway:
     async def _complete(self, call: _Call) -> dict[str, Any]:
         gens = await call.backend.engine.generate(call.prompt_ids, call.params, turn_id=call.turn_id)
         parsed = [call.content(gen) for gen in gens]
-        choices = [_choice(i, gen, *parsed[i]) for i, gen in enumerate(gens)]
-        self._file(call, gens, parsed)
-        await self._record(call, gens, parsed)
-        completion_tokens = sum(len(g.token_ids) for g in gens)
+        await self._keep(call, gens, parsed)
         return {
             "id": f"chatcmpl-{call.call_id}",
             "object": "chat.completion",
             "created": int(call.start),
             "model": call.req.model,
-            "choices": choices,
+            "choices": [_choice(i, gen, *parsed[i]) for i, gen in enumerate(gens)],
             "prompt_token_ids": list(call.prompt_ids),
-            "usage": _usage(call, completion_tokens),
+            "usage": _usage(call, sum(len(g.token_ids) for g in gens)),
             "system_fingerprint": f"mas-trainer:{call.decision.policy}",
             "policy": call.decision.policy,  # which policy answered: `model` echoes what the client asked for
             **({"run_id": call.run_id} if call.run_id else {}),
         }
 
-    def _file(self, call: _Call, gens: list[Generation], parsed: list[tuple[str | None, list[dict]]]) -> None:
-        if not call.decision.rollout_id:
-            return  # serving keeps nothing per request (a recorder keeps its own, in _record)
-        end = time.time()
-        for i, gen in enumerate(gens):
-            self.ledger.file(call.decision.rollout_id, _llm_call(call, i, gen, *parsed[i], end), claim=call.call_id)
-
-    async def _record(self, call: _Call, gens: list[Generation], parsed: list[tuple[str | None, list[dict]]]) -> None:
-        """serve --record: each choice on disk (fsync'ed, so off the event loop) before the answer goes."""
-        recorder, run_id = self.recorder, call.run_id
-        if recorder is None or run_id is None:
+    async def _keep(self, call: _Call, gens: list[Generation], parsed: list[tuple[str | None, list[dict]]]) -> None:
+        """A rollout call's choices go to the ledger; with serve --record, a served call's go on
+        disk (fsync'ed, so off the event loop) before the answer goes. Serving keeps nothing else."""
+        rollout_id, recorder, run_id = call.decision.rollout_id, self.recorder, call.run_id
+        if not rollout_id and (recorder is None or run_id is None):
             return
         end = time.time()
         calls = [_llm_call(call, i, gen, *parsed[i], end) for i, gen in enumerate(gens)]
-
-        def write() -> None:
+        if rollout_id:
             for c in calls:
-                recorder.record(run_id, c)
-
-        await asyncio.to_thread(write)
+                self.ledger.file(rollout_id, c, claim=call.call_id)
+        elif recorder is not None and run_id is not None:
+            await asyncio.to_thread(_record, recorder, run_id, calls)
 
     async def _sse(self, call: _Call, first: Delta, deltas: AsyncGenerator[Delta, None], flight: Flight) -> AsyncIterator[str]:
         chunks = _Chunks(call)
@@ -390,8 +366,7 @@ class Gateway:
                     break
                 yield chunks.events(d)
             done = [g for g in chunks.gens if g is not None]
-            self._file(call, done, chunks.parsed)
-            await self._record(call, done, chunks.parsed)
+            await self._keep(call, done, chunks.parsed)
         except Stopped as exc:  # the rollout ended or the gateway is closing: end the stream
             log.info("stream %s stopped: %s", call.call_id, exc)
             yield f"data: {json.dumps(error_body(str(exc), code=exc.code, kind='server_error'))}\n\n"
@@ -404,7 +379,7 @@ class Gateway:
             yield f"data: {json.dumps(error_body(str(exc), kind='server_error'))}\n\n"
             return
         finally:
-            Flights.finish(flight)
+            flight.done = True
             self._release(call.decision.rollout_id, call.call_id)  # a no-op once filed
             await deltas.aclose()  # on a hang-up too: the engine stops generating now
         if call.req.include_usage():
@@ -413,7 +388,7 @@ class Gateway:
 
     async def _chat(self, request: Request) -> Response:
         if sum(len(k) + len(v) for k, v in request.scope["headers"]) > self.limits.max_header_bytes:
-            raise _Refused(431, f"request headers over {self.limits.max_header_bytes} bytes", code="headers_too_large")
+            raise Refused(431, f"request headers over {self.limits.max_header_bytes} bytes", code="headers_too_large")
         ctx = propagate.extract(request.headers)
         bag = dict(baggage.get_all(ctx))
         span_ctx = trace.get_current_span(ctx).get_span_context()
@@ -427,41 +402,41 @@ class Gateway:
         try:
             flight = self.flights.open(rollout_id)
         except Stopped as exc:
-            raise _Refused.stopped(exc) from None
+            raise _stopped(exc) from None
         if rollout_id is not None:
             try:
                 self.ledger.claim(rollout_id, call_id)
             except Replayed as exc:
-                Flights.finish(flight)
-                raise _Refused(409, str(exc), kind="permission_error", code="rollout_call_replayed", retry=False) from None
+                flight.done = True
+                raise Refused(409, str(exc), kind="permission_error", code="rollout_call_replayed", retry=False) from None
         streaming = False
         try:
-            raw = await self._read_body(request)
+            raw = await self._read_body(request, self.limits.max_body_bytes)
             req = self._decode(raw) if len(raw) <= _INLINE_BODY_BYTES else await asyncio.to_thread(self._decode, raw)
             response = await _unless_gone(request, flight.until_stopped(self._answer(req, call_id, bag, rollout, flight, trace_id)))
             streaming = isinstance(response, StreamingResponse)  # its flight ends with the stream
             return response
         except Stopped as exc:  # its rollout ended, or the gateway is closing
-            raise _Refused.stopped(exc) from None
+            raise _stopped(exc) from None
         except ValidationError as exc:
-            raise _Refused(400, _describe(exc.errors()), param=_first_loc(exc.errors())) from None
+            raise Refused.invalid(exc) from None
         except UnknownNode as exc:
-            raise _Refused(404, str(exc), code="node_not_found") from None
+            raise Refused(404, str(exc), code="node_not_found") from None
         except UnknownModel as exc:
-            raise _Refused(404, str(exc), param="model", code="model_not_found") from None
+            raise Refused(404, str(exc), param="model", code="model_not_found") from None
         except EngineUnavailable as exc:  # the policy's replica is gone: the caller may retry elsewhere
-            raise _Refused(503, str(exc), code="engine_unavailable", kind="server_error") from None
+            raise Refused(503, str(exc), code="engine_unavailable", kind="server_error") from None
         except ValueError as exc:
-            raise _Refused(400, str(exc)) from None
-        except (_Refused, _ClientGone):
+            raise Refused(400, str(exc)) from None
+        except (Refused, _ClientGone):
             raise
         except Exception:
             if flight.stopped.done():  # the engine closed under a call that was being stopped
-                raise _Refused.stopped(flight.reason()) from None
+                raise _stopped(flight.reason()) from None
             raise
         finally:
             if not streaming:
-                Flights.finish(flight)
+                flight.done = True
                 self._release(rollout_id, call_id)
 
     def _release(self, rollout_id: str | None, call_id: str) -> None:
@@ -495,15 +470,12 @@ class Gateway:
 
         @app.exception_handler(RequestValidationError)
         async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-            return _refuse(400, error_body(_describe(exc.errors())))
+            return _refuse(Refused(400, describe_errors(exc.errors())))
 
         @app.exception_handler(Exception)
         async def _crashed(_: Request, exc: Exception) -> JSONResponse:
             log.error("request failed", exc_info=exc)
             return JSONResponse(error_body(f"internal error: {type(exc).__name__}", kind="server_error"), status_code=500)
-
-        def unauthorised() -> JSONResponse:
-            return _refuse(401, error_body("invalid or missing API key", kind="authentication_error", code="invalid_api_key"))
 
         @app.get("/health")
         async def _health(request: Request) -> dict:
@@ -514,80 +486,48 @@ class Gateway:
 
         @app.get("/openapi.json")
         async def _openapi(request: Request):  # type: ignore[no-untyped-def]
-            return app.openapi() if self._key_ok(request) else unauthorised()
+            return app.openapi() if self._key_ok(request) else _refuse(_unauthorised())
 
         @app.get("/v1/models")
         async def _models(request: Request):  # type: ignore[no-untyped-def]
             if not self._key_ok(request):
-                return unauthorised()
+                return _refuse(_unauthorised())
             names = sorted(set(self.backends) | set(self.router.model_routes))
             return {"object": "list", "data": [{"id": n, "object": "model", "owned_by": "mas-trainer", "created": 0} for n in names]}
 
         @app.post("/v1/chat/completions")
         async def _chat(request: Request) -> Response:
-            try:
-                return await self._chat(request)
-            except _Refused as exc:
-                return _refuse(exc.status, exc.body, close=exc.close, retry=exc.retry)
-            except _ClientGone:
-                log.info("client went away; its request was dropped")
-                return Response(status_code=499)
+            return await _answered(self._chat(request))
 
         @app.post("/v1/feedback")
         async def _feedback(request: Request) -> Response:
-            if not self._key_ok(request):
-                return unauthorised()
-            return await self._feedback(request)
+            return await _answered(self._recording(request, FEEDBACK))
 
         @app.post("/v1/runs")
         async def _runs(request: Request) -> Response:
-            if not self._key_ok(request):
-                return unauthorised()
-            return await self._graph_run(request)
+            return await _answered(self._recording(request, GRAPH_RUN))
 
         return app
 
-    async def _feedback(self, request: Request) -> Response:
-        """A score or label for a recorded run (or one of its turns); refused for runs it does not hold."""
-        got = await self._recorder_body(request, Feedback, _MAX_FEEDBACK_BYTES, "feedback")
-        if isinstance(got, Response):
-            return got
-        why = self.recorder.check(got.run_id, got.turn)  # type: ignore[union-attr]
-        if why is not None:
-            return _refuse(404, error_body(why, code="run_not_found"), retry=False)
-        await asyncio.to_thread(self.recorder.feedback, got)  # type: ignore[union-attr]
-        return JSONResponse({"status": "recorded", "run_id": got.run_id})
-
-    async def _graph_run(self, request: Request) -> Response:
-        """A recorded run's graph input and output (once per run); refused for runs it does not hold."""
-        got = await self._recorder_body(request, GraphRun, _MAX_GRAPH_RUN_BYTES, "a graph run")
-        if isinstance(got, Response):
-            return got
-        refused = await asyncio.to_thread(self.recorder.record_graph, got)  # type: ignore[union-attr]
-        if refused is not None:
-            kind, why = refused
-            status, code = {"unknown": (404, "run_not_found"), "duplicate": (409, "run_already_recorded"),
-                            "redaction": (422, "redaction_failed")}[kind]
-            return _refuse(status, error_body(why, code=code), retry=False)
-        return JSONResponse({"status": "recorded", "run_id": got.run_id})
-
-    async def _recorder_body(self, request: Request, model: type[M], limit: int, what: str) -> M | Response:
-        """The body as `model`, read to at most `limit` bytes, or the refusal to send."""
+    async def _recording(self, request: Request, endpoint: Endpoint) -> Response:
+        """One of serve --record's endpoints, behind the key like everything else."""
+        if not self._key_ok(request):
+            raise _unauthorised()
         if self.recorder is None:
-            return _refuse(404, error_body("this server records nothing (start it with --record)", code="not_recording"))
-        declared = request.headers.get("content-length")
-        too_large = _refuse(413, error_body(f"{what} over {limit} bytes", code="request_too_large"))
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            return too_large
-        raw = bytearray()
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > limit:
-                return too_large
-        try:
-            return model.model_validate_json(bytes(raw))
-        except ValidationError as exc:
-            return _refuse(422, error_body(_describe(exc.errors()), param=_first_loc(exc.errors())), retry=False)
+            raise Refused(404, "this server records nothing (start it with --record)", code="not_recording")
+        body = await self._read_body(request, endpoint.max_bytes, endpoint.what)
+        return JSONResponse(await endpoint.handle(self.recorder, body))
+
+
+async def _answered(work: Awaitable[Response]) -> Response:
+    """The response, or the one for a refusal; a client gone gets no answer."""
+    try:
+        return await work
+    except Refused as exc:
+        return _refuse(exc)
+    except _ClientGone:
+        log.info("client went away; its request was dropped")
+        return Response(status_code=499)
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -616,38 +556,30 @@ async def _unless_gone(request: Request, work: Awaitable[T]) -> T:
         watcher.cancel()
 
 
-def _refuse(status: int, body: dict[str, Any], *, close: bool = False, retry: bool = True) -> JSONResponse:
+def _refuse(refused: Refused) -> JSONResponse:
     # The client gets the reason, but apps and their libraries often swallow errors (a
     # retry, a fallback): the log is where a user sees why calls went unanswered.
-    log.info("refused a request (%d): %s", status, body["error"]["message"])
+    log.info("refused a request (%d): %s", refused.status, refused.body["error"]["message"])
     # close: the connection's deadline is past. A refused body that was not read is drained by
     # the server (bounded by the read deadline): closing at once would reset the connection
     # and the client could lose the response before it finished sending.
     # retry=False: `x-should-retry: false`, which the OpenAI client obeys (it retries 5xx by default)
-    headers = {**({"connection": "close"} if close else {}), **({} if retry else {"x-should-retry": "false"})}
-    return JSONResponse(body, status_code=status, headers=headers or None)
+    headers = {**({"connection": "close"} if refused.close else {}), **({} if refused.retry else {"x-should-retry": "false"})}
+    return JSONResponse(refused.body, status_code=refused.status, headers=headers or None)
 
 
-def _loc(err: Mapping[str, Any]) -> str:
-    # pydantic names union members in the location ("str", "list[...]"): not fields
-    parts = [str(p) for p in err.get("loc", ()) if p != "body" and not (isinstance(p, str) and ("[" in p or p == "str"))]
-    return ".".join(parts) or "body"
+def _unauthorised() -> Refused:
+    return Refused(401, "invalid or missing API key", kind="authentication_error", code="invalid_api_key")
 
 
-def _first_loc(errors: Sequence[Mapping[str, Any]]) -> str | None:
-    return _loc(max(errors, key=lambda e: len(e.get("loc", ())))) if errors else None
+def _stopped(exc: Stopped) -> Refused:
+    # retrying cannot help: the rollout is over, or the whole run is
+    return Refused(503, str(exc), code=exc.code, kind="server_error", retry=False)
 
 
-def _describe(errors: Sequence[Mapping[str, Any]]) -> str:
-    # the deepest locations first: for a union they say which member came closest
-    parts: list[str] = []
-    for err in sorted(errors, key=lambda e: -len(e.get("loc", ()))):
-        part = f"{_loc(err)}: {err.get('msg')}"
-        if part not in parts:
-            parts.append(part)
-        if len(parts) == 3:
-            break
-    return "; ".join(parts)
+def _record(recorder: Recorder, run_id: str, calls: list[LLMCall]) -> None:
+    for c in calls:
+        recorder.record(run_id, c)
 
 
 def _usage(call: _Call, completion_tokens: int) -> dict[str, int]:
@@ -676,22 +608,8 @@ def _choice(i: int, gen: Generation, content: str | None, tool_calls: list[dict]
 
 def _llm_call(call: _Call, i: int, gen: Generation, content: str | None, tool_calls: list[dict], end: float) -> LLMCall:
     d = call.decision
-    return LLMCall(
-        id=choice_id(call.call_id, i),
-        node_id=d.node_call_id,
-        node=d.node,
-        role=d.role,
-        policy=d.policy,
-        trainable=d.trainable,
-        messages=call.messages,
-        output_text=content,
-        tool_calls=tool_calls,
-        tools=list(call.tools or []),
-        prompt_ids=list(call.prompt_ids),
-        response_ids=list(gen.token_ids),
-        response_logprobs=list(gen.logprobs),
-        finish_reason="tool_calls" if tool_calls else gen.finish_reason,
-        model=call.req.model,
-        start_time=call.start,
-        end_time=end,
-    )
+    return LLMCall(id=choice_id(call.call_id, i), node_id=d.node_call_id, node=d.node, role=d.role, policy=d.policy,
+                   trainable=d.trainable, messages=call.messages, output_text=content, tool_calls=tool_calls,
+                   tools=list(call.tools or []), prompt_ids=list(call.prompt_ids), response_ids=list(gen.token_ids),
+                   response_logprobs=list(gen.logprobs), finish_reason="tool_calls" if tool_calls else gen.finish_reason,
+                   model=call.req.model, start_time=call.start, end_time=end)

@@ -47,15 +47,10 @@ class ServerLimits:
     max_header_bytes: int = 32 * 1024
 
 
-def _busy_response() -> bytes:
-    body = json.dumps({"error": {"message": "too many connections; retry later", "type": "server_busy",
-                                 "param": None, "code": "too_many_connections"}}).encode()
-    head = (f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-            "connection: close\r\nretry-after: 1\r\n\r\n").encode()
-    return head + body
-
-
-_BUSY = _busy_response()
+_BUSY_BODY = json.dumps({"error": {"message": "too many connections; retry later", "type": "server_busy",
+                                   "param": None, "code": "too_many_connections"}}).encode()
+_BUSY = (f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {len(_BUSY_BODY)}\r\n"
+         "connection: close\r\nretry-after: 1\r\n\r\n").encode() + _BUSY_BODY
 
 
 class Connections:
