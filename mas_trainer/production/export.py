@@ -12,10 +12,9 @@ import json
 import shutil
 from pathlib import Path
 
-from mas_trainer.engines.models import ADAPTER_CONFIG, adapter_base, is_adapter, save_merged
+from mas_trainer.engines.models import ADAPTER_CONFIG, adapter_base, is_adapter, model_dir_for, save_merged
 from mas_trainer.errors import UserError
-from mas_trainer.run.rundir import run_config, trained_policies
-from mas_trainer.run.rundir import RunDir
+from mas_trainer.run.rundir import RunDir, run_config, trained_policies
 
 __all__ = ["export"]
 
@@ -51,10 +50,7 @@ def export(run_dir: str | Path, out_dir: str | Path, *, adapter: bool = False) -
 
 def _locate_base(config_path: Path) -> None:
     """Name the adapter's base by its folder on this machine (`default` means nothing to peft or vLLM)."""
-    from mas_trainer.engines.models import model_dir_for
-
-    base = adapter_base(config_path.parent)
-    folder = model_dir_for(base)
+    folder = model_dir_for(adapter_base(config_path.parent))
     if folder is not None:
         config = json.loads(config_path.read_text())
         config["base_model_name_or_path"] = str(folder.resolve())

@@ -265,14 +265,11 @@ def _json(value: Any) -> Any:
     return value
 
 
-def _args(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value)
-
-
 def _tool_call(id_: Any, name: Any, arguments: Any) -> dict[str, Any]:
     if not isinstance(name, str) or not name:
         raise _Bad("a tool call without a name")
-    return {"id": str(id_ or ""), "type": "function", "function": {"name": name, "arguments": _args(arguments or {})}}
+    args = arguments if isinstance(arguments, str) and arguments else json.dumps(arguments or {})
+    return {"id": str(id_ or ""), "type": "function", "function": {"name": name, "arguments": args}}
 
 
 def _content(texts: list[str]) -> Any:
@@ -444,11 +441,6 @@ def _inside_llm(span: Span, by_id: dict[str, Span]) -> bool:
     return any(_is_llm(s) for s in islice(_lineage(span, by_id), 1, None))
 
 
-def _str_list(value: Any) -> list[str]:
-    value = _json(value)
-    return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
-
-
 def _calls(span: Span, node: str, node_id: str | None, roles: dict[str, str], policies: dict[str, str]) -> list[LLMCall]:
     inputs, outputs = _messages(span)
     if not inputs and not outputs:
@@ -456,7 +448,8 @@ def _calls(span: Span, node: str, node_id: str | None, roles: dict[str, str], po
     a = span.attrs
     model = next((m for m in (a.get("gen_ai.response.model"), a.get("gen_ai.request.model"), a.get("llm.model_name"))
                   if isinstance(m, str)), None)
-    reasons = _str_list(a.get("gen_ai.response.finish_reasons"))
+    reasons = _json(a.get("gen_ai.response.finish_reasons"))
+    reasons = [r for r in reasons if isinstance(r, str)] if isinstance(reasons, list) else []
     role = roles.get(node, node)
     calls = []
     for i, out in enumerate(outputs or [{}]):
