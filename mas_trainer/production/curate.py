@@ -38,7 +38,7 @@ from typing import Any, Iterable, Sequence
 from pydantic import BaseModel, Field
 
 from mas_trainer.errors import UserError
-from mas_trainer.production.record import run_files, read_runs
+from mas_trainer.production.record import read_runs, run_files, write_synced
 from mas_trainer.trace.schema import LLMCall, Trajectory
 
 __all__ = ["SFTLine", "Report", "Datasets", "DEFAULT_MIN_SCORE", "MAX_TASK_BYTES", "MAX_DEPTH", "task_key", "is_val",
@@ -66,11 +66,7 @@ class SFTLine(BaseModel):
     response_ids: list[int] | None = None
 
     def to_json(self) -> str:
-        data = self.model_dump()
-        for key in ("tools", "prompt_ids", "response_ids"):
-            if data[key] is None:
-                del data[key]
-        return _dumps(data)
+        return _dumps(self.model_dump(exclude={k for k in ("tools", "prompt_ids", "response_ids") if getattr(self, k) is None}))
 
 
 class Report(BaseModel):
@@ -105,6 +101,10 @@ class Datasets(BaseModel):
 
 def _dumps(value: Any, *, sort: bool = False) -> str:
     return json.dumps(value, sort_keys=sort, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def _count(counts: dict[str, int], key: str, n: int = 1) -> None:
+    counts[key] = counts.get(key, 0) + n
 
 
 def _too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
@@ -239,45 +239,40 @@ def build_datasets(folders: Sequence[str | Path], *, min_score: float | None = N
     opts = _options(min_score, label, val_fraction, seed, roles)
     paths = check_folders(folders)
     report = Report(folders=[str(p) for p in paths], options=opts)
-    dropped = report.calls_dropped
     tasks: list[dict[str, Any]] = []
     val: list[dict[str, Any]] = []
     sft: list[SFTLine] = []
     seen_runs: set[str] = set()
     seen_tasks: set[str] = set()
     seen_examples: set[bytes] = set()
-
-    def drop(reason: str, n: int = 1) -> None:
-        dropped[reason] = dropped.get(reason, 0) + n
-
     for path in paths:
         for traj, feedback in read_runs(path):
             report.runs_read += 1
             report.calls_read += len(traj.llm_calls)
             if traj.rollout_id in seen_runs:
                 report.runs_duplicate_id += 1
-                drop("duplicate_run", len(traj.llm_calls))
+                _count(report.calls_dropped, "duplicate_run", len(traj.llm_calls))
                 continue
             seen_runs.add(traj.rollout_id)
             report.feedback_ignored += _ignored_feedback(feedback, {c.id for c in traj.llm_calls})
             side = _place(traj, opts, report, tasks, val, seen_tasks)
             if side is None:
-                drop("task_unusable", len(traj.llm_calls))
+                _count(report.calls_dropped, "task_unusable", len(traj.llm_calls))
                 continue
             if side == "val":
                 report.runs_val += 1
-                drop("val_task", len(traj.llm_calls))
+                _count(report.calls_dropped, "val_task", len(traj.llm_calls))
                 continue
             report.runs_train += 1
             before = len(sft)
             for call in traj.llm_calls:
                 line, reason = _sft_choice(traj, call, feedback, opts, seen_examples)
                 if line is None:
-                    drop(reason)
+                    _count(report.calls_dropped, reason)
                     continue
                 sft.append(line)
-                report.sft_by_role[call.role] = report.sft_by_role.get(call.role, 0) + 1
-                report.sft_by_policy[call.policy] = report.sft_by_policy.get(call.policy, 0) + 1
+                _count(report.sft_by_role, call.role)
+                _count(report.sft_by_policy, call.policy)
             report.sft_runs += len(sft) > before
     report.tasks_train, report.tasks_val, report.sft_lines = len(tasks), len(val), len(sft)
     return Datasets(tasks=tasks, val=val, sft=sft, report=report)
@@ -313,7 +308,7 @@ def _place(traj: Trajectory, opts: dict[str, Any], report: Report, tasks: list[d
     try:
         key = task_key(task)
     except ValueError as exc:
-        report.runs_task_unusable[str(exc)] = report.runs_task_unusable.get(str(exc), 0) + 1
+        _count(report.runs_task_unusable, str(exc))
         return None
     held_out = is_val(key, opts["val_fraction"], opts["seed"])
     if key in seen:
@@ -372,10 +367,7 @@ def write_datasets(data: Datasets, out: str | Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         for name in FILES:
-            with (tmp / name).open("w", encoding="utf-8") as f:
-                f.write(texts[name])
-                f.flush()
-                os.fsync(f.fileno())
+            write_synced(tmp / name, texts[name], "w")
         if not out.exists() or not any(out.iterdir()):
             os.replace(tmp, out)  # rename(2) replaces an empty folder
             return out

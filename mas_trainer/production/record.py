@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from mas_trainer.errors import UserError
 from mas_trainer.trace.schema import LLMCall, NodeCall, Trajectory
 
-__all__ = ["Feedback", "GraphRun", "Recorder", "read_runs", "run_files", "load_redactor", "RUN_ID"]
+__all__ = ["Feedback", "GraphRun", "Recorder", "read_runs", "run_files", "load_redactor", "write_synced", "RUN_ID"]
 
 log = logging.getLogger(__name__)
 RUN_ID = re.compile(r"[0-9a-f]{32}")
@@ -110,9 +110,10 @@ def _lines(path: Path) -> Iterator[dict[str, Any]]:
                 log.warning("%s:%d: skipping a torn or unreadable line", path, n)
 
 
-def _fsync_append(path: Path, line: str) -> None:
-    with path.open("a", encoding="utf-8") as f:
-        f.write(line)
+def write_synced(path: Path, text: str, mode: str = "a") -> None:
+    """Append (or write) `text` and fsync it: on disk before anyone is told it is."""
+    with path.open(mode, encoding="utf-8") as f:
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
 
@@ -133,7 +134,8 @@ class Recorder:
         self._runs: dict[str, set[str]] = {}
         self._by_file: dict[Path, set[str]] = {}
         self._graphs: set[str] = set()  # runs whose graph record is kept (one each)
-        for path in run_files(self.folder):  # rebuilt at start: runs survive a restart
+        files = run_files(self.folder)
+        for path in files:  # rebuilt at start: runs survive a restart
             for rec in _lines(path):
                 if not (isinstance(rec, dict) and isinstance(rec.get("run_id"), str)):
                     continue
@@ -141,7 +143,6 @@ class Recorder:
                     self._index(path, rec["run_id"], str(rec["call"].get("id")))
                 elif isinstance(rec.get("graph"), dict):
                     self._graphs.add(rec["run_id"])
-        files = run_files(self.folder)
         self._current = files[-1] if files else self.folder / "runs-0000.jsonl"
         self._total = sum(p.stat().st_size for p in files)  # kept up to date: no listing per call
 
@@ -191,7 +192,7 @@ class Recorder:
         if self._current.exists() and self._current.stat().st_size + len(line) > self.file_bytes:
             number = int(_RUNS.fullmatch(self._current.name).group(1)) + 1  # type: ignore[union-attr]
             self._current = self.folder / f"runs-{number:04d}.jsonl"
-        _fsync_append(self._current, line)
+        write_synced(self._current, line)
         self._total += len(line)  # ASCII: json.dumps escapes the rest
         if self._total > self.max_bytes:
             self._trim()
