@@ -9,7 +9,7 @@ a 400 naming the field, never an AttributeError deep in the server (a 500).
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Iterable, Literal, Mapping, Sequence, Union
+from typing import Annotated, Any, Literal, Mapping, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -198,18 +198,12 @@ def describe_errors(errors: Sequence[Mapping[str, Any]]) -> str:
 def nested_too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
     """Does `value` (parsed JSON) nest lists/objects deeper than `limit`? Iterative, so a
     hostile body cannot hit the recursion limit here."""
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
+    stack: list[tuple[Any, int]] = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:  # containers only: a long flat list costs no stack
         item, depth = stack.pop()
-        children: Iterable[Any]
-        if isinstance(item, dict):
-            children = item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
         if depth > limit:
             return True
+        children = item.values() if isinstance(item, dict) else item
         stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
     return False
 
@@ -232,18 +226,11 @@ def json_schema_of(req: ChatRequest) -> dict[str, Any] | None:
             raise ValueError(f"tool_choice.function.name: {name!r} is not one of the request's tools")
     elif choice != "required":  # pragma: no cover - the Literal above admits nothing else
         raise ValueError(f"tool_choice must be none, auto, required or a function, got {json.dumps(choice)}")
-    calls = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"const": t["function"]["name"]},
-                "arguments": t["function"].get("parameters") or {"type": "object"},
-            },
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for t in tools
-    ]
+    calls = [{"type": "object",
+              "properties": {"name": {"const": t["function"]["name"]},
+                             "arguments": t["function"].get("parameters") or {"type": "object"}},
+              "required": ["name", "arguments"], "additionalProperties": False}
+             for t in tools]
     return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 

@@ -46,14 +46,8 @@ class Router:
     `known_nodes_only`: a node that is not one of the spec's nodes (nor inside one) is refused
     rather than given the frozen or default policy (serve)."""
 
-    def __init__(
-        self,
-        spec: ResolvedSpec | None = None,
-        model_routes: Mapping[str, str] | None = None,
-        fallback: str | None = None,
-        *,
-        known_nodes_only: bool = False,
-    ) -> None:
+    def __init__(self, spec: ResolvedSpec | None = None, model_routes: Mapping[str, str] | None = None,
+                 fallback: str | None = None, *, known_nodes_only: bool = False) -> None:
         self.spec = spec
         self.model_routes = dict(model_routes or {})
         self.fallback = fallback

@@ -168,19 +168,9 @@ class _Chunks:
 
 
 class Gateway:
-    def __init__(
-        self,
-        router: Router | None = None,
-        ledger: Ledger | None = None,
-        *,
-        default_max_tokens: int = 256,
-        max_string_length: int = 200,
-        max_items: int = 16,
-        api_key: str | None = None,
-        sampling: RolloutSampling | None = None,
-        rollouts: bool = False,
-        limits: RequestLimits | None = None,
-    ) -> None:
+    def __init__(self, router: Router | None = None, ledger: Ledger | None = None, *, default_max_tokens: int = 256,
+                 max_string_length: int = 200, max_items: int = 16, api_key: str | None = None,
+                 sampling: RolloutSampling | None = None, rollouts: bool = False, limits: RequestLimits | None = None) -> None:
         self.router = router or Router()
         self.ledger = ledger or Ledger()
         self.backends: dict[str, PolicyBackend] = {}
@@ -282,15 +272,10 @@ class Gateway:
         schema = json_schema_of(req)
         if schema is not None:
             schema = bound_schema(schema, max_string_length=self.max_string_length, max_items=self.max_items)
-        return SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            max_tokens=req.max_completion_tokens or req.max_tokens or self.default_max_tokens,
-            stop=req.stops(),
-            n=req.n,
-            seed=req.seed,
-            json_schema=schema,
-        )
+        return SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
+                              top_p=1.0 if req.top_p is None else req.top_p,
+                              max_tokens=req.max_completion_tokens or req.max_tokens or self.default_max_tokens,
+                              stop=req.stops(), n=req.n, seed=req.seed, json_schema=schema)
 
     async def _prepare(self, req: ChatRequest, call_id: str, bag: dict[str, object], rollout: bool) -> _Call:
         decision = self.router.route(bag, req.model, self.backends)
@@ -329,10 +314,7 @@ class Gateway:
         parsed = [call.content(gen) for gen in gens]
         await self._keep(call, gens, parsed)
         return {
-            "id": f"chatcmpl-{call.call_id}",
-            "object": "chat.completion",
-            "created": int(call.start),
-            "model": call.req.model,
+            "id": f"chatcmpl-{call.call_id}", "object": "chat.completion", "created": int(call.start), "model": call.req.model,
             "choices": [_choice(i, gen, *parsed[i]) for i, gen in enumerate(gens)],
             "prompt_token_ids": list(call.prompt_ids),
             "usage": _usage(call, sum(len(g.token_ids) for g in gens)),
