@@ -6,9 +6,9 @@ import difflib
 import os
 import sys
 import traceback
-from typing import Iterable
+from typing import Any, Iterable
 
-__all__ = ["UserError", "did_you_mean", "raised_in", "shown_path"]
+__all__ = ["UserError", "did_you_mean", "nested_too_deep", "raised_in", "shown_path"]
 
 
 class UserError(ValueError):
@@ -52,3 +52,17 @@ def raised_in(exc: BaseException, own: str | os.PathLike[str] | None = None) -> 
     if not mine and own is not None:
         mine = [f for f in frames if os.path.abspath(f.filename) == os.path.abspath(own)]
     return f"{shown_path(mine[-1].filename)}:{mine[-1].lineno}" if mine else ""
+
+
+def nested_too_deep(value: Any, limit: int) -> bool:
+    """Does `value` (parsed JSON) nest lists/objects deeper than `limit`? Iterative, so hostile
+    input (a request body, a trajectory file, a task) cannot hit the recursion limit here;
+    containers only go on the stack, so a long flat list costs none."""
+    stack: list[tuple[Any, int]] = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from mas_trainer.engines.grammar import MAX_SCHEMA_BYTES, MAX_SCHEMA_VALUES, check_schema
 
 __all__ = ["ChatMessage", "ChatRequest", "Refused", "error_body", "describe_errors", "json_schema_of", "bound_schema",
-           "nested_too_deep", "MAX_DEPTH", "MAX_SCHEMA_BYTES", "MAX_SCHEMA_VALUES"]
+           "MAX_DEPTH", "MAX_SCHEMA_BYTES", "MAX_SCHEMA_VALUES"]
 
 # JSON nested deeper than this is refused before validation: real requests (tool schemas
 # included) stay far below, and deeper values would only exercise recursion limits.
@@ -193,19 +193,6 @@ def describe_errors(errors: Sequence[Mapping[str, Any]]) -> str:
         if len(parts) == 3:
             break
     return "; ".join(parts)
-
-
-def nested_too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
-    """Does `value` (parsed JSON) nest lists/objects deeper than `limit`? Iterative, so a
-    hostile body cannot hit the recursion limit here."""
-    stack: list[tuple[Any, int]] = [(value, 1)] if isinstance(value, (dict, list)) else []
-    while stack:  # containers only: a long flat list costs no stack
-        item, depth = stack.pop()
-        if depth > limit:
-            return True
-        children = item.values() if isinstance(item, dict) else item
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-    return False
 
 
 def json_schema_of(req: ChatRequest) -> dict[str, Any] | None:

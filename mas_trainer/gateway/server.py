@@ -48,13 +48,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import baggage, propagate, trace
 from pydantic import ValidationError
 
+from mas_trainer.errors import nested_too_deep
 from mas_trainer.engines.base import (ChatFormat, Delta, Engine, EngineUnavailable, Generation, SamplingParams, choice_id, max_context,
                                       stream_generation)
 from mas_trainer.gateway.recording import FEEDBACK, GRAPH_RUN, Endpoint
 from mas_trainer.gateway.flights import Flight, Flights, Stopped
 from mas_trainer.gateway.ledger import Ledger, Replayed
 from mas_trainer.gateway.protocol import (MAX_DEPTH, ChatRequest, Refused, bound_schema, describe_errors, error_body,
-                                          json_schema_of, nested_too_deep)
+                                          json_schema_of)
 from mas_trainer.gateway.router import RouteDecision, Router, UnknownModel, UnknownNode
 from mas_trainer.gateway.sampling import RolloutSampling
 from mas_trainer.gateway.transport import GatewayServer, ServerLimits

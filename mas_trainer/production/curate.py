@@ -37,7 +37,7 @@ from typing import Any, Iterable, Sequence
 
 from pydantic import BaseModel, Field
 
-from mas_trainer.errors import UserError
+from mas_trainer.errors import UserError, nested_too_deep
 from mas_trainer.production.record import read_runs, run_files, write_synced
 from mas_trainer.trace.schema import LLMCall, Trajectory
 
@@ -107,22 +107,10 @@ def _count(counts: dict[str, int], key: str, n: int = 1) -> None:
     counts[key] = counts.get(key, 0) + n
 
 
-def _too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
-    """Whether `value` nests lists and dicts deeper than `limit` (walked without recursion)."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, (dict, list)):
-            if depth > limit:
-                return True
-            stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
-    return False
-
-
 def task_key(task: dict[str, Any]) -> str:
     """The task's canonical JSON (sorted keys, compact): equal tasks have equal keys. ValueError
     for a task too deep, too large or not plain JSON (NaN, non-string keys...)."""
-    if _too_deep(task):
+    if nested_too_deep(task, MAX_DEPTH):
         raise ValueError("too_deep")
     try:
         key = _dumps(task, sort=True)
@@ -289,7 +277,7 @@ def _sft_choice(traj: Trajectory, call: LLMCall, feedback: Sequence[dict[str, An
         example = _dumps([line.policy, line.messages, line.completion], sort=True)
     except (ValueError, TypeError, RecursionError):
         return None, "unusable"
-    if _too_deep([line.messages, line.tools]):
+    if nested_too_deep([line.messages, line.tools], MAX_DEPTH):
         return None, "unusable"
     digest = hashlib.sha256(example.encode()).digest()
     if digest in seen_examples:

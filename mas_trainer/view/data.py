@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterable
 
 import yaml
 
-from mas_trainer.errors import UserError
+from mas_trainer.errors import UserError, nested_too_deep
 from mas_trainer.rewards.allocators import rollout_reward
 
 __all__ = ["ViewSource", "build_charts", "token_pieces", "finite_json", "fork_tree", "read_jsonl", "STEP_NAME", "MAX_DEPTH"]
@@ -147,18 +147,6 @@ def build_charts(rows: list[dict[str, Any]], per_policy: dict[str, dict[str, lis
 
 
 # --- reading files ---------------------------------------------------------------------------------
-def _too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
-    """Whether `value` nests lists/dicts more than `limit` levels, walked without recursion."""
-    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
-    while stack:
-        item, depth = stack.pop()
-        if depth > limit:
-            return True
-        children = item.values() if isinstance(item, dict) else item
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
-    return False
-
-
 def _parse_row(line: str) -> tuple[dict[str, Any] | None, str]:
     """One JSON-lines row, or why it cannot be one."""
     try:
@@ -169,7 +157,7 @@ def _parse_row(line: str) -> tuple[dict[str, Any] | None, str]:
         return None, f"not valid JSON ({str(exc)[:100]})"
     if not isinstance(row, dict):
         return None, f"a JSON {type(row).__name__}, not an object"
-    if _too_deep(row):
+    if nested_too_deep(row, MAX_DEPTH):
         return None, f"nested deeper than {MAX_DEPTH} levels"
     return row, ""
 
@@ -400,7 +388,7 @@ class ViewSource:
             return None, f"not readable ({type(exc).__name__}: {' '.join(str(exc).split())[:120]})"
         if not isinstance(tree, dict):
             return None, "not a mapping"
-        if _too_deep(tree):
+        if nested_too_deep(tree, MAX_DEPTH):
             return None, f"nested deeper than {MAX_DEPTH} levels"
         return tree, ""
 
