@@ -18,7 +18,7 @@ from mas_trainer.policy.contract import WorkerPlan
 from mas_trainer.config import ConfigError, FitConfig, RuntimeConfig, check_runtime, old_logprobs_mode, resolve_learner
 from mas_trainer.replicas.config import first_replica_ranks, replica_count, require_vllm
 
-__all__ = ["RunPlan", "Machine", "probe_machine", "decide_device", "resolve_plan"]
+__all__ = ["placement_asks", "check_cluster_fits", "check_joined_cluster", "RunPlan", "Machine", "probe_machine", "decide_device", "resolve_plan"]
 
 
 class Machine(BaseModel):
@@ -136,3 +136,55 @@ def _gpu_use(workers: Mapping[str, WorkerPlan], learner: str) -> str:
     each = (w.resources.gpus_per_proc if learner == "torch" else w.resources.world_size + _replica_gpus(w)
             for w in workers.values())
     return ", ".join(f"{p}: {n:g}" for p, n in zip(workers, each))
+
+
+def placement_asks(plans: Mapping[str, WorkerPlan], learner: str, shared: bool) -> list[tuple[str, dict[str, float]]]:
+    """What Ray must place for the worker groups, as (policy, what one node gives it): verl's
+    resource pools ask one strict-pack placement group per node of `procs_per_node` bundles
+    (a CPU each, and a GPU each on GPUs; `share_gpus`: one pool for all); CPU rollout replicas
+    a CPU each; a torch-learner actor its `worker_cpus` and GPU share."""
+    asks: list[tuple[str, dict[str, float]]] = []
+    for p, w in plans.items():
+        r, gpu = w.resources, w.device == "cuda"
+        if learner == "verl" and not (shared and asks):
+            per_node = {"CPU": float(r.procs_per_node * (len(plans) if shared else 1)), **({"GPU": float(r.procs_per_node)} if gpu else {})}
+            asks += [(p, per_node)] * r.nodes
+        elif learner == "torch" and gpu:
+            asks.append((p, {"GPU": r.gpus_per_proc}))
+        if learner == "verl" and w.engine != "embedded" and not gpu:
+            asks += [(p, {"CPU": 1.0})] * w.replica.replicas
+    return asks
+
+
+def check_cluster_fits(asks: list[tuple[str, dict[str, float]]], nodes: list[dict[str, float]], address: str) -> None:
+    """Refuse, in one line, worker groups the joined cluster's nodes (their total resources)
+    cannot hold, before Ray is asked to place any: Ray would wait for them for ever. First fit,
+    largest asks first, one node per placement group, as Ray's strict packing places them."""
+    free = [dict(n) for n in nodes]
+    for policy, ask in sorted(asks, key=lambda a: -sum(a[1].values())):
+        node = next((n for n in free if all(n.get(k, 0.0) >= v - 1e-9 for k, v in ask.items())), None)
+        if node is None:
+            wanted = sum(1 for p, _ in asks if p == policy)
+            have = "; ".join(", ".join(f"{k} {v:g}" for k, v in sorted(n.items()) if k in ("CPU", "GPU")) or "no CPU or GPU"
+                             for n in nodes) or "no node"
+            raise ConfigError(f"policy {policy} asks {wanted} placement(s) of {_shown(ask)} each on one node, and the Ray cluster at "
+                              f"{address} cannot hold the run's worker groups (its {len(nodes)} node(s): {have}): add nodes, or "
+                              "lower runtime.resources (nodes, procs_per_node) or the replicas")
+        for k, v in ask.items():
+            node[k] = node.get(k, 0.0) - v
+
+
+def _shown(ask: Mapping[str, float]) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(ask.items())) + "}"
+
+
+def check_joined_cluster(plans: Mapping[str, WorkerPlan], runtime: RuntimeConfig) -> None:
+    """`check_cluster_fits` against the cluster this driver joined (`runtime.ray_address`; a
+    local instance is sized for the run when it starts)."""
+    import ray
+
+    if runtime.ray_address is None:
+        return
+    nodes = [{k: float(v) for k, v in n["Resources"].items()} for n in ray.nodes() if n.get("Alive")]
+    shared = any(w.offload_between_phases for w in plans.values())
+    check_cluster_fits(placement_asks(plans, str(runtime.learner), shared), nodes, runtime.ray_address)

@@ -27,15 +27,15 @@ from mas_trainer.engines.base import Generation, SamplingParams, choice_id
 from mas_trainer.engines.config import EngineSettings
 from mas_trainer.policy.contract import StepResult, WarmStartExample, WorkerGroupHandle, WorkerPlan
 from mas_trainer.policy.turns import Serving, TurnStore
-from mas_trainer.cluster.plan import decide_device
-from mas_trainer.cluster.ray_init import init_ray_for
+from mas_trainer.cluster.plan import check_joined_cluster, decide_device
+from mas_trainer.cluster.ray_init import init_ray, init_ray_for
 from mas_trainer.cluster.groups import VerlGroup, start_actor_groups, start_verl_groups
 
 if TYPE_CHECKING:
     from mas_trainer.algo.advantages import TurnRecord
     from mas_trainer.config import RuntimeConfig, WarmStartConfig
 
-__all__ = ["WorkerGroupHandle", "ReplicaGroupHandle", "WorkerEngine", "HOSTS", "register_host", "start_workers",
+__all__ = ["WorkerGroupHandle", "ReplicaGroupHandle", "WorkerEngine", "HOSTS", "register_host", "join_cluster", "start_workers",
            "serving_backends"]
 
 log = logging.getLogger(__name__)
@@ -153,6 +153,19 @@ def start_workers(plans: dict[str, WorkerPlan], runtime: RuntimeConfig) -> dict[
     """One worker group per trainable policy, as the run plan (`cluster/plan.py`, where every rule
     was checked) says: `runtime` is its runtime section, learner and device decided."""
     return HOSTS[runtime.learner](plans, runtime)
+
+
+def join_cluster(plans: dict[str, WorkerPlan], runtime: RuntimeConfig) -> None:
+    """Join the cluster at `runtime.ray_address` as the run's host will, and refuse in one line
+    worker groups its nodes cannot hold (Ray would wait for them for ever), before the run
+    directory is written. A local Ray instance is sized for the run when it starts."""
+    if runtime.ray_address is None or runtime.execution == "local":
+        return
+    if runtime.learner == "verl":
+        init_ray_for(str(runtime.device), runtime, 0)
+    else:
+        init_ray(runtime, 0, {})
+    check_joined_cluster(plans, runtime)
 
 
 @register_host("torch")
