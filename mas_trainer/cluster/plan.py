@@ -167,15 +167,12 @@ def check_cluster_fits(asks: list[tuple[str, dict[str, float]]], nodes: list[dic
             wanted = sum(1 for p, _ in asks if p == policy)
             have = "; ".join(", ".join(f"{k} {v:g}" for k, v in sorted(n.items()) if k in ("CPU", "GPU")) or "no CPU or GPU"
                              for n in nodes) or "no node"
-            raise ConfigError(f"policy {policy} asks {wanted} placement(s) of {_shown(ask)} each on one node, and the Ray cluster at "
+            shown = "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(ask.items())) + "}"
+            raise ConfigError(f"policy {policy} asks {wanted} placement(s) of {shown} each on one node, and the Ray cluster at "
                               f"{address} cannot hold the run's worker groups (its {len(nodes)} node(s): {have}): add nodes, or "
                               "lower runtime.resources (nodes, procs_per_node) or the replicas")
         for k, v in ask.items():
             node[k] = node.get(k, 0.0) - v
-
-
-def _shown(ask: Mapping[str, float]) -> str:
-    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(ask.items())) + "}"
 
 
 def check_joined_cluster(plans: Mapping[str, WorkerPlan], runtime: RuntimeConfig) -> None:

@@ -1,20 +1,9 @@
-"""The start of each trainable policy's worker group, by learner kind (`HOSTS`), and the
-handle of a policy served by rollout replicas.
-
-Every host presents the same typed contract (`policy.contract.WorkerGroupHandle`), so the
-trainer and the gateway never ask which one runs:
-
-- `verl` (`runtime.learner=verl`): each trainable policy is a verl `RayWorkerGroup` of
-  `PolicyWorker`s (`policy/verl_rank.py`) on its own `RayResourcePool`, world size
-  `nodes x procs_per_node`: FSDP2 over NCCL on GPUs, over gloo on CPU. This is the path that
-  runs on clusters. With rollout replicas (`engine: vllm | torch-replica`) a
-  `ReplicaGroupHandle` wraps it.
-- `torch` (`runtime.learner=torch`): one process per policy, the embedded torch learner
-  (`policy/local.py`), as a Ray actor or, with `runtime.execution=local`, the `LocalPolicy`
-  object itself in the controller's process. On 2 CPU cores it updates faster
-  (bench/bench_learner_verl.py).
-
-The Ray proxies and the actors' life cycle are in `cluster/groups.py`.
+"""The start of each trainable policy's worker group by learner kind (`HOSTS`): `torch`, the
+embedded learner in one process per policy (`policy/local.py`: a Ray actor, or in this process
+with `runtime.execution=local`); `verl`, a `RayWorkerGroup` of `PolicyWorker`s per policy
+(`policy/verl_rank.py`; FSDP2 over NCCL on GPUs, gloo on CPU: the path that runs on clusters),
+wrapped by a `ReplicaGroupHandle` where rollout replicas serve. Every one presents
+`policy.contract.WorkerGroupHandle`; the Ray proxies are in `cluster/groups.py`.
 """
 
 from __future__ import annotations

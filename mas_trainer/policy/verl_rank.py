@@ -1,16 +1,10 @@
 """A policy hosted by verl: a `RayWorkerGroup` of `PolicyWorker`s, one per rank.
 
-Every rank holds a `VerlLearner` (its FSDP2 shard, verl's losses); rank 0 also serves (its
-`Serving`: the embedded engine and the turns it generated, or only the turns when rollout
-replicas serve) and shares the step's turns with the other ranks inside the group (a
-collective, not through the controller). Each rank runs `policy_step` on them; then the
-weights go where the policy is served, through its weight sink (`WEIGHT_SINKS`, by engine
-kind): rank 0's embedded engine gathers the full parameters after every change (verl's
-`get_per_tensor_param`, the stream its own rollout weight sync uses); with replicas rank 0
-keeps a host copy for the Hugging Face folder and verl's weight sync sends the stream.
-
-On CPU the group runs on gloo through the platform in `learners/verl_cpu.py`; on GPUs the
-same code runs on NCCL, one GPU per rank.
+Every rank holds a `VerlLearner`; rank 0 also serves (`Serving`) and shares the step's turns
+with the other ranks by a collective, never through the controller. Each rank runs
+`policy_step`; then the new weights go where the policy is served through its weight sink
+(`WEIGHT_SINKS`, by engine kind): gathered from the shards (verl's `get_per_tensor_param`,
+the stream of its own weight sync) into rank 0's engine, or to the replicas by verl's sync.
 """
 
 from __future__ import annotations
