@@ -54,16 +54,19 @@ async def _cancellable(ref: Any) -> Any:
 
 
 class _RayGroup:
-    """The `WorkerGroupHandle` contract forwarded to Ray: serving calls to the process that
-    serves (`_serve`), training and checkpoint calls to every process (`_all`)."""
+    """The `WorkerGroupHandle` contract forwarded to Ray: serving calls to the actor that
+    serves (`_serve`), training and checkpoint calls to every process of the group (`_all`:
+    the one actor, unless a subclass has more)."""
 
     policy: str
+    server: Any  # the Ray actor that serves
 
     async def _serve(self, method: str, *args: Any) -> Any:
-        raise NotImplementedError
+        with _user_errors():
+            return await _cancellable(getattr(self.server, method).remote(*args))
 
     async def _all(self, method: str, *args: Any) -> Any:
-        raise NotImplementedError
+        return await self._serve(method, *args)
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, turn_id: str | None = None) -> list[Generation]:
         return await self._serve("generate", list(prompt_ids), params, turn_id)
@@ -93,13 +96,7 @@ class ActorGroup(_RayGroup):
 
     def __init__(self, policy: str, actor: Any) -> None:
         self.policy = policy
-        self.actor = actor
-
-    async def _serve(self, method: str, *args: Any) -> Any:
-        with _user_errors():
-            return await _cancellable(getattr(self.actor, method).remote(*args))
-
-    _all = _serve
+        self.actor = self.server = actor
 
     def close(self) -> None:
         import ray
@@ -117,12 +114,8 @@ class VerlGroup(_RayGroup):
     def __init__(self, plan: WorkerPlan, group: Any, pool: Any = None) -> None:
         self.policy = plan.policy
         self.plan = plan
-        self.group = group
+        self.group, self.server = group, group.workers[0]
         self.pool = pool  # its placement groups are released on close (none when shared)
-
-    async def _serve(self, method: str, *args: Any) -> Any:
-        with _user_errors():
-            return await _cancellable(getattr(self.group.workers[0], method).remote(*args))
 
     async def _all(self, method: str, *args: Any) -> Any:
         with _user_errors():

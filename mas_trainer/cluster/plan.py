@@ -138,20 +138,21 @@ def _gpu_use(workers: Mapping[str, WorkerPlan], learner: str) -> str:
     return ", ".join(f"{p}: {n:g}" for p, n in zip(workers, each))
 
 
-def placement_asks(plans: Mapping[str, WorkerPlan], learner: str, shared: bool) -> list[tuple[str, dict[str, float]]]:
+def placement_asks(plan: RunPlan) -> list[tuple[str, dict[str, float]]]:
     """What Ray must place for the worker groups, as (policy, what one node gives it): verl's
     resource pools ask one strict-pack placement group per node of `procs_per_node` bundles
-    (a CPU each, and a GPU each on GPUs; `share_gpus`: one pool for all); CPU rollout replicas
-    a CPU each; a torch-learner actor its `worker_cpus` and GPU share."""
+    (a CPU each, and a GPU each on GPUs; `share_gpus`: one pool for all, asked once); CPU rollout
+    replicas a CPU each; a torch-learner actor its `worker_cpus` and GPU share."""
     asks: list[tuple[str, dict[str, float]]] = []
-    for p, w in plans.items():
+    for i, (p, w) in enumerate(plan.workers.items()):
         r, gpu = w.resources, w.device == "cuda"
-        if learner == "verl" and not (shared and asks):
-            per_node = {"CPU": float(r.procs_per_node * (len(plans) if shared else 1)), **({"GPU": float(r.procs_per_node)} if gpu else {})}
-            asks += [(p, per_node)] * r.nodes
-        elif learner == "torch" and gpu:
-            asks.append((p, {"GPU": r.gpus_per_proc}))
-        if learner == "verl" and w.engine != "embedded" and not gpu:
+        if plan.learner == "verl" and not (plan.share_gpus and i):
+            cpus = r.procs_per_node * (len(plan.workers) if plan.share_gpus else 1)
+            asks += [(p, {"CPU": float(cpus), **({"GPU": float(r.procs_per_node)} if gpu else {})})] * r.nodes
+        elif plan.learner == "torch":
+            ask = {"CPU": plan.runtime.worker_cpus, "GPU": r.gpus_per_proc if gpu else 0.0}
+            asks += [(p, {k: v for k, v in ask.items() if v})] if any(ask.values()) else []
+        if plan.learner == "verl" and w.engine != "embedded" and not gpu:
             asks += [(p, {"CPU": 1.0})] * w.replica.replicas
     return asks
 
@@ -175,13 +176,12 @@ def check_cluster_fits(asks: list[tuple[str, dict[str, float]]], nodes: list[dic
             node[k] = node.get(k, 0.0) - v
 
 
-def check_joined_cluster(plans: Mapping[str, WorkerPlan], runtime: RuntimeConfig) -> None:
+def check_joined_cluster(plan: RunPlan) -> None:
     """`check_cluster_fits` against the cluster this driver joined (`runtime.ray_address`; a
     local instance is sized for the run when it starts)."""
     import ray
 
-    if runtime.ray_address is None:
+    if plan.runtime.ray_address is None:
         return
     nodes = [{k: float(v) for k, v in n["Resources"].items()} for n in ray.nodes() if n.get("Alive")]
-    shared = any(w.offload_between_phases for w in plans.values())
-    check_cluster_fits(placement_asks(plans, str(runtime.learner), shared), nodes, runtime.ray_address)
+    check_cluster_fits(placement_asks(plan), nodes, plan.runtime.ray_address)

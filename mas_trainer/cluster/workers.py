@@ -16,7 +16,7 @@ from mas_trainer.engines.base import Generation, SamplingParams, choice_id
 from mas_trainer.engines.config import EngineSettings
 from mas_trainer.policy.contract import StepResult, WarmStartExample, WorkerGroupHandle, WorkerPlan
 from mas_trainer.policy.turns import Serving, TurnStore
-from mas_trainer.cluster.plan import check_joined_cluster, decide_device
+from mas_trainer.cluster.plan import RunPlan, check_joined_cluster, decide_device
 from mas_trainer.cluster.ray_init import init_ray, init_ray_for
 from mas_trainer.cluster.groups import VerlGroup, start_actor_groups, start_verl_groups
 
@@ -78,10 +78,7 @@ class ReplicaGroupHandle:
         await self.fleet.sleep(self.learner.group)
         result = await self.learner.train(records, turns)
         metrics = result.metrics
-        try:
-            metrics.update(await self.fleet.sync_weights(self.learner.group, int(metrics.get("updates", 0))))
-        except Exception as exc:  # a replica gone during the sync: stop here, resumable
-            raise self.engine.fail(f"weight sync: {type(exc).__name__}: {str(exc).strip()[:200]}") from exc
+        metrics.update(await self._sync(int(metrics.get("updates", 0))))
         metrics["replica/stale_turns"] = float(stale)
         for key, n in refused.items():  # the ones refused here, beside any the learner refused
             metrics[key] = metrics.get(key, 0.0) + n
@@ -92,11 +89,15 @@ class ReplicaGroupHandle:
         """The learner's warm start, then verl's weight sync to the replicas (no rollout has run yet)."""
         await self.fleet.sleep(self.learner.group)
         metrics = await self.learner.warm_start(examples, config)
+        await self._sync(self.fleet.version)
+        return metrics
+
+    async def _sync(self, version: int) -> dict[str, float]:
+        """verl's weight sync to every replica; a replica gone during it stops the run here, resumable."""
         try:
-            await self.fleet.sync_weights(self.learner.group, self.fleet.version)
+            return await self.fleet.sync_weights(self.learner.group, version)
         except Exception as exc:
             raise self.engine.fail(f"weight sync: {type(exc).__name__}: {str(exc).strip()[:200]}") from exc
-        return metrics
 
     async def save(self, folder: str, learner_dir: str) -> None:
         await self.learner.save(folder, learner_dir)
@@ -144,17 +145,17 @@ def start_workers(plans: dict[str, WorkerPlan], runtime: RuntimeConfig) -> dict[
     return HOSTS[runtime.learner](plans, runtime)
 
 
-def join_cluster(plans: dict[str, WorkerPlan], runtime: RuntimeConfig) -> None:
+def join_cluster(plan: RunPlan) -> None:
     """Join the cluster at `runtime.ray_address` as the run's host will, and refuse in one line
     worker groups its nodes cannot hold (Ray would wait for them for ever), before the run
     directory is written. A local Ray instance is sized for the run when it starts."""
-    if runtime.ray_address is None or runtime.execution == "local":
+    if plan.runtime.ray_address is None or plan.execution == "local":
         return
-    if runtime.learner == "verl":
-        init_ray_for(str(runtime.device), runtime, 0)
+    if plan.learner == "verl":
+        init_ray_for(plan.device, plan.runtime, 0)
     else:
-        init_ray(runtime, 0, {})
-    check_joined_cluster(plans, runtime)
+        init_ray(plan.runtime, 0, {})
+    check_joined_cluster(plan)
 
 
 @register_host("torch")

@@ -77,9 +77,9 @@ class VerlLearner:
     @contextmanager
     def on_device(self) -> Iterator[None]:
         """With GPUs shared between worker groups (`runtime.share_gpus`), the actor's and the
-        critic's shards and optimizer states are on the GPU only inside this block; verl's
-        `save_checkpoint` loads a CPU module onto the GPU and leaves it there, so saving runs in
-        it too."""
+        critic's shards and optimizer states are on the GPU only inside this block. The host
+        enters it once around each call that computes or saves (a step, the warm start, a
+        checkpoint): verl's `save_checkpoint` loads a CPU module onto the GPU and leaves it there."""
         moved = self._trainable() if self.offload else []
         for worker in moved:
             worker.to("device")
@@ -126,17 +126,15 @@ class VerlLearner:
         if self.critic is None:
             return None
         rows, real = self._rows(turns)
-        with self.on_device():
-            mine = self._infer(self.critic, rows, real, "values")[:real]
+        mine = self._infer(self.critic, rows, real, "values")[:real]
         return all_gather(dict(zip([t.id for t in rows[:real]], mine, strict=True)))
 
     def update(self, turns: list[Turn], advantages: Mapping[str, TurnAdvantage],
                values: dict[str, list[float]] | None) -> dict[str, float]:
         rows, real = self._rows(turns)
-        with self.on_device():  # shared GPUs: the update's turn, then the rollouts'
-            metrics = self._update_actor(rows, real, advantages)
-            if self.critic is not None and values is not None:  # values: the critic's, before this update
-                metrics.update(self._update_critic(rows, real, advantages, values))
+        metrics = self._update_actor(rows, real, advantages)
+        if self.critic is not None and values is not None:  # values: the critic's, before this update
+            metrics.update(self._update_critic(rows, real, advantages, values))
         return metrics
 
     def _update_actor(self, rows: list[Turn], real: int, advantages: Mapping[str, TurnAdvantage]) -> dict[str, float]:
@@ -216,14 +214,13 @@ class VerlLearner:
         tokens = 0
         self.actor.set_loss_fn(partial(sft_loss, config=None))  # sft_loss reads no config
         try:
-            with self.on_device():
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                for batch in sft_batches(len(turns), steps, batch_size, self.seed):
-                    tokens += self._sft_step([turns[i] for i in batch], losses, norms)
-                for group, lr in zip(optimizer.param_groups, lrs, strict=True):
-                    group["lr"] = lr
-                optimizer.state.clear()
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            for batch in sft_batches(len(turns), steps, batch_size, self.seed):
+                tokens += self._sft_step([turns[i] for i in batch], losses, norms)
+            for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+                group["lr"] = lr
+            optimizer.state.clear()
         finally:
             self.actor.set_loss_fn(self._ppo_loss)
         return losses, norms, tokens

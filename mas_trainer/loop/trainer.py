@@ -525,7 +525,7 @@ class _Fit:
         with Session(model=c.model, max_in_flight=c.rollout.max_in_flight or c.runtime.max_batch_size, timeout_s=c.rollout.timeout_s,
                      default_max_tokens=c.rollout.max_tokens) as session:
             spec, plan = self.check_app(session, state)
-            join_cluster(plan.workers, plan.runtime)  # a cluster too small: one line, the run directory untouched
+            join_cluster(plan)  # a cluster too small: one line, the run directory untouched
             self.open_rundir(spec, plan, state, start_over)
             self.say(f"starting the {plan.summary()} (loading weights, building engines)")  # the plan, in one line
             self.handles = start_workers(plan.workers, plan.runtime)

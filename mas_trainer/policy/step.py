@@ -35,13 +35,12 @@ class PolicyLearner(Protocol):
 
 def policy_step(pairs: Sequence[tuple[TurnRecord, BufferedTurn]], config: AdvantageConfig,
                 learner: PolicyLearner) -> StepResult:
-    """One update from (thin record, buffered turn) pairs (`TurnStore.take`); the advantages of
-    every turn trained on come back with the metrics."""
+    """One update from (thin record, buffered turn) pairs (`TurnStore.take`; at least one: a host
+    with none skips the step, and the wait for its engine or GPUs); the advantages of every turn
+    trained on come back with the metrics."""
     from mas_trainer.algo.advantages import compute_policy_advantages
     from mas_trainer.learners.batch import Turn
 
-    if not pairs:
-        return StepResult({"turns": 0.0})
     records = [r for r, _ in pairs]
     turns = [Turn(id=r.turn_id, prompt_ids=t.prompt_ids, response_ids=t.response_ids, old_logprobs=t.logprobs, advantages=0.0)
              for r, t in pairs]

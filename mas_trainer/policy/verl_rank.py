@@ -162,20 +162,17 @@ class PolicyWorker(Worker):
             self.serving.turns.add(turns or {})
             shared = [self.serving.turns.take(records, self.learner.updates)]
         torch.distributed.broadcast_object_list(shared, src=0)
-        result = policy_step(shared[0], self.plan.advantage, self.learner)
-        if self.rank != 0:
-            if shared[0]:
-                self._changed()
-            return None
-        if shared[0]:
-            self._changed()
-            result.metrics.update(seconds=time.perf_counter() - t0, updates=float(self.learner.updates), **self.serving.figures())
-        result.metrics.update(self.serving.turns.stale_metrics())
-        return result
-
-    def _changed(self) -> None:
-        with self.learner.on_device():
+        stale = self.serving.turns.stale_metrics()
+        if not shared[0]:
+            return StepResult({"turns": 0.0, **stale}) if self.rank == 0 else None
+        with self.learner.on_device():  # shared GPUs: the update's turn, then the rollouts'
+            result = policy_step(shared[0], self.plan.advantage, self.learner)
             self.sink.changed(self.learner)
+        if self.rank != 0:
+            return None
+        result.metrics.update(seconds=time.perf_counter() - t0, updates=float(self.learner.updates), **stale,
+                              **self.serving.figures())
+        return result
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def warm_start(self, examples: Sequence[WarmStartExample], config: WarmStartConfig) -> dict[str, float] | None:
@@ -183,8 +180,10 @@ class PolicyWorker(Worker):
         `sft_metrics` on rank 0."""
         from mas_trainer.learners.sft import sft_metrics
 
-        losses, norms, tokens = self.learner.warm_start(examples, steps=config.steps, lr=config.lr, batch_size=config.batch_size)
-        self._changed()
+        with self.learner.on_device():
+            losses, norms, tokens = self.learner.warm_start(examples, steps=config.steps, lr=config.lr,
+                                                            batch_size=config.batch_size)
+            self.sink.changed(self.learner)
         return sft_metrics(losses, tokens, len(examples), norms) if self.rank == 0 else None
 
     # --- weights to the rollout replicas: verl's actor side of CheckpointEngineManager ----

@@ -19,9 +19,8 @@ NODES = [{"CPU": 0.0, "memory": 1e9}, {"CPU": 1.0, "node:a": 1.0}, {"CPU": 1.0, 
 
 
 def _asks(*overrides: str, models=TWO, gpus: int = 0):
-    plan = resolve_plan(load_config(overrides=["runtime.learner=verl", "learner.mini_batch_size=2", *overrides]), models,
-                        machine=Machine(gpus=gpus, cpus=2))
-    return placement_asks(plan.workers, plan.learner, plan.share_gpus)
+    return placement_asks(resolve_plan(load_config(overrides=["runtime.learner=verl", "learner.mini_batch_size=2", *overrides]),
+                                       models, machine=Machine(gpus=gpus, cpus=2)))
 
 
 def test_a_policy_on_two_nodes_fits_two_one_cpu_nodes_and_two_such_policies_do_not():
