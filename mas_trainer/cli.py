@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from mas_trainer.cluster.placement import RunStopped
 from mas_trainer.errors import UserError
 from mas_trainer.loop.quiet import quiet_libraries
 
@@ -113,20 +114,24 @@ def cmd_fit(args: argparse.Namespace) -> int:
     return 0
 
 
-def _interrupted_fit(output: str, *, forced: bool) -> int:
-    """Ctrl-C in `fit`: one line saying what was kept; exit status 130. Everything kept was
-    committed by an atomic rename (run/rundir.py), so a step cut short is neither kept nor
-    counted. After a second Ctrl-C the engine threads may still be inside torch, which aborts at
-    interpreter exit: then Ray is shut down and the process leaves at once."""
+def _kept(output: str) -> str:
+    """What a stopped `fit` left to resume from, in words."""
     from mas_trainer.run.rundir import RunDir
 
     try:
         state = RunDir(output).load_state()
     except Exception:  # a run directory cut mid-write is not worth a traceback here
         state = None
-    kept = (f"its last checkpoint, step {state['step']}, is kept: add --resume to continue from it"
+    return (f"its last checkpoint, step {state['step']}, is kept: add --resume to continue from it"
             if state else "no checkpoint was written yet")
-    print(f"mas-trainer fit: interrupted; {output}: {kept}", file=sys.stderr, flush=True)
+
+
+def _interrupted_fit(output: str, *, forced: bool) -> int:
+    """Ctrl-C in `fit`: one line saying what was kept; exit status 130. Everything kept was
+    committed by an atomic rename (run/rundir.py), so a step cut short is neither kept nor
+    counted. After a second Ctrl-C the engine threads may still be inside torch, which aborts at
+    interpreter exit: then Ray is shut down and the process leaves at once."""
+    print(f"mas-trainer fit: interrupted; {output}: {_kept(output)}", file=sys.stderr, flush=True)
     if not forced:
         return 130
     ray = sys.modules.get("ray")
@@ -443,6 +448,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         _configure_logging(os.environ.get(LOG_ENV, ""))
         quiet_libraries()  # every verb: no third-party progress bars (model loads in eval, serve, trace)
         return args.func(args)
+    except RunStopped as exc:  # not the user's input: exit 1, and what is kept to resume from
+        kept = f"; {args.output}: {_kept(args.output)}" if args.verb == "fit" else ""
+        print(f"mas-trainer {args.verb}: error: {str(exc).splitlines()[0]}{kept}", file=sys.stderr)
+        return 1
     except UserError as exc:
         print(f"mas-trainer {args.verb}: error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2

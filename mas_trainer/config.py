@@ -183,6 +183,9 @@ class RuntimeConfig(_Strict, EngineSettings):
     execution: Literal["ray", "local"] = Field("ray", description="where the policies' worker groups run: ray = Ray actors (one per policy, or verl's ranks); local = in this process (torch learner only)")
     ray_address: str | None = Field(None, description="join this Ray cluster instead of starting a local one")
     num_cpus: int | None = Field(None, description="CPUs of the local Ray instance (default: all); not with ray_address")
+    placement_timeout_s: float = Field(600.0, gt=0, description="longest wait for Ray to place a worker group's or rollout "
+                                       "replica's resources (an autoscaling cluster adding nodes) before the run stops and says "
+                                       "what could not be placed")
     worker_cpus: float = Field(0.0, ge=0, description="CPUs each worker group actor reserves (0 fits any number on one machine); "
                                "torch learner on Ray only (verl's ranks take their pool's bundles)")
     torch_threads: int | None = Field(None, ge=1, description="torch threads per worker process (default: on CPU cores / "

@@ -14,9 +14,11 @@ import logging
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from mas_trainer.engines.base import Generation, SamplingParams
+from mas_trainer.config import ConfigError
 from mas_trainer.errors import UserError
 from mas_trainer.policy.contract import StepResult, WarmStartExample, WorkerPlan
 from mas_trainer.policy.turns import BufferedTurn
+from mas_trainer.cluster.placement import WorkerLost, lost_worker, place_pool
 from mas_trainer.cluster.ray_init import init_ray, init_ray_for
 
 if TYPE_CHECKING:
@@ -60,13 +62,30 @@ class _RayGroup:
 
     policy: str
     server: Any  # the Ray actor that serves
+    lost: WorkerLost | None = None  # the first of its processes found gone: the run's one error line
 
     async def _serve(self, method: str, *args: Any) -> Any:
-        with _user_errors():
+        with _user_errors(), self._losses():
             return await _cancellable(getattr(self.server, method).remote(*args))
 
     async def _all(self, method: str, *args: Any) -> Any:
         return await self._serve(method, *args)
+
+    def _who(self, actor_id: str | None) -> str:
+        return "its worker process (the torch learner and engine)"
+
+    @contextlib.contextmanager
+    def _losses(self) -> Iterator[None]:
+        """A process of the group gone (its node lost, killed) is said once, as `WorkerLost`."""
+        try:
+            yield
+        except Exception as exc:
+            if self.lost is None:
+                actor = getattr(exc, "actor_id", None)
+                self.lost = lost_worker(exc, self.policy, self._who(actor if isinstance(actor, str) else None))
+            if self.lost is not None:
+                raise self.lost from exc
+            raise
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, turn_id: str | None = None) -> list[Generation]:
         return await self._serve("generate", list(prompt_ids), params, turn_id)
@@ -88,7 +107,7 @@ class _RayGroup:
         return await self._all("load", learner_dir)
 
     def failure(self) -> BaseException | None:
-        return None  # a dead actor fails the call that reaches it
+        return self.lost
 
 
 class ActorGroup(_RayGroup):
@@ -103,6 +122,8 @@ class ActorGroup(_RayGroup):
 
         try:
             ray.get(self.actor.close.remote(), timeout=30)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:  # lost, or stuck: killed below
+            log.debug("policy %s: closing its actor: %s", self.policy, type(exc).__name__)
         finally:
             ray.kill(self.actor)
 
@@ -118,14 +139,21 @@ class VerlGroup(_RayGroup):
         self.pool = pool  # its placement groups are released on close (none when shared)
 
     async def _all(self, method: str, *args: Any) -> Any:
-        with _user_errors():
+        with _user_errors(), self._losses():  # the first rank to fail ends the wait: a lost one leaves the others in a collective
             return (await asyncio.gather(*getattr(self.group, method)(*args)))[0]
+
+    def _who(self, actor_id: str | None) -> str:
+        ranks = [i for i, w in enumerate(self.group.workers) if actor_id and w._actor_id.hex() == actor_id]
+        rank = f"rank {ranks[0]}" if ranks else "a rank"
+        return f"{rank} of its verl worker group of {len(self.group.workers)}" + (" (it serves the rollouts)" if ranks == [0] else "")
 
     def close(self) -> None:
         import ray
 
         try:
             ray.get(self.group.close(), timeout=30)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:  # a rank lost, or the others stuck
+            log.debug("policy %s: closing its worker group: %s", self.policy, type(exc).__name__)  # in a collective with it
         finally:
             for w in self.group.workers:
                 ray.kill(w)
@@ -146,8 +174,19 @@ def start_actor_groups(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, 
         gpus = plan.resources.gpus_per_proc if plan.device == "cuda" else 0
         actor = actor_cls.options(num_cpus=runtime.worker_cpus, num_gpus=gpus, max_concurrency=1000).remote(plan)
         groups[name] = ActorGroup(name, actor)
-    # fail here, not at the first request, if an actor cannot start (e.g. a bad model path)
-    ray.get([g.actor.discard.remote() for g in groups.values()])
+    # fail here, not at the first request, if an actor cannot start (e.g. a bad model path), and say
+    # so if Ray cannot place one (its CPUs or GPU share) within the bound
+    waits = {g.actor.discard.remote(): name for name, g in groups.items()}
+    ready, pending = ray.wait(list(waits), num_returns=len(waits), timeout=runtime.placement_timeout_s)
+    if pending:
+        for g in groups.values():
+            ray.kill(g.actor)
+        first = waits[pending[0]]
+        raise ConfigError(f"policy {first}: Ray did not start its torch learner actor ({runtime.worker_cpus:g} CPU, "
+                          f"{plans[first].resources.gpus_per_proc if plans[first].device == 'cuda' else 0:g} GPU) within "
+                          f"runtime.placement_timeout_s={runtime.placement_timeout_s:g} s: other jobs hold the resources, or the "
+                          "cluster did not grow; free them or add nodes, or lower runtime.worker_cpus or resources.gpus_per_proc")
+    ray.get(ready)
     return groups
 
 
@@ -184,11 +223,13 @@ def _port_lost(started: dict[str, tuple[WorkerPlan, Any, Any]]) -> set[str]:
     return lost
 
 
-def _kill(group: Any) -> None:
+def _kill(group: Any, pool: Any = None) -> None:
     import ray
 
     for w in group.workers:
         ray.kill(w)
+    for pg in (pool.pgs or []) if pool is not None else []:
+        ray.util.remove_placement_group(pg)
 
 
 def start_verl_groups(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, VerlGroup]:
@@ -200,6 +241,7 @@ def start_verl_groups(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, V
     # one logical CPU per rank and per CPU rollout replica
     replicas = sum(p.replica.replicas for p in plans.values() if p.engine != "embedded") if cpu else 0
     env = init_ray_for("cpu" if cpu else "cuda", runtime, sum(p.resources.world_size for p in plans.values()) + replicas)
+    import ray
     from verl.single_controller.ray.base import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
     def pool(r: Any, colocate: int) -> Any:
@@ -209,11 +251,20 @@ def start_verl_groups(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, V
     shared = None  # the plan checked that the policies' resources agree
     if any(p.offload_between_phases for p in plans.values()):
         shared = pool(next(iter(plans.values())).resources, len(plans))
-    started: dict[str, tuple[WorkerPlan, Any, Any]] = {}
-    for name, plan in plans.items():  # each plan has its own replica ranks (resolve_plan)
-        # one rank per GPU bundle: NCCL refuses two ranks of one group on one GPU (a share below 1
-        # is refused when the config loads, see config._check_learner)
-        started[name] = _verl_group(plan, shared or pool(plan.resources, 1), env, RayClassWithInitArgs, RayWorkerGroup)
+    # one rank per GPU bundle: NCCL refuses two ranks of one group on one GPU (a share below 1
+    # is refused when the config loads, see config._check_learner)
+    pools = {name: shared or pool(plan.resources, 1) for name, plan in plans.items()}
+    try:  # every pool placed, within the bound, before any rank starts
+        for name in plans:
+            place_pool(pools[name], policy=name, what="verl worker group", timeout_s=runtime.placement_timeout_s,
+                       address=runtime.ray_address)
+    except BaseException:
+        for placed in {id(p): p for p in pools.values()}.values():
+            for pg in placed.pgs or []:
+                ray.util.remove_placement_group(pg)
+        raise
+    # each plan has its own replica ranks (resolve_plan)
+    started = {name: _verl_group(plan, pools[name], env, RayClassWithInitArgs, RayWorkerGroup) for name, plan in plans.items()}
     groups: dict[str, VerlGroup] = {}
     try:
         for attempt in range(1, _PORT_ATTEMPTS + 1):
@@ -237,9 +288,9 @@ def start_verl_groups(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, V
     except BaseException:
         for handle in groups.values():
             handle.close()
-        for name, (_plan, group, _own) in started.items():
+        for name, (_plan, group, own) in started.items():
             if name not in groups:
-                _kill(group)
+                _kill(group, None if shared else own)
         raise
     for name, group in groups.items():
         log.info("policy %s: verl worker group of %d rank(s) on %s", name, group.plan.resources.world_size, group.plan.device)

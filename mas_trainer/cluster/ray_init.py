@@ -1,22 +1,68 @@
 """The local Ray instance's life: started once per driver, with a watchdog that ends every
 process it started as soon as the driver is gone (`cluster/watchdog.py` says why and how),
-or joined at `runtime.ray_address`.
+or joined at `runtime.ray_address`. `fit` sends the workers' output (Ray streams it to the
+driver) to a file of the run instead of the console (`send_worker_output_to`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any
 
 from mas_trainer.cluster import watchdog
 
-__all__ = ["RAY_OWNER_ENV", "start_watchdog", "init_ray", "init_ray_for"]
+__all__ = ["RAY_OWNER_ENV", "start_watchdog", "init_ray", "init_ray_for", "send_worker_output_to"]
 
 log = logging.getLogger(__name__)
 
 RAY_OWNER_ENV = "MAS_TRAINER_RAY_OWNER"  # marks the processes `ray.init` starts (their environment)
 _watchdog: Any = None  # (process, mark); its pipe stays open for the driver's life
+_worker_output: Any = None  # the open file the workers' output goes to, once `send_worker_output_to` was called
+
+
+def send_worker_output_to(path: str | os.PathLike[str] | None) -> None:
+    """What every worker prints (their logs and tracebacks, as Ray streams them to the driver)
+    is appended to `path` from now on, each line prefixed with its process and node, instead of
+    being printed on the console, where a run's few lines of progress and its one error line
+    would drown in them (a lost node: every worker's traceback). Applies to Ray once started;
+    None: back to Ray's console printing."""
+    global _worker_output
+    routed = _worker_output is not None
+    if routed:
+        _worker_output.close()
+    _worker_output = None if path is None else open(path, "a", encoding="utf-8", errors="replace", buffering=1)  # noqa: SIM115
+    if path is not None or routed:
+        _route_worker_output()
+
+
+def _route_worker_output() -> None:
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return
+    # Ray's own hook for the stream (ray.init(log_to_driver=True) installs "ray_print_logs" on it)
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as streams
+    from ray._private.worker import print_to_stdstream
+
+    streams.remove_handler("ray_print_logs")
+    if _worker_output is None:
+        streams.add_handler("ray_print_logs", functools.partial(print_to_stdstream, ignore_prefix=False))
+        return
+
+    sink = _worker_output
+
+    def write(batch: dict[str, Any]) -> None:
+        who = batch.get("actor_name") or batch.get("task_name") or ""
+        head = f"({who + ' ' if who else ''}pid={batch.get('pid')}, ip={batch.get('ip')}) "
+        try:
+            sink.writelines(head + line + "\n" for line in batch.get("lines", []))
+        except ValueError:  # closed: the run is over
+            pass
+
+    streams.add_handler("ray_print_logs", write)
 
 
 def start_watchdog() -> str | None:
@@ -72,6 +118,8 @@ def init_ray(runtime: Any, needed_cpus: int, env: dict[str, str]) -> None:
     finally:
         if mark:
             os.environ.pop(RAY_OWNER_ENV, None)
+    if _worker_output is not None:
+        _route_worker_output()
 
 
 def init_ray_for(device: str, runtime: Any, needed_cpus: int) -> dict[str, str]:
@@ -79,11 +127,12 @@ def init_ray_for(device: str, runtime: Any, needed_cpus: int) -> dict[str, str]:
     (its environment, returned, goes to every worker)."""
     env: dict[str, str] = {}
     if device == "cpu":
-        from verl.plugin.platform.platform_manager import set_platform
+        from verl.plugin.platform import platform_manager
 
         from mas_trainer.learners.verl_cpu import PlatformCPU, worker_env
 
         env = worker_env()
-        set_platform(PlatformCPU())  # the controller places CPU bundles, not GPU ones
+        if not isinstance(platform_manager._current_platform, PlatformCPU):  # once (joining a cluster came first)
+            platform_manager.set_platform(PlatformCPU())  # the controller places CPU bundles, not GPU ones
     init_ray(runtime, needed_cpus, env)
     return env

@@ -51,7 +51,8 @@ class VerlLearner:
         self.model_dir = str(materialize(model, seed=seed))
         bf16 = config.bf16 if isinstance(config.bf16, bool) else bf16_is_fast(torch_device(device))
         self.actor_config = config.actor_config()
-        self.actor = TrainingWorker(training_worker_config(self.model_dir, config, seed=seed, bf16=bf16, device=device))
+        self.actor = TrainingWorker(training_worker_config(self.model_dir, config, seed=seed, bf16=bf16, device=device,
+                                                               world_size=world_size))
         self.actor.reset()
         self._ppo_loss = partial(ppo_loss, config=self.actor_config)
         self.actor.set_loss_fn(self._ppo_loss)
@@ -60,9 +61,10 @@ class VerlLearner:
             # verl's forward-only engine offloads to pinned memory, which needs an accelerator; on CPU
             # the reference is an ordinary engine that is never stepped (AdamW allocates no state then)
             self.ref = TrainingWorker(training_worker_config(str(materialize(reference or model, seed=seed)), config,
-                                                             forward_only=device != "cpu", seed=seed, bf16=bf16, device=device))
+                                                             forward_only=device != "cpu", seed=seed, bf16=bf16, device=device,
+                                                             world_size=world_size))
             self.ref.reset()
-        self.critic = _build_critic(self.model_dir, critic, seed, device) if critic is not None else None
+        self.critic = _build_critic(self.model_dir, critic, seed, device, world_size) if critic is not None else None
         if offload:  # the rollouts come first
             for worker in self._trainable():
                 worker.to("cpu")
@@ -260,7 +262,7 @@ class VerlLearner:
             self.critic.load_checkpoint(os.path.join(learner_dir, "critic"), del_local_after_load=False)
 
 
-def _build_critic(model_dir: str, c: CriticConfig, seed: int, device: str) -> Any:
+def _build_critic(model_dir: str, c: CriticConfig, seed: int, device: str, world_size: int) -> Any:
     """A value-model `TrainingWorker` (verl's value head on the policy's body) with verl's
     clipped `value_loss`, configured from the policy's `CriticConfig`."""
     from types import SimpleNamespace
@@ -274,7 +276,7 @@ def _build_critic(model_dir: str, c: CriticConfig, seed: int, device: str) -> An
                         micro_batch_size=c.micro_batch_size)
     bf16 = c.bf16 if isinstance(c.bf16, bool) else bf16_is_fast(torch_device(device))
     worker = TrainingWorker(training_worker_config(model_dir, opt, model_type="value_model", seed=seed, bf16=bf16,
-                                                    device=device))
+                                                    device=device, world_size=world_size))
     worker.reset()
     # value_loss reads these three fields of verl's CriticConfig
     worker.set_loss_fn(partial(value_loss, config=SimpleNamespace(

@@ -58,8 +58,10 @@ def training_worker_config(
     bf16: bool = True,
     lr: float | None = None,
     device: str = "cpu",
+    world_size: int = 1,
 ) -> Any:
-    """verl's `TrainingWorkerConfig` for one policy (or its reference / value model) on `device`."""
+    """verl's `TrainingWorkerConfig` for one policy (or its reference / value model) on `device`,
+    one of `world_size` ranks."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig, TrainingWorkerConfig
 
@@ -74,6 +76,10 @@ def training_worker_config(
     model = HFModelConfig(path=model_dir, override_config={"attn_implementation": attn}, enable_gradient_checkpointing=False,
                           use_remove_padding=packed)
     precision = "bf16" if bf16 else "fp32"
+    # verl cuts each rank's share of a mini-batch into whole micro-batches: the largest that divides
+    # it, within learner.micro_batch_size ("most turns per forward/backward")
+    share = max(1, learner.mini_batch_size // world_size)
+    micro = max(d for d in range(1, min(share, learner.micro_batch_size) + 1) if share % d == 0)
     engine = FSDPEngineConfig(
         strategy="fsdp2",  # FSDP1 refuses CPU parameters; FSDP2 runs on both
         forward_only=forward_only,
@@ -82,8 +88,8 @@ def training_worker_config(
         use_dynamic_bsz=learner.micro_batch_tokens is not None,
         max_token_len_per_gpu=learner.micro_batch_tokens,
         infer_max_token_len_per_gpu=learner.micro_batch_tokens,
-        micro_batch_size_per_gpu=learner.micro_batch_size,
-        infer_micro_batch_size_per_gpu=learner.micro_batch_size,
+        micro_batch_size_per_gpu=micro,
+        infer_micro_batch_size_per_gpu=micro,
         use_torch_compile=device == "cuda",  # verl's default; on CPU compiling costs more than it saves
         use_remove_padding=packed,
         seed=seed,

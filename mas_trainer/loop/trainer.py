@@ -37,6 +37,8 @@ from mas_trainer.loop.session import Session
 from mas_trainer.cluster.plan import RunPlan, resolve_plan
 from mas_trainer.run.progress import FitProgress
 from mas_trainer.run.tracking import Trackers
+from mas_trainer.cluster.ray_init import send_worker_output_to
+from mas_trainer.cluster.storage import check_shared_rundir
 from mas_trainer.cluster.workers import WorkerEngine, join_cluster, start_workers
 from mas_trainer.trace.schema import Trajectory
 
@@ -527,9 +529,17 @@ class _Fit:
             spec, plan = self.check_app(session, state)
             join_cluster(plan)  # a cluster too small: one line, the run directory untouched
             self.open_rundir(spec, plan, state, start_over)
+            if plan.execution == "ray":  # the workers' output (their tracebacks too) to the run's file, not the console
+                send_worker_output_to(self.rundir.root / "workers.log")
             self.say(f"starting the {plan.summary()} (loading weights, building engines)")  # the plan, in one line
-            self.handles = start_workers(plan.workers, plan.runtime)
             try:
+                self.handles = start_workers(plan.workers, plan.runtime)
+            except BaseException:
+                send_worker_output_to(None)
+                raise
+            try:
+                if plan.runtime.ray_address is not None and plan.execution == "ray":
+                    check_shared_rundir(self.rundir.root)  # ranks on other nodes write checkpoints there
                 # worker groups serve the trainable policies; frozen ones get engines configured like theirs (runtime.*)
                 served = {p: PolicyBackend(WorkerEngine(h), HFChatFormat(load_tokenizer(spec.policies[p].base_model)))
                           for p, h in self.handles.items()}
@@ -548,8 +558,11 @@ class _Fit:
                 raise
             finally:
                 session.stop_calls()  # calls in flight are answered before their worker groups' engines close
-                for h in self.handles.values():
-                    h.close()
+                try:
+                    for h in self.handles.values():
+                        h.close()
+                finally:
+                    send_worker_output_to(None)
         return self.rows
 
 def fit(app_ref: Any, tasks: list[dict], cfg: FitConfig, output: str | Path, *, val_tasks: list[dict] | None = None,
