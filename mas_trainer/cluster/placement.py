@@ -41,10 +41,10 @@ def where_lost(message: str) -> str:
     """`on node IP (id 1a2b3c4d): WHY` from the text of Ray's actor-death error, as far as it says."""
     ip = re.search(r"\bip: (\S+)", message)
     node = re.search(r"Node Id: ([0-9a-f]+)", message)
-    why = re.search(r"the actor's node was terminated[^\n]*|The actor died because[^\n.]*|The actor is dead because[^\n.]*",
-                    message)
-    place = f"on node {ip.group(1) if ip else 'unknown'}" + (f" (id {node.group(1)[:8]})" if node else "")
-    return f"{place}: {' '.join(why.group(0).split()) if why else 'its process died'}"
+    died = re.search(r"The actor (?:died|is dead) because ([^\n.]*)", message)
+    how = re.search(r"the actor's node was ([^\n]*)", message)
+    why = (died.group(1).strip() if died else "its process died") + (f" ({' '.join(how.group(1).split())})" if how else "")
+    return f"on node {ip.group(1) if ip else 'unknown'}" + (f" (id {node.group(1)[:8]})" if node else "") + f": {why}"
 
 
 def place_pool(pool: Any, *, policy: str, what: str, timeout_s: float, address: str | None) -> None:

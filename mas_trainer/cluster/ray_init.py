@@ -94,7 +94,8 @@ def init_ray(runtime: Any, needed_cpus: int, env: dict[str, str]) -> None:
     if mark:  # only the processes ray.init starts carry it, not the driver's other children
         os.environ[RAY_OWNER_ENV] = mark
     args = dict(
-        address=runtime.ray_address,
+        # "local": a new instance of our own; None would join any cluster `ray start` (or a test's) left on this host
+        address=runtime.ray_address or "local",
         # a local instance offers at least one logical CPU per rank: ranks mostly wait on each other
         num_cpus=(runtime.num_cpus or max(os.cpu_count() or 1, needed_cpus)) if local else None,
         include_dashboard=False,

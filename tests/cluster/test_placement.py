@@ -1,0 +1,102 @@
+"""A worker lost with its node is one line naming the rank and the node; the workers' output
+goes to the run's file; verl's micro-batches fit each rank's share of a mini-batch."""
+
+import asyncio
+import time
+
+import pytest
+
+from mas_trainer.cluster.groups import ActorGroup
+from mas_trainer.cluster.placement import RunStopped, WorkerLost, lost_worker, where_lost
+from mas_trainer.engines.base import SamplingParams
+from mas_trainer.errors import UserError
+
+ray = pytest.importorskip("ray")
+
+# the text of Ray's ActorDiedError for an actor whose node was removed (Ray 2.60)
+DIED = """The actor died unexpectedly before finishing this task.
+\tclass_name: PolicyWorker
+\tactor_id: 49762c68dde3d5ef5decbb9e01000000
+\tpid: 5154
+\tname: xkfWXgPolicyWorker_1:0
+\tip: 192.0.2.7
+The actor died because its node has died. Node Id: f94eeae0456a724380693784d085aa9bf3951516aa6841f97400ae23
+\tthe actor's node was terminated expectedly: received SIGTERM"""
+
+
+def test_a_lost_actor_is_named_with_its_node_and_any_other_error_is_left_alone():
+    assert where_lost(DIED) == ("on node 192.0.2.7 (id f94eeae0): its node has died "
+                               "(terminated expectedly: received SIGTERM)")
+    assert where_lost("something else") == "on node unknown: its process died"
+    err = lost_worker(ray.exceptions.ActorDiedError(), "lead", "rank 1")
+    assert isinstance(err, WorkerLost) and isinstance(err, RunStopped) and str(err).startswith("policy lead: rank 1 was lost (")
+    assert "\n" not in str(err) and "resumable" in str(err)
+    assert lost_worker(ValueError("a worker's own bug"), "lead", "rank 1") is None
+
+
+class _Method:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def remote(self, *args):
+        async def fail():
+            raise self.exc
+        return fail()
+
+
+class _Actor:
+    def __init__(self, exc: BaseException) -> None:
+        self.generate = self.train = _Method(exc)
+
+
+def test_the_group_whose_process_is_gone_says_so_once_and_reports_it_as_its_failure():
+    group = ActorGroup("crew", _Actor(ray.exceptions.ActorDiedError()))
+    with pytest.raises(WorkerLost, match=r"^policy crew: its worker process \(the torch learner and engine\) was lost"):
+        asyncio.run(group.generate([1, 2], SamplingParams(max_tokens=4)))
+    assert isinstance(group.failure(), WorkerLost)  # the trainer raises it when the step's rollouts failed
+    with pytest.raises(WorkerLost):
+        asyncio.run(group.train([]))
+    mine = ActorGroup("crew", _Actor(UserError("a bad task")))  # a worker's own error stays what it is
+    with pytest.raises(UserError, match="a bad task"):
+        asyncio.run(mine.generate([1], SamplingParams(max_tokens=4)))
+    assert mine.failure() is None
+
+
+@pytest.mark.parametrize("mini, world, micro, want", [(16, 1, 4, 4), (4, 2, 4, 2), (6, 2, 4, 3), (2, 2, 4, 1), (14, 2, 4, 1)])
+def test_verl_micro_batches_divide_each_ranks_share(mini, world, micro, want):
+    pytest.importorskip("verl")
+    from mas_trainer.engines.models import materialize
+    from mas_trainer.learners.config import LearnerConfig
+    from mas_trainer.learners.verl_parts import training_worker_config
+
+    cfg = training_worker_config(str(materialize("tiny", seed=0)), LearnerConfig(mini_batch_size=mini, micro_batch_size=micro), world_size=world)
+    assert cfg.engine_config.micro_batch_size_per_gpu == want == cfg.engine_config.infer_micro_batch_size_per_gpu
+
+
+@pytest.mark.verl
+def test_the_workers_output_goes_to_the_run_file_not_the_console(tmp_path, capfd):
+    from mas_trainer.cluster.ray_init import send_worker_output_to
+
+    @ray.remote(num_cpus=0)
+    def say(word):
+        print(word, flush=True)
+
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=True, configure_logging=False)
+    log = tmp_path / "workers.log"
+    try:
+        send_worker_output_to(log)
+        ray.get(say.remote("into-the-file"))
+        deadline = time.time() + 60
+        while "into-the-file" not in (log.read_text() if log.exists() else "") and time.time() < deadline:
+            time.sleep(0.1)
+        send_worker_output_to(None)
+        ray.get(say.remote("back-on-the-console"))
+        while "back-on-the-console" not in capfd.readouterr().out and time.time() < deadline:
+            time.sleep(0.1)
+            ray.get(say.remote("back-on-the-console"))
+    finally:
+        send_worker_output_to(None)
+        ray.shutdown()
+    text = log.read_text()
+    assert "into-the-file" in text and "pid=" in text and "back-on-the-console" not in text
+    assert time.time() < deadline
