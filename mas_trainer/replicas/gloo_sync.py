@@ -16,7 +16,6 @@ offsets), never pickle: the port is reachable by other local processes.
 from __future__ import annotations
 
 import json
-import socket
 from datetime import timedelta
 from typing import Any, AsyncGenerator, Generator, Iterable
 
@@ -44,10 +43,10 @@ class GlooCheckpointEngine(CheckpointEngine):
     def prepare(self) -> dict[str, Any]:
         if not self.is_master:
             return {}
-        with socket.socket() as s:  # a free port for this sync's rendezvous
-            s.bind(("127.0.0.1" if _local_only() else "", 0))
-            port = s.getsockname()[1]
-        return {"master": {"addr": _host_ip(), "port": port}}
+        # the rendezvous store binds a free port at once and keeps it: a port probed and let go
+        # could be taken before the bind by another run's sync on the same node (or any process)
+        self._store = dist.TCPStore(_host_ip(), 0, is_master=True, timeout=self.timeout, wait_for_workers=False)
+        return {"master": {"addr": _host_ip(), "port": self._store.port}}
 
     @classmethod
     def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict]) -> tuple[dict, dict]:
@@ -63,7 +62,8 @@ class GlooCheckpointEngine(CheckpointEngine):
         self.rank = rank
         if rank < 0:
             return
-        self._store = dist.TCPStore(master["addr"], master["port"], world_size, rank == 0, timeout=self.timeout)
+        if rank > 0:  # rank 0's store is the one its prepare bound
+            self._store = dist.TCPStore(master["addr"], master["port"], world_size, False, timeout=self.timeout)
         self._pg = dist.ProcessGroupGloo(self._store, rank, world_size, self.timeout)
 
     def finalize(self) -> None:
