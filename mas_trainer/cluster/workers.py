@@ -174,7 +174,7 @@ def _start_verl(plans: dict[str, WorkerPlan], runtime: RuntimeConfig) -> dict[st
     try:
         for name, group in groups.items():
             if group.plan.engine != "embedded":
-                handles[name] = _with_replicas(group)
+                handles[name] = _with_replicas(group, runtime)
     except BaseException:
         for handle in handles.values():
             handle.close()
@@ -182,18 +182,23 @@ def _start_verl(plans: dict[str, WorkerPlan], runtime: RuntimeConfig) -> dict[st
     return handles
 
 
-def _with_replicas(learner: VerlGroup) -> ReplicaGroupHandle:
+def _with_replicas(learner: VerlGroup, runtime: RuntimeConfig) -> ReplicaGroupHandle:
     """Start the policy's rollout replicas on its base (or resumed) weights."""
     from mas_trainer.engines.models import load_tokenizer, materialize
     from mas_trainer.replicas.fleet import RolloutFleet
 
     plan = learner.plan
     model_dir = str(materialize(plan.model, seed=plan.seed))
+    fleet = RolloutFleet(plan.policy, model_dir, plan.engine, plan.replica, device=plan.device, settings=plan.engine_settings,
+                         torch_threads=plan.torch_threads, first_rank=plan.replica_first_rank,
+                         placement_timeout_s=runtime.placement_timeout_s, ray_address=runtime.ray_address)
     try:
-        fleet = RolloutFleet(plan.policy, model_dir, plan.engine, plan.replica, device=plan.device, settings=plan.engine_settings,
-                             torch_threads=plan.torch_threads, first_rank=plan.replica_first_rank).start(learner.group)
+        fleet.start(learner.group)
     except BaseException:
-        learner.close()
+        try:
+            fleet.close()  # what it placed and started so far
+        finally:
+            learner.close()
         raise
     return ReplicaGroupHandle(learner, fleet, load_tokenizer(model_dir))
 
@@ -219,7 +224,8 @@ def serving_backends(checkpoints: dict[str, Any], kind: str, runtime: RuntimeCon
         first = first_replica_ranks({name: cfg.replicas for name in checkpoints})
         for name, folder in checkpoints.items():
             fleet = RolloutFleet(name, str(folder), kind, cfg, device=device, settings=EngineSettings.of(runtime),
-                                 first_rank=first[name]).start()
+                                 first_rank=first[name], placement_timeout_s=runtime.placement_timeout_s,
+                                 ray_address=runtime.ray_address).start()
             fleets.append(fleet)
             tokenizer = load_tokenizer(str(folder))
             backends[name] = PolicyBackend(fleet.engine(tokenizer, owned=True), HFChatFormat(tokenizer))

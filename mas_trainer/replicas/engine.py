@@ -24,15 +24,15 @@ import time
 import uuid
 from typing import Any, Callable, Protocol, Sequence
 
+from mas_trainer.cluster.placement import RunStopped, where_lost
 from mas_trainer.engines.base import EngineUnavailable, FinishReason, Generation, SamplingParams, choice_id, cut_at_stop
-from mas_trainer.errors import UserError
 
 __all__ = ["ReplicaClient", "ReplicaEngine", "ReplicaError", "vllm_sampling"]
 
 log = logging.getLogger(__name__)
 
 
-class ReplicaError(UserError, EngineUnavailable):
+class ReplicaError(RunStopped, EngineUnavailable):
     """A rollout replica died, timed out or aborted a request."""
 
 
@@ -111,7 +111,11 @@ class ReplicaEngine:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a dead actor, a refused request: the run cannot go on with this policy
-            raise self.fail(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from exc
+            from ray.exceptions import RayActorError
+
+            text, lost = str(exc).strip(), isinstance(exc, RayActorError)
+            raise self.fail(f"{type(exc).__name__}: " + (f"its server was lost ({where_lost(text)})" if lost else
+                                                         text.splitlines()[0] if text else "")) from exc
         if out.stop_reason in ("aborted", "abort"):
             raise self.fail("the replica aborted the request")
         ids = [int(t) for t in out.token_ids]

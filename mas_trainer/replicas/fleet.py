@@ -27,6 +27,7 @@ import types
 from typing import Any, Coroutine
 
 from mas_trainer.engines.config import EngineSettings
+from mas_trainer.cluster.placement import place_pool
 from mas_trainer.errors import UserError
 from mas_trainer.replicas.config import ReplicaConfig, replica_count, require_vllm
 from mas_trainer.replicas.engine import ReplicaEngine
@@ -117,7 +118,7 @@ class RolloutFleet:
 
     def __init__(self, policy: str, model_dir: str, kind: str, cfg: ReplicaConfig, *, device: str,
                  settings: EngineSettings | None = None, torch_threads: int | None = None, gpus_per_node: int = 8,
-                 first_rank: int = 0) -> None:
+                 first_rank: int = 0, placement_timeout_s: float = 600.0, ray_address: str | None = None) -> None:
         if kind == "vllm" and device != "cuda":
             raise UserError("engine vllm runs on GPUs; this machine has none (use engine torch-replica or embedded)")
         self.policy, self.model_dir, self.kind, self.cfg, self.device = policy, model_dir, kind, cfg, device
@@ -125,6 +126,7 @@ class RolloutFleet:
         self.settings, self.torch_threads = settings, torch_threads
         self.gpus_per_node = gpus_per_node
         self.first_rank = first_rank
+        self.placement = (placement_timeout_s, ray_address)  # runtime.placement_timeout_s, and where
         self.replicas: list[Any] = []
         self._pools: list[Any] = []
         self.balancer: Any = None
@@ -180,6 +182,8 @@ class RolloutFleet:
                 pool = RayResourcePool(process_on_nodes=[1], use_gpu=False, max_colocate_count=1,
                                        name_prefix=f"mas_rollout_{r.replica_rank}")
                 self._pools.append(pool)
+                place_pool(pool, policy=self.policy, what=f"rollout replica {r.replica_rank}", timeout_s=self.placement[0],
+                           address=self.placement[1])
             await asyncio.gather(*(r.init_colocated(p) for r, p in zip(self.replicas, self._pools)))
         elif self.hybrid:
             if learner_group is None:
@@ -252,6 +256,13 @@ class RolloutFleet:
                 ray.util.remove_placement_group(pg)
         if self.balancer is not None:
             ray.kill(self.balancer)
+        if self.weight_sync == "nccl":  # Ray's collective group leaves its id store behind, a detached actor
+            from ray.util.collective.const import get_store_name
+
+            try:
+                ray.kill(ray.get_actor(get_store_name(sync_group_name(self.policy))))
+            except ValueError:  # never made (no sync yet), or gone
+                pass
         self.replicas, self._pools, self.balancer = [], [], None
 
 

@@ -12,6 +12,7 @@ RUN_DIR/checkpoint/learner/NAME/  the learner's resume state (optimizer, RNG; ve
 RUN_DIR/checkpoint/state.json     step, data position, seeds, the policies warm-started
 RUN_DIR/checkpoints.jsonl         one line per committed checkpoint ({"step": S}), appended after its rename
 RUN_DIR/rewards.png               reward per role over steps
+RUN_DIR/workers.log               what the Ray workers printed (logs, tracebacks), appended by each launch
 RUN_DIR/.lock                     held by the live `fit` (pid inside)
 ```
 

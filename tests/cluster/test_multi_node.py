@@ -87,17 +87,22 @@ def test_ranks_policies_and_replicas_are_placed_on_nodes_of_their_own(tmp_path):
     assert "Traceback" not in r.stderr and (tmp_path / "run" / "workers.log").stat().st_size > 0
 
 
-def test_a_placement_ray_cannot_grant_is_said_within_the_bound(tmp_path):
+@pytest.mark.parametrize("extra, said", [
+    ("runtime.resources.nodes=2", "policy solo: Ray placed 1 of the 2 placement group(s) of its verl worker group"),
+    ("runtime.engine=torch-replica", "policy solo: Ray placed 0 of the 1 placement group(s) of its rollout replica 0"),
+])
+def test_a_placement_ray_cannot_grant_is_said_within_the_bound(tmp_path, extra, said):
     """Both nodes exist (the plan's check passes), but another job holds one node's CPU: the run
-    stops after runtime.placement_timeout_s with one line, instead of waiting for ever."""
+    stops after runtime.placement_timeout_s with one line, instead of waiting for ever, whether
+    what waits is a learner's rank or a rollout replica."""
     cluster, _ = _cluster("a", "b")
     try:
         ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)  # the other job
         held = ray.util.placement_group([{"CPU": 1}])
         ray.get(held.ready(), timeout=60)
         t0 = time.monotonic()
-        r = subprocess.run(_fit("single", tmp_path / "run", cluster, "steps=1", "runtime.resources.nodes=2",
-                                "runtime.placement_timeout_s=5"), capture_output=True, text=True, timeout=300, env=ENV, cwd=ROOT)
+        r = subprocess.run(_fit("single", tmp_path / "run", cluster, "steps=1", extra, "runtime.placement_timeout_s=5"),
+                           capture_output=True, text=True, timeout=300, env=ENV, cwd=ROOT)
         took = time.monotonic() - t0
         ray.util.remove_placement_group(held)
     finally:
@@ -105,7 +110,7 @@ def test_a_placement_ray_cannot_grant_is_said_within_the_bound(tmp_path):
         cluster.shutdown()
     assert r.returncode == 2, r.stderr[-3000:]
     last = r.stderr.strip().splitlines()[-1]
-    assert "policy solo: Ray placed 1 of the 2 placement group(s)" in last and "placement_timeout_s=5" in last, last
+    assert said in last and "placement_timeout_s=5" in last, last
     assert "Traceback" not in r.stderr and took < 240, took
 
 

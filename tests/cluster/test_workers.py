@@ -37,7 +37,7 @@ class Slow:
 
 
 def test_cancelling_the_await_cancels_the_ray_task():
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         actor = Slow.remote()
         handle = ActorGroup("p", actor)

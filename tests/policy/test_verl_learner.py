@@ -103,7 +103,7 @@ def test_verl_and_torch_learners_agree_on_one_update(tmp_path):
     lr = 1e-3
     learner = {"lr": lr, "mini_batch_size": 8, "micro_batch_size": 2, "bf16": False, "shuffle": False}
     set_platform(PlatformCPU())
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": worker_env()})
+    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": worker_env()})
     plan = WorkerPlan(policy="p", model="tiny", learner=learner, advantage={}, critic={}, seed=4)
     group = RayWorkerGroup(resource_pool=RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1),
                            ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(PolicyWorker), plan=plan),
@@ -290,7 +290,7 @@ def test_verl_warm_start_moves_the_weights_and_matches_the_torch_learner(tmp_pat
     ws = WarmStartConfig(steps=3, lr=1e-3, batch_size=3)  # 3 turns a step: one rank gets a row of no loss tokens
     examples = [([1, 17, 300 + i, 42][: 2 + i % 3], [50 + i, 60, 70, 2][: 2 + i % 2]) for i in range(5)]
     set_platform(PlatformCPU())
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": worker_env()})
+    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": worker_env()})
     plan = WorkerPlan(policy="p", model="tiny", learner=learner, advantage={}, critic={}, seed=4)
     group = RayWorkerGroup(resource_pool=RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1),
                            ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(PolicyWorker), plan=plan),

@@ -308,3 +308,33 @@ def test_placements_verl_cannot_run_are_refused_when_the_config_loads(overrides,
     with pytest.raises(ConfigError, match=match) as err:
         load_config(overrides=overrides)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.verl
+def test_closing_a_fleet_ends_the_id_store_rays_nccl_group_leaves_behind():
+    """Ray's collective group keeps the NCCL unique id of `mas_weights_POLICY` in a detached
+    actor that outlives the job; closing the fleet ends it, so a run leaves nothing on a shared
+    cluster (the GPU path, its cleanup checked here against a store made the way Ray makes it)."""
+    import time
+
+    import ray
+    from ray.util.collective.const import get_store_name
+    from ray.util.collective.util import NCCLUniqueIDStore
+
+    from mas_trainer.replicas.fleet import RolloutFleet, sync_group_name
+
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        name = get_store_name(sync_group_name("lead"))
+        store = NCCLUniqueIDStore.options(name=name, lifetime="detached", num_cpus=0).remote(name)
+        ray.get(store.set_id.remote(b"id"))
+        fleet = RolloutFleet("lead", "unused", "torch-replica", ReplicaConfig(), device="cuda")
+        assert fleet.weight_sync == "nccl"
+        fleet.close()
+        with pytest.raises(ValueError):
+            for _ in range(100):  # ray.kill is asynchronous: the name goes once the actor is dead
+                ray.get_actor(name)
+                time.sleep(0.1)
+        fleet.close()  # twice, or with no store: nothing to end
+    finally:
+        ray.shutdown()
