@@ -21,7 +21,6 @@ import time
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
-from itertools import islice
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -408,37 +407,50 @@ def _node_name(span: Span) -> str | None:
     return None
 
 
-def _lineage(span: Span, by_id: dict[str, Span]) -> Iterator[Span]:
-    """The span, then its ancestors nearest first (a crafted parent cycle is walked once)."""
-    seen: set[str] = set()
-    cur: Span | None = span
-    while cur is not None and cur.span_id not in seen:
-        seen.add(cur.span_id)
-        yield cur
-        cur = by_id.get(cur.parent_id) if cur.parent_id else None
-
-
-def _node_of(span: Span, by_id: dict[str, Span]) -> tuple[str, str | None] | None:
-    """(node name, node span id) of an LLM span: the nearest span, itself or an ancestor, naming a
-    node; then up while the parent names the same node (LangChain copies a node's metadata onto
-    every run inside it), so the outermost is the node's own span. Only the LLM span itself naming
-    it: the node is known, its execution (node id) is not."""
-    found: Span | None = None
-    node: str | None = None
-    for cur in _lineage(span, by_id):
-        name = _node_name(cur)
-        if found is not None and name != node:
-            break
+def _ancestry(by_id: dict[str, Span]) -> tuple[dict[str, bool], dict[str, tuple[str, str | None] | None]]:
+    """Per span of one trace: whether an ancestor is an LLM span (the same call seen twice), and its
+    (node name, node span id): the nearest span, itself or an ancestor, naming a node; then up while
+    the parent names the same node (LangChain copies a node's metadata onto every run inside it), so
+    the outermost is the node's own span. Only the span itself naming it: the node is known, its
+    execution (node id) is not. Each span is looked at once, parents first, so a trace costs time
+    linear in its spans however deep its chain (walking up from each call was quadratic); a crafted
+    parent cycle is cut where the walk meets it again."""
+    parent: dict[str, Span | None] = {}
+    order: list[Span] = []  # parents first
+    for start in by_id.values():
+        path: list[Span] = []
+        on_path: set[str] = set()
+        cur: Span | None = start
+        while cur is not None and cur.span_id not in parent and cur.span_id not in on_path:
+            path.append(cur)
+            on_path.add(cur.span_id)
+            cur = by_id.get(cur.parent_id) if cur.parent_id else None
+        above = cur if cur is not None and cur.span_id in parent else None  # None: a root, or a cycle cut
+        for s in reversed(path):
+            parent[s.span_id], above = above, s
+            order.append(s)
+    llm_above: dict[str, bool] = {}
+    names: dict[str, str | None] = {}
+    outermost: dict[str, Span] = {}  # a naming span -> the outermost of the run of ancestors naming the same node
+    nearest: dict[str, Span | None] = {}  # the span itself or its nearest ancestor naming a node
+    for s in order:
+        up = parent[s.span_id]
+        names[s.span_id] = name = _node_name(s)
+        llm_above[s.span_id] = up is not None and (_is_llm(up) or llm_above[up.span_id])
         if name is not None:
-            found, node = cur, name
-    if found is None or node is None:
-        return None
-    return node, (found.span_id if found is not span else None)
-
-
-def _inside_llm(span: Span, by_id: dict[str, Span]) -> bool:
-    """An LLM span under another (LangChain's chat span over the OpenAI SDK's): the same call twice."""
-    return any(_is_llm(s) for s in islice(_lineage(span, by_id), 1, None))
+            outermost[s.span_id] = outermost[up.span_id] if up is not None and names[up.span_id] == name else s
+            nearest[s.span_id] = s
+        else:
+            nearest[s.span_id] = nearest[up.span_id] if up is not None else None
+    nodes: dict[str, tuple[str, str | None] | None] = {}
+    for s in order:
+        found = nearest[s.span_id]
+        if found is None:
+            nodes[s.span_id] = None
+            continue
+        top = outermost[found.span_id]
+        nodes[s.span_id] = (names[found.span_id] or "", top.span_id if top is not s else None)
+    return llm_above, nodes
 
 
 def _calls(span: Span, node: str, node_id: str | None, roles: dict[str, str], policies: dict[str, str]) -> list[LLMCall]:
@@ -475,14 +487,15 @@ def map_traces(spans: Iterable[Span], report: ImportReport, roles: dict[str, str
     for trace_id, by_id in traces.items():
         calls: list[LLMCall] = []
         left_out = 0
+        llm_above, nodes = _ancestry(by_id)
         for span in by_id.values():
             if not _is_llm(span):
                 continue
-            if _inside_llm(span, by_id):
+            if llm_above[span.span_id]:
                 report.nested += 1
                 continue
             where = f"trace {trace_id} span {span.span_id}"
-            node = _node_of(span, by_id)
+            node = nodes[span.span_id]
             if node is None:
                 report.skip("LLM span with no LangGraph node ancestor", where)
                 left_out += 1
