@@ -4,7 +4,8 @@ its turns, and POST /v1/runs, a run's graph input and output (once per run).
 
 An `Endpoint` bounds its body (bigger ones are refused, not truncated) and handles it: the
 gateway checks the key, answers 404 when it records nothing, reads the body, and answers with
-what `handle` returns or the `Refused` it raises. Runs the recorder does not hold are refused.
+what `handle` returns or the `Refused` it raises. Runs the recorder does not hold are refused,
+and so is feedback past the recorder's bounds (409 per run, 507 in all), with the bound said.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from mas_trainer.production.record import Feedback, GraphRun, Recorder
 __all__ = ["Endpoint", "FEEDBACK", "GRAPH_RUN"]
 
 M = TypeVar("M", bound=BaseModel)
-# why the recorder refuses a graph run -> (status, code)
-_GRAPH_REFUSED = {"unknown": (404, "run_not_found"), "duplicate": (409, "run_already_recorded"),
-                  "redaction": (422, "redaction_failed")}
+# why the recorder refuses a graph run or feedback -> (status, code)
+_REFUSED = {"unknown": (404, "run_not_found"), "duplicate": (409, "run_already_recorded"),
+            "redaction": (422, "redaction_failed"), "run_limit": (409, "feedback_limit"),
+            "full": (507, "feedback_full")}
 
 
 class Endpoint(NamedTuple):
@@ -33,20 +35,20 @@ class Endpoint(NamedTuple):
 
 async def _feedback(recorder: Recorder, body: bytes) -> dict[str, Any]:
     got = _parse(Feedback, body)
-    why = recorder.check(got.run_id, got.turn)
-    if why is not None:
-        raise Refused(404, why, code="run_not_found", retry=False)
-    await asyncio.to_thread(recorder.feedback, got)  # fsync'ed: off the event loop
+    _refuse(await asyncio.to_thread(recorder.feedback, got))  # fsync'ed: off the event loop
     return {"status": "recorded", "run_id": got.run_id}
 
 
 async def _graph_run(recorder: Recorder, body: bytes) -> dict[str, Any]:
     got = _parse(GraphRun, body)
-    refused = await asyncio.to_thread(recorder.record_graph, got)
-    if refused is not None:
-        status, code = _GRAPH_REFUSED[refused[0]]
-        raise Refused(status, refused[1], code=code, retry=False)
+    _refuse(await asyncio.to_thread(recorder.record_graph, got))
     return {"status": "recorded", "run_id": got.run_id}
+
+
+def _refuse(refused: tuple[str, str] | None) -> None:
+    if refused is not None:
+        status, code = _REFUSED[refused[0]]
+        raise Refused(status, refused[1], code=code, retry=False)
 
 
 def _parse(model: type[M], body: bytes) -> M:

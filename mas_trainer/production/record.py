@@ -4,13 +4,19 @@ A run is every LLM call that shares one W3C trace id (an `@trainable` graph's in
 one); a call that carries none is a run of its own. Its id (32 hex characters) goes back to
 the caller as `x-mas-run-id` and `run_id`. Each call is one JSON line in `runs-NNNN.jsonl`,
 written, flushed and fsync'ed before the answer leaves, so a kill -9 loses at most the calls in
-flight. Files rotate at `file_mb`; the oldest go once all of them pass `max_mb`, and their runs
-are forgotten (feedback on them is refused). The app sends a run's graph input and output once
-(`{"run_id": ..., "graph": {...}}` lines), and feedback comes as `{"run_id": ..., "feedback":
-{...}}` lines, in the same files: one bound and one rotation for everything kept, and a run's
-feedback goes when the run does. `redact` (str -> str) sees every text before the disk does;
-when it raises, nothing of that call or graph record is written. `read_runs(DIR)` gives
-(Trajectory, [feedback]) per run (and reads `feedback.jsonl`, where earlier builds kept it).
+flight; a line cut short is ended before the next one is written (at start too), so it costs
+only itself. Files rotate at `file_mb`; the oldest go once the runs' lines pass `max_mb`, and
+their runs are forgotten (feedback on them is refused). The app sends a run's graph input and
+output once (`{"run_id": ..., "graph": {...}}` lines), and feedback comes as `{"run_id": ...,
+"feedback": {...}}` lines, in the same files, so a run's feedback goes when the run does.
+Feedback is bounded apart (per run, and in all a quarter of `max_mb`) and refused past it,
+never making room by deleting runs: whoever holds the key could otherwise flood recorded runs
+away. `redact` (str -> str) sees every text before the disk does (messages, tools, answers,
+graph records, feedback labels and comments); a call it changed loses its token ids, which
+would decode to the text it removed (the warm start renders its redacted messages instead).
+When it raises (anything, `sys.exit` too), nothing of that call or record is written.
+`read_runs(DIR)` gives (Trajectory, [feedback]) per run (and reads `feedback.jsonl`, where
+earlier builds kept it).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, model_validator
 
 from mas_trainer.errors import UserError
 from mas_trainer.trace.schema import LLMCall, NodeCall, Trajectory
@@ -35,6 +41,9 @@ log = logging.getLogger(__name__)
 RUN_ID = re.compile(r"[0-9a-f]{32}")
 _RUNS = re.compile(r"runs-(\d{4,})\.jsonl")
 FEEDBACK_FILE = "feedback.jsonl"
+FEEDBACK_PER_RUN = 100  # entries kept per run: a score per turn of a long run, and then some
+FEEDBACK_RUN_BYTES = 64 * 1024  # their lines' bytes per run
+FEEDBACK_SHARE = 4  # all feedback kept: at most max_mb / FEEDBACK_SHARE, on top of the runs
 Redactor = Callable[[str], str]
 
 
@@ -43,7 +52,7 @@ class Feedback(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     run_id: str = Field(pattern=r"^[0-9a-f]{32}$")
-    score: float | None = Field(default=None, allow_inf_nan=False)
+    score: StrictFloat | None = Field(default=None, allow_inf_nan=False)  # a number: not "1", not true
     label: str | None = Field(default=None, min_length=1, max_length=200)
     turn: str | None = Field(default=None, max_length=64)
     comment: str | None = Field(default=None, max_length=2000)
@@ -82,6 +91,7 @@ def load_redactor(target: str) -> Redactor:
 
 
 def _scrub(value: Any, redact: Redactor) -> Any:
+    """`value` with each string passed through `redact`; keys stay (they name fields)."""
     if isinstance(value, str):
         out = redact(value)
         if not isinstance(out, str):
@@ -100,14 +110,34 @@ def run_files(folder: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def _lines(path: Path) -> Iterator[dict[str, Any]]:
-    """The records of one file; a torn line (the server killed mid-write) is skipped."""
+def _sized_lines(path: Path) -> Iterator[tuple[int, Any]]:
+    """Each line's bytes and record (None for a torn line, the server killed mid-write, which is skipped)."""
     with path.open("rb") as f:
         for n, raw in enumerate(f, 1):
             try:
-                yield json.loads(raw)
+                yield len(raw), json.loads(raw)
             except (ValueError, RecursionError):  # RecursionError: nested past what json can parse
                 log.warning("%s:%d: skipping a torn or unreadable line", path, n)
+                yield len(raw), None
+
+
+def _lines(path: Path) -> Iterator[Any]:
+    """The records of one file; a torn line is skipped."""
+    return (rec for _, rec in _sized_lines(path) if rec is not None)
+
+
+def _ends_torn(path: Path) -> bool:
+    """Whether `path` ends inside a line (a write cut short): the next line must start on a new one."""
+    try:
+        with path.open("rb") as f:
+            if f.seek(0, os.SEEK_END) == 0:
+                return False
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) != b"\n"
+    except FileNotFoundError:
+        return False
+    except OSError:  # unreadable: a newline too many costs one skipped empty line, one too few a record
+        return True
 
 
 def write_synced(path: Path, text: str, mode: str = "a") -> None:
@@ -128,36 +158,69 @@ class Recorder:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.file_bytes, self.max_bytes = int(file_mb * 2**20), int(max_mb * 2**20)
+        self.feedback_bytes = self.max_bytes // FEEDBACK_SHARE
         self.redact = redact
         self._lock = threading.Lock()
         # run id -> its call ids, and which runs each file holds (to forget them when it goes)
         self._runs: dict[str, set[str]] = {}
         self._by_file: dict[Path, set[str]] = {}
         self._graphs: set[str] = set()  # runs whose graph record is kept (one each)
+        self._feedback: dict[str, list[int]] = {}  # run id -> [entries, bytes] of its feedback
+        # each file's bytes of runs (calls, graph records, unreadable lines) and of feedback:
+        # only the runs' count against max_bytes, so feedback never deletes a run
+        self._sizes: dict[Path, list[int]] = {}
         files = run_files(self.folder)
         for path in files:  # rebuilt at start: runs survive a restart
-            for rec in _lines(path):
-                if not (isinstance(rec, dict) and isinstance(rec.get("run_id"), str)):
+            size = self._sizes.setdefault(path, [0, 0])
+            for n, rec in _sized_lines(path):
+                kept = isinstance(rec, dict) and isinstance(rec.get("run_id"), str)
+                if kept and isinstance(rec.get("feedback"), dict):
+                    size[1] += n
+                    self._count_feedback(rec["run_id"], n)
                     continue
-                if isinstance(rec.get("call"), dict):
+                size[0] += n
+                if kept and isinstance(rec.get("call"), dict):
                     self._index(path, rec["run_id"], str(rec["call"].get("id")))
-                elif isinstance(rec.get("graph"), dict):
+                elif kept and isinstance(rec.get("graph"), dict):
                     self._graphs.add(rec["run_id"])
         self._current = files[-1] if files else self.folder / "runs-0000.jsonl"
-        self._total = sum(p.stat().st_size for p in files)  # kept up to date: no listing per call
+        self._torn = _ends_torn(self._current)  # killed mid-write: the next line starts on a fresh one
+
+    @property
+    def _total(self) -> int:
+        return sum(s[0] for s in self._sizes.values())
+
+    @property
+    def _feedback_total(self) -> int:
+        return sum(s[1] for s in self._sizes.values())
 
     def _index(self, path: Path, run_id: str, call_id: str) -> None:
         self._runs.setdefault(run_id, set()).add(call_id)
         self._by_file.setdefault(path, set()).add(run_id)
 
+    def _count_feedback(self, run_id: str, n: int) -> None:
+        given = self._feedback.setdefault(run_id, [0, 0])
+        given[0] += 1
+        given[1] += n
+
     def record(self, run_id: str, call: LLMCall) -> bool:
-        """Persist one call of `run_id`; False (and one log line) when the redaction hook failed."""
+        """Persist one call of `run_id`; False (and one log line) when the redaction hook failed.
+        A call whose text the hook changed is kept without its token ids: they encode the
+        text as it was, and this side has no tokenizer to encode the redacted text again."""
         data = call.model_dump(mode="json")
-        if not self._redacted(data, ("messages", "output_text", "tool_calls"), f"run {run_id}: this call"):
+        texts = ("messages", "output_text", "tool_calls", "tools")
+        before = {k: data[k] for k in texts}
+        if not self._redacted(data, texts, f"run {run_id}: this call"):
             return False
+        record: dict[str, Any] = {"run_id": run_id, "call": data}
+        if any(data[k] != before[k] for k in texts) and (data["prompt_ids"] or data["response_ids"]):
+            data["prompt_ids"], data["response_ids"], data["response_logprobs"] = [], [], []
+            record["ids_dropped"] = "redacted"  # what was dropped and why, for whoever counts it
         with self._lock:
-            self._append({"run_id": run_id, "call": data})
+            self._append(record)
             self._index(self._current, run_id, data["id"])
+            if self._total > self.max_bytes:
+                self._trim()
         return True
 
     def record_graph(self, run: GraphRun) -> tuple[Literal["unknown", "duplicate", "redaction"], str] | None:
@@ -173,6 +236,8 @@ class Recorder:
                 return "duplicate", f"run {run.run_id} already has its graph record"
             self._append({"run_id": run.run_id, "graph": data})
             self._graphs.add(run.run_id)
+            if self._total > self.max_bytes:
+                self._trim()
         return None
 
     def _redacted(self, data: dict[str, Any], keys: tuple[str, ...], what: str) -> bool:
@@ -181,40 +246,58 @@ class Recorder:
         try:
             for key in keys:
                 data[key] = _scrub(data[key], self.redact)
-        except Exception as exc:  # never written unredacted
-            log.error("%s is not recorded: the redaction hook failed (%s: %s)", what, type(exc).__name__, exc)
+        except BaseException as exc:  # the hook's failure, whatever it raises (sys.exit too): never written unredacted
+            if isinstance(exc, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
+                raise  # Ctrl-C, which only the main thread receives: the user's, not the hook's
+            log.error("%s is not recorded: the redaction hook failed (%s: %s)", what, type(exc).__name__,
+                      str(exc).replace("\n", " "))
             return False
         return True
 
-    def _append(self, record: dict[str, Any]) -> None:
-        """One line in the current file (the lock held), rotating and trimming as bounded."""
-        line = json.dumps(record, separators=(",", ":")) + "\n"
+    def _append(self, record: dict[str, Any]) -> int:
+        """Write one line in the current file (the lock held), rotating at file_bytes; its bytes."""
+        line = json.dumps(record, separators=(",", ":")) + "\n"  # ASCII: json.dumps escapes the rest
         if self._current.exists() and self._current.stat().st_size + len(line) > self.file_bytes:
             number = int(_RUNS.fullmatch(self._current.name).group(1)) + 1  # type: ignore[union-attr]
-            self._current = self.folder / f"runs-{number:04d}.jsonl"
-        write_synced(self._current, line)
-        self._total += len(line)  # ASCII: json.dumps escapes the rest
-        if self._total > self.max_bytes:
-            self._trim()
+            self._current, self._torn = self.folder / f"runs-{number:04d}.jsonl", False
+        if self._torn:
+            line = "\n" + line  # ends the torn line, which alone is lost
+        try:
+            write_synced(self._current, line)
+        except BaseException:
+            self._torn = _ends_torn(self._current)  # cut short (a full disk): the next line must not join it
+            raise
+        self._torn = False
+        self._sizes.setdefault(self._current, [0, 0])[1 if "feedback" in record else 0] += len(line)
+        return len(line)
 
     def _trim(self) -> None:
+        """Delete the oldest files (not the one being written) until the runs' lines fit max_bytes."""
         files = run_files(self.folder)
-        self._total = sum(p.stat().st_size for p in files)
-        for old in files[:-1]:  # the file being written stays
+        for gone in set(self._sizes) - set(files):  # deleted by hand: its runs are gone too
+            self._forget(gone)
+        for old in files[:-1]:
             if self._total <= self.max_bytes:
                 break
-            self._total -= old.stat().st_size
-            old.unlink()
-            gone = self._by_file.pop(old, set())
-            still = set().union(*self._by_file.values()) if self._by_file else set()
-            for run_id in gone - still:  # a run split across files lives while any part does
-                self._runs.pop(run_id, None)
-                self._graphs.discard(run_id)
+            old.unlink(missing_ok=True)
+            self._forget(old)
+
+    def _forget(self, path: Path) -> None:
+        self._sizes.pop(path, None)
+        gone = self._by_file.pop(path, set())
+        still = set().union(*self._by_file.values()) if self._by_file else set()
+        for run_id in gone - still:  # a run split across files lives while any part does
+            self._runs.pop(run_id, None)
+            self._graphs.discard(run_id)
+            self._feedback.pop(run_id, None)
 
     def check(self, run_id: str, turn: str | None) -> str | None:
         """Why feedback on (run_id, turn) is refused, or None."""
         with self._lock:
-            calls = self._runs.get(run_id) if RUN_ID.fullmatch(run_id) else None
+            return self._unknown(run_id, turn)
+
+    def _unknown(self, run_id: str, turn: str | None) -> str | None:
+        calls = self._runs.get(run_id) if RUN_ID.fullmatch(run_id) else None
         if calls is None:
             return f"no recorded run {run_id!r} (unknown, or rotated away)"
         # a turn is the completion's id; its "chatcmpl-" prefix is optional
@@ -222,10 +305,30 @@ class Recorder:
             return f"run {run_id} has no turn {turn!r}"
         return None
 
-    def feedback(self, fb: Feedback) -> None:
+    def feedback(self, fb: Feedback) -> tuple[Literal["unknown", "run_limit", "full", "redaction"], str] | None:
+        """Persist feedback on a held run; why it is refused (a kind and a sentence), or None.
+        Bounded per run and in all, and refused past that: it never deletes a run to fit."""
         data = fb.model_dump(mode="json", exclude_none=True, exclude={"run_id"})
+        if not self._redacted(data, tuple(k for k in ("label", "comment") if k in data), f"run {fb.run_id}: feedback"):
+            return "redaction", "the server's redaction hook failed on it; it is not recorded"
+        record = {"run_id": fb.run_id, "feedback": data}
+        size = len(json.dumps(record, separators=(",", ":"))) + 2  # its line, and a newline ending a torn one
+        bound = (f"at most {FEEDBACK_PER_RUN} feedback entries and {FEEDBACK_RUN_BYTES // 1024} KiB of them "
+                 "are kept per run")
         with self._lock:
-            self._append({"run_id": fb.run_id, "feedback": data})
+            why = self._unknown(fb.run_id, fb.turn)
+            if why is not None:
+                return "unknown", why
+            entries, used = self._feedback.get(fb.run_id, (0, 0))
+            if entries >= FEEDBACK_PER_RUN or used + size > FEEDBACK_RUN_BYTES:
+                return "run_limit", (f"run {fb.run_id} has {entries} feedback entries ({used} bytes): {bound}; "
+                                     "this one is not recorded")
+            if self._feedback_total + size > self.feedback_bytes:
+                return "full", (f"the server keeps at most {self.feedback_bytes / 2**20:.3g} MiB of feedback in all "
+                                f"(1/{FEEDBACK_SHARE} of --record-max-mb) and is there: more is refused until older "
+                                "runs rotate away (a larger --record-max-mb keeps more)")
+            self._count_feedback(fb.run_id, self._append(record))
+        return None
 
 
 def read_runs(folder: str | Path) -> Iterator[tuple[Trajectory, list[dict[str, Any]]]]:
