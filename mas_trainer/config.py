@@ -11,15 +11,15 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any, Iterable, Literal, Mapping, Sequence
+from typing import Annotated, Any, Iterable, Literal, Mapping, Sequence
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from mas_trainer.algo.config import AdvantageConfig
 from mas_trainer.engines.config import EngineSettings
 from mas_trainer.errors import UserError, did_you_mean
-from mas_trainer.learners.config import CriticConfig, LearnerConfig
+from mas_trainer.learners.config import CriticConfig, LearnerConfig, at_most
 from mas_trainer.rewards.allocators import LevelWeights, allocator_names, check_allocator
 from mas_trainer.rewards.config import CounterfactualConfig
 from mas_trainer.replicas.config import ENGINES, ReplicaConfig
@@ -30,6 +30,23 @@ __all__ = [
 ]
 
 TRACKERS = ("console", "tensorboard", "mlflow", "wandb")
+
+# Upper bounds of the numbers that multiply a run's work (`at_most`): each refuses a typo or a hostile
+# config in one line naming the cost, and is far above what a real run uses (the largest published
+# GRPO/DAPO batches are 512-1024 tasks x 16-64 rollouts).
+MAX_STEPS = 1_000_000
+MAX_TASKS_PER_STEP = 4096
+MAX_N = 1024  # rollout.n and val_n
+MAX_ROLLOUTS_PER_STEP = 65_536  # rollout.tasks_per_step x rollout.n
+MAX_IN_FLIGHT = 4096
+MAX_TOKENS = 1_048_576  # the longest context of any model; the gateway caps a reply at the model's own too
+MAX_RECURSION = 10_000
+MAX_DRAWS = 100
+MAX_WARM_START_STEPS = 100_000
+MAX_WARM_START_BATCH = 4096
+MAX_REPLICAS = 1024
+MAX_NODES = 4096
+MAX_PROCS_PER_NODE = 1024
 
 # what each tracker imports, and what to install when it is missing
 # the package is not on PyPI: its extras install from a checkout (README, Install)
@@ -62,9 +79,12 @@ class Resources(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    nodes: int = Field(1, ge=1, description="nodes of the policy's resource pool (verl learner)")
-    procs_per_node: int = Field(1, ge=1, description="training processes (ranks) per node; world size = nodes x procs_per_node "
-                                "(verl learner; the torch learner runs one process per policy)")
+    nodes: Annotated[int, at_most(MAX_NODES, "nodes of one policy's pool: each starts procs_per_node training processes")] = Field(
+        1, ge=1, description=f"nodes of the policy's resource pool (verl learner; at most {MAX_NODES})")
+    procs_per_node: Annotated[int, at_most(MAX_PROCS_PER_NODE, "training processes per node: each holds a shard of the model "
+                                           "and its optimizer state")] = Field(
+        1, ge=1, description="training processes (ranks) per node; world size = nodes x procs_per_node "
+        f"(verl learner; the torch learner runs one process per policy; at most {MAX_PROCS_PER_NODE})")
     gpus_per_proc: float = Field(1.0, gt=0, le=1, description="GPU share of each rank where there are GPUs (1: a GPU each; "
                                  "below 1 only on the torch learner, whose policies then share GPUs)")
 
@@ -82,12 +102,22 @@ class _Strict(BaseModel):
 
 
 class RolloutConfig(_Strict):
-    tasks_per_step: int = Field(8, ge=1, description="tasks drawn per training step")
-    n: int = Field(4, ge=1, description="rollouts per task (the group the advantages compare within)")
-    max_in_flight: int | None = Field(None, ge=1, description="rollouts running at once (default: runtime.max_batch_size, the rows an engine decodes together: more only wait for a row, and run into timeout_s)")
+    tasks_per_step: Annotated[int, at_most(MAX_TASKS_PER_STEP, "tasks drawn per training step: each is run rollout.n times")] = Field(
+        8, ge=1, description=f"tasks drawn per training step (at most {MAX_TASKS_PER_STEP}, and tasks_per_step x n at most "
+        f"{MAX_ROLLOUTS_PER_STEP}: every rollout of a step is kept until its update)")
+    n: Annotated[int, at_most(MAX_N, "rollouts per task: each is a full run of the app")] = Field(
+        4, ge=1, description=f"rollouts per task (the group the advantages compare within; at most {MAX_N})")
+    max_in_flight: Annotated[int | None, at_most(MAX_IN_FLIGHT, "rollouts running at once: each holds a run of the app, its "
+                                                 "open requests and an engine row")] = Field(
+        None, ge=1, description="rollouts running at once (default: runtime.max_batch_size, the rows an engine decodes together: "
+        f"more only wait for a row, and run into timeout_s; at most {MAX_IN_FLIGHT})")
     timeout_s: float = Field(300.0, gt=0, description="a rollout running longer is stopped (status timeout)")
-    max_tokens: int = Field(64, ge=1, description="max_tokens of requests that set none")
-    recursion_limit: int = Field(50, ge=1, description="LangGraph recursion limit per rollout")
+    max_tokens: Annotated[int, at_most(MAX_TOKENS, "tokens one reply may decode: each is a forward pass of the model, for "
+                                       "every call of every rollout")] = Field(
+        64, ge=1, description=f"max_tokens of requests that set none (at most {MAX_TOKENS}; a reply also stops at the model's context)")
+    recursion_limit: Annotated[int, at_most(MAX_RECURSION, "LangGraph supersteps per rollout: each can run its nodes' LLM "
+                                            "calls again")] = Field(
+        50, ge=1, description=f"LangGraph recursion limit per rollout (at most {MAX_RECURSION})")
     temperature: float | None = Field(
         None, ge=0, le=2, description="temperature of every LLM call in training rollouts (default: the app's own; the learner trains the raw, temperature-1 policy)")
     temperature_schedule: dict[int, float] = Field(
@@ -99,9 +129,10 @@ class RolloutConfig(_Strict):
         False, description="dynamic sampling (DAPO): train only on groups whose turns got different rewards (the others have "
         "zero advantage), drawing as many more tasks as groups are missing, up to max_draws draws a step, until "
         "tasks_per_step such groups are found")
-    max_draws: int = Field(3, ge=1, description="with filter_groups: most draws in one step (the first of tasks_per_step "
-                           "tasks, each later one of the groups still missing); a step that finds fewer groups with spread "
-                           "trains on those it found")
+    max_draws: Annotated[int, at_most(MAX_DRAWS, "draws per training step: each runs up to tasks_per_step x n more "
+                                      "rollouts")] = Field(
+        3, ge=1, description="with filter_groups: most draws in one step (the first of tasks_per_step tasks, each later one "
+        f"of the groups still missing; at most {MAX_DRAWS}); a step that finds fewer groups with spread trains on those it found")
     min_groups: int | None = Field(
         None, ge=1, description="with filter_groups: draw again only while fewer than this many groups have spread "
         "(default tasks_per_step, DAPO's rule; a later draw still takes all the groups missing from tasks_per_step). "
@@ -114,6 +145,15 @@ class RolloutConfig(_Strict):
     max_failed: float = Field(
         1.0, gt=0, le=1, description="fit stops (exit 2, no checkpoint of that step) when at least this share of a training "
         "step's rollouts failed (error or timeout); 1.0: only when all did")
+
+    @model_validator(mode="after")
+    def _rollouts_per_step(self) -> RolloutConfig:
+        total = self.tasks_per_step * self.n
+        if total > MAX_ROLLOUTS_PER_STEP:
+            raise ValueError(f"tasks_per_step x n = {self.tasks_per_step} x {self.n} = {total} rollouts per step is over the "
+                             f"bound of {MAX_ROLLOUTS_PER_STEP} (each is a full run of the app, and the step keeps every one "
+                             "until its update); lower tasks_per_step or n")
+        return self
 
     @field_validator("temperature_schedule")
     @classmethod
@@ -146,10 +186,14 @@ class WarmStartConfig(_Strict):
 
     data: str | None = Field(None, description="JSONL of supervised turns (one per line: policy, messages, completion; "
                              "`mas-trainer data` writes it from well-scored runs); None: no warm start")
-    steps: int = Field(20, ge=0, description="optimizer steps per policy (0: no warm start for it)")
+    steps: Annotated[int, at_most(MAX_WARM_START_STEPS, "warm-start optimizer steps per policy: each is a forward and "
+                                  "backward of batch_size turns")] = Field(
+        20, ge=0, description=f"optimizer steps per policy (0: no warm start for it; at most {MAX_WARM_START_STEPS})")
     lr: float = Field(1e-5, gt=0, description="AdamW learning rate of the warm start (a fresh optimizer; the learner's "
                       "betas, eps, weight decay and max_grad_norm)")
-    batch_size: int = Field(8, ge=1, description="turns per optimizer step (at most the policy's turns)")
+    batch_size: Annotated[int, at_most(MAX_WARM_START_BATCH, "turns per warm-start optimizer step: each is a forward and "
+                                       "backward of the model")] = Field(
+        8, ge=1, description=f"turns per optimizer step (at most the policy's turns, and at most {MAX_WARM_START_BATCH})")
     min_score: float | None = Field(None, description="only lines whose score is at least this (lines without a score "
                                     "are then left out)")
 
@@ -178,7 +222,7 @@ class RuntimeConfig(_Strict, EngineSettings):
         "embedded", description="what generates rollouts: embedded = the torch engine in the policy's worker group; vllm = "
         "verl's vLLM rollout replicas (GPUs, verl learner), weights synced after each update; torch-replica = the embedded "
         "engine behind the same replica interface (CPU)")
-    replica: ReplicaConfig = Field(default_factory=ReplicaConfig)
+    replica: ReplicaConfig = Field(default_factory=ReplicaConfig, description=f"rollout replicas (at most {MAX_REPLICAS} a policy)")
     share_gpus: bool = Field(False, description="verl learner on GPUs: every policy's worker group on one pool of GPUs (rollout and update take turns) instead of disjoint pools")
     execution: Literal["ray", "local"] = Field("ray", description="where the policies' worker groups run: ray = Ray actors (one per policy, or verl's ranks); local = in this process (torch learner only)")
     ray_address: str | None = Field(None, description="join this Ray cluster instead of starting a local one")
@@ -191,15 +235,25 @@ class RuntimeConfig(_Strict, EngineSettings):
     torch_threads: int | None = Field(None, ge=1, description="torch threads per worker process (default: on CPU cores / "
                                       "processes: policies, or verl ranks); runtime.execution=ray only")
 
+    @field_validator("replica")
+    @classmethod
+    def _replicas_bounded(cls, replica: ReplicaConfig) -> ReplicaConfig:
+        if replica.replicas > MAX_REPLICAS:
+            raise ValueError(f"replicas={replica.replicas} is over the bound of {MAX_REPLICAS} (rollout replicas per policy: each "
+                             f"is a server process with its own copy of the model); use at most {MAX_REPLICAS}")
+        return replica
+
 
 class FitConfig(_Strict):
     seed: int = Field(0, description="seeds data order, sampling and the tiny model")
-    steps: int = Field(20, ge=1, description="training steps")
+    steps: Annotated[int, at_most(MAX_STEPS, "training steps: each runs rollout.tasks_per_step x rollout.n rollouts and an "
+                                  "update")] = Field(20, ge=1, description=f"training steps (at most {MAX_STEPS})")
     model: str | None = Field(None, description="base model of every policy (tiny | default | PATH | Hugging Face hub id); default: as the app says")
     save_every: int = Field(10, ge=1, description="checkpoint every N steps (and at the end)")
     eval_every: int = Field(10, ge=1, description="evaluate the held-out split every N steps (and before training)")
     val_fraction: float = Field(0.0, ge=0, lt=1, description="fraction of --data held out when --val-data is not given")
-    val_n: int = Field(1, ge=1, description="rollouts per held-out task")
+    val_n: Annotated[int, at_most(MAX_N, "rollouts per held-out task: each is a full run of the app, at every evaluation")] = Field(
+        1, ge=1, description=f"rollouts per held-out task (at most {MAX_N})")
     logger: list[Literal[TRACKERS]] = Field(  # type: ignore[valid-type]
         ["console", "tensorboard"], description="trackers that get every metrics row: console (a line per step), tensorboard "
         "(RUN_DIR/tensorboard), mlflow (RUN_DIR/mlflow.db), wandb (offline, RUN_DIR/wandb); e.g. logger=[console,mlflow]")

@@ -1,5 +1,6 @@
 """`load_config` checks every name a later stage looks up, and stays light to import."""
 
+import re
 import subprocess
 import sys
 
@@ -142,3 +143,62 @@ def test_a_rollout_correction_threshold_without_rollout_correction_is_refused():
         load_config(overrides=["runtime.learner=verl", "policies.crew.learner.rollout_is_threshold=3"])
     cfg = load_config(overrides=["runtime.learner=verl", "learner.old_logprobs=rollout_correction", "learner.rollout_is_threshold=3"])
     assert cfg.learner.rollout_is_threshold == 3
+
+
+# --- the numbers that multiply a run's work are bounded -----------------------------------------
+# (key, the bound, what each unit costs as the error says it): a value over the bound is refused in
+# one line naming both; the bound itself loads. Per-policy sections are checked the same way.
+BOUNDS = [
+    ("steps", 1_000_000, "training steps: each runs rollout.tasks_per_step x rollout.n rollouts and an update"),
+    ("val_n", 1024, "rollouts per held-out task: each is a full run of the app"),
+    ("rollout.tasks_per_step", 4096, "tasks drawn per training step: each is run rollout.n times"),
+    ("rollout.n", 1024, "rollouts per task: each is a full run of the app"),
+    ("rollout.max_in_flight", 4096, "rollouts running at once: each holds a run of the app"),
+    ("rollout.max_tokens", 1_048_576, "tokens one reply may decode: each is a forward pass of the model"),
+    ("rollout.recursion_limit", 10_000, "LangGraph supersteps per rollout"),
+    ("rollout.max_draws", 100, "draws per training step: each runs up to tasks_per_step x n more rollouts"),
+    ("reward.counterfactual.k", 256, "K forks per credited turn: each is a full continuation of the app"),
+    ("learner.ppo_epochs", 64, "passes over the turns of one update: each is a forward and backward of every turn"),
+    ("critic.ppo_epochs", 64, "passes over the turns of one update"),
+    ("learner.lora_rank", 4096, "LoRA rank: the adapter's weights, gradients and AdamW state grow with it"),
+    ("warm_start.steps", 100_000, "warm-start optimizer steps per policy"),
+    ("warm_start.batch_size", 4096, "turns per warm-start optimizer step"),
+    ("runtime.resources.nodes", 4096, "nodes of one policy's pool"),
+    ("runtime.resources.procs_per_node", 1024, "training processes per node"),
+]
+
+
+@pytest.mark.parametrize("key, bound, cost", BOUNDS, ids=[b[0] for b in BOUNDS])
+def test_a_number_that_multiplies_work_is_bounded_and_the_error_names_the_cost(key, bound, cost):
+    with pytest.raises(ConfigError, match=rf"^config key '{key}': {bound + 1} is over the bound of {bound} "
+                       rf"\({re.escape(cost)}.*\); use at most {bound}") as err:
+        load_config(overrides=[f"{key}={bound + 1}"])
+    assert "\n" not in str(err.value)
+    from mas_trainer.config import describe_keys
+
+    (line,) = [line for line in describe_keys() if line.startswith(f"  {key} = ")]
+    assert f"at most {bound}" in line.lower(), line  # documented where every key is (--help, docs/training.md)
+    extra = ["runtime.learner=verl", "learner.mini_batch_size=1024"] if key == "runtime.resources.procs_per_node" else []
+    if key != "rollout.n":  # alone at its bound: within the bound of rollouts per step with the default tasks
+        load_config(overrides=[f"{key}={bound}", *extra])
+
+
+@pytest.mark.parametrize("key", ["learner.ppo_epochs", "warm_start.steps", "resources.procs_per_node"])
+def test_a_policy_override_is_bounded_too(key):
+    with pytest.raises(ConfigError, match=rf"^policies.crew.{key.split('.')[0]}: config key '{key.split('.')[1]}': "
+                       r"1000000 is over the bound of \d+ \("):
+        load_config(overrides=[f"policies.crew.{key}=1000000"])
+
+
+def test_rollouts_per_step_are_bounded_as_a_product():
+    with pytest.raises(ConfigError, match=r"^config key 'rollout': tasks_per_step x n = 4096 x 32 = 131072 rollouts per "
+                       r"step is over the bound of 65536 \(each is a full run of the app, .*\); lower tasks_per_step or n$"):
+        load_config(overrides=["rollout.tasks_per_step=4096", "rollout.n=32"])
+    load_config(overrides=["rollout.tasks_per_step=1024", "rollout.n=64"])  # a large real batch loads
+    load_config(overrides=["rollout.tasks_per_step=64", "rollout.n=1024"])
+
+
+def test_rollout_replicas_are_bounded():
+    with pytest.raises(ConfigError, match=r"^config key 'runtime.replica': replicas=1025 is over the bound of 1024 "
+                       r"\(rollout replicas per policy: each is a server process with its own copy of the model\)"):
+        load_config(overrides=["runtime.replica.replicas=1025"])

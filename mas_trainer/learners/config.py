@@ -12,17 +12,36 @@ happens when the learner is built, not when the config is parsed.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mas_trainer.errors import UserError
 
-__all__ = ["LearnerConfig", "CriticConfig", "LOSS_AGG_MODES", "KL_PENALTIES"]
+__all__ = ["LearnerConfig", "CriticConfig", "LOSS_AGG_MODES", "KL_PENALTIES", "at_most", "MAX_PPO_EPOCHS", "MAX_LORA_RANK"]
 
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # verl's kl_penalty estimators; a trailing "+" (e.g. "k3+") takes the k2 gradient straight through.
 KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+
+MAX_PPO_EPOCHS = 64  # passes over one step's turns; PPO uses 1-4, 64 leaves room for any experiment
+MAX_LORA_RANK = 4096  # half the width of a 70B model's layers: past the hidden size a rank only adds weights
+
+
+def at_most(limit: int, cost: str) -> AfterValidator:
+    """The upper bound of a config number that multiplies work (``Annotated[int, at_most(64, "...")]``):
+    a larger value is refused in one line naming the bound and what each unit of it costs. Chosen
+    generously, it stops a typo or a hostile config (``k=1000000``), never a real run."""
+
+    def check(value: int | None) -> int | None:
+        if value is not None and value > limit:
+            raise ValueError(f"{value} is over the bound of {limit} ({cost}); use at most {limit}")
+        return value
+
+    return AfterValidator(check)
+
+
+_PPO_EPOCHS_COST = "passes over the turns of one update: each is a forward and backward of every turn"
 
 
 class LearnerConfig(BaseModel):
@@ -37,7 +56,9 @@ class LearnerConfig(BaseModel):
     max_grad_norm: float | None = Field(
         1.0, gt=0, description="Clip the global gradient norm to this before each step (null: no clipping)."
     )
-    ppo_epochs: int = Field(1, ge=1, description="Passes over the turns of one update; old log-probs stay the engine's.")
+    ppo_epochs: Annotated[int, at_most(MAX_PPO_EPOCHS, _PPO_EPOCHS_COST)] = Field(
+        1, ge=1, description=f"Passes over the turns of one update; old log-probs stay the engine's. At most {MAX_PPO_EPOCHS} "
+        "(each is a forward and backward of every turn).")
     mini_batch_size: int = Field(16, ge=1, description="Turns per optimiser step.")
     micro_batch_size: int = Field(
         4, ge=1, description="Most turns per forward/backward (gradient accumulation bounds memory)."
@@ -75,8 +96,10 @@ class LearnerConfig(BaseModel):
         "(verl's rollout correction, TIS); bypass = the engine's own (no forward). auto: rollout_correction with "
         "rollout.max_staleness=1, else recompute on the verl learner and bypass on the torch learner.")
     rollout_is_threshold: float = Field(2.0, gt=1, description="rollout_correction: upper truncation of the per-token importance weight.")
-    lora_rank: int = Field(
-        0, ge=0, description="Train a peft LoRA adapter of this rank instead of every weight (0: full fine-tuning; verl's name). "
+    lora_rank: Annotated[int, at_most(MAX_LORA_RANK, "LoRA rank: the adapter's weights, gradients and AdamW state grow with "
+                                      "it, and past the model's hidden size it only adds weights")] = Field(
+        0, ge=0, description="Train a peft LoRA adapter of this rank instead of every weight (0: full fine-tuning; verl's name; "
+        f"at most {MAX_LORA_RANK}: the adapter's weights and optimizer state grow with the rank). "
         "The base stays frozen, so the update computes no weight gradients for it and keeps no AdamW state for it; "
         "checkpoints hold the adapter, and eval/serve/export load base + adapter (see docs/training.md).")
     lora_alpha: float = Field(16.0, gt=0, description="LoRA scaling numerator: the adapter's output is scaled by lora_alpha / lora_rank.")
@@ -184,8 +207,9 @@ class CriticConfig(BaseModel):
     max_grad_norm: float | None = Field(
         1.0, gt=0, description="Clip the global gradient norm to this before each step (null: no clipping)."
     )
-    ppo_epochs: int = Field(
-        1, ge=1, description="Passes over the turns of one update; old values stay the pre-update ones (the clip's anchor)."
+    ppo_epochs: Annotated[int, at_most(MAX_PPO_EPOCHS, _PPO_EPOCHS_COST)] = Field(
+        1, ge=1, description="Passes over the turns of one update; old values stay the pre-update ones (the clip's anchor). "
+        f"At most {MAX_PPO_EPOCHS} (each is a forward and backward of every turn)."
     )
     mini_batch_size: int = Field(16, ge=1, description="Turns per optimiser step.")
     micro_batch_size: int = Field(

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-__all__ = ["CounterfactualConfig"]
+__all__ = ["CounterfactualConfig", "MAX_K"]
+
+MAX_K = 256
+"""Most continuations per checkpoint: VinePPO uses 9, and at K = 256 a 0/1 return's mean is known to about
+±0.03 already; every one is a run of the rest of the app, for each checkpoint of each rollout."""
 
 
 class CounterfactualConfig(BaseModel):
@@ -15,7 +19,8 @@ class CounterfactualConfig(BaseModel):
     roles: list[str] | None = Field(
         None, description="roles whose turns are credited by forked continuations (default: every trained role); "
         "the other turns get broadcast rewards")
-    k: int = Field(4, ge=1, description="continuations run from each checkpoint (K); each costs one partial rollout")
+    k: int = Field(4, ge=1, description=f"continuations run from each checkpoint (K); each costs one partial rollout "
+                   f"(at most {MAX_K}: K forks per credited turn, each a full continuation of the app)")
     max_forks_per_step: int | None = Field(
         None, ge=1, description="budget of continuations per training step: K shrinks to fit it (never below 1, so "
         "every checkpoint a turn needs still gets one continuation); default: no budget")
@@ -26,3 +31,12 @@ class CounterfactualConfig(BaseModel):
         False, description="also train on the continuations' own LLM calls: the K continuations of one checkpoint are "
         "one group (same state, returns compared within it); off: they are recorded (trajectories/step_N_forks.jsonl) "
         "and scored, never trained")
+
+    @field_validator("k")
+    @classmethod
+    def _k_bounded(cls, k: int) -> int:
+        if k > MAX_K:
+            raise ValueError(f"{k} is over the bound of {MAX_K} (K forks per credited turn: each is a full continuation of "
+                             f"the app from its checkpoint, for every checkpoint of every rollout); use at most {MAX_K}, or "
+                             "max_forks_per_step to budget them")
+        return k

@@ -91,3 +91,18 @@ def test_a_rollout_that_was_not_forked_gets_broadcast_rewards_and_says_so():
     assign_rewards(t, RewardSpec(lambda task, state, traj: 0.5), allocator="counterfactual")
     assert set(t.rewards.turns.values()) == {0.5}
     assert "not forked" in t.rewards.detail["calls"]["c1"]["parts"]["counterfactual"]["skipped"]
+
+
+def test_k_is_bounded_with_what_each_fork_costs():
+    """k=1000000 once grew a run to 5.9 GB in 4 minutes building its continuations: refused when
+    the config loads, in one line naming the cost, the bound itself still allowed."""
+    from mas_trainer.config import ConfigError, load_config
+    from mas_trainer.rewards.config import CounterfactualConfig
+
+    with pytest.raises(ConfigError, match=r"^config key 'reward.counterfactual.k': 1000000 is over the bound of 256 "
+                       r"\(K forks per credited turn: each is a full continuation of the app .*\); use at most 256") as err:
+        load_config(overrides=["reward.allocator=counterfactual", "reward.counterfactual.k=1000000"])
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="over the bound"):
+        CounterfactualConfig(k=257)  # built in Python too, not only from a config file
+    assert load_config(overrides=["reward.counterfactual.k=256"]).reward.counterfactual.k == 256
