@@ -8,11 +8,29 @@ import sys
 import traceback
 from typing import Any, Iterable
 
-__all__ = ["UserError", "did_you_mean", "nested_too_deep", "raised_in", "shown_path"]
+__all__ = ["RunStopped", "UserError", "did_you_mean", "nested_too_deep", "raised_in", "shown_path", "where_lost"]
 
 
 class UserError(ValueError):
     """Something the user gave is wrong; the message names it and how to fix it."""
+
+
+class RunStopped(UserError):
+    """The run stopped for a cause outside the user's input (a worker or its node lost): its
+    committed checkpoints are kept and `fit --resume` continues from the last one (the CLI: one
+    line, exit status 1)."""
+
+
+def where_lost(message: str) -> str:
+    """`on node IP (id 1a2b3c4d): WHY` from the text of Ray's actor-death error, as far as it says."""
+    import re
+
+    ip = re.search(r"\bip: (\S+)", message)
+    node = re.search(r"Node Id: ([0-9a-f]+)", message)
+    died = re.search(r"The actor (?:died|is dead) because ([^\n.]*)", message)
+    how = re.search(r"the actor's node was ([^\n]*)", message)
+    why = (died.group(1).strip() if died else "its process died") + (f" ({' '.join(how.group(1).split())})" if how else "")
+    return f"on node {ip.group(1) if ip else 'unknown'}" + (f" (id {node.group(1)[:8]})" if node else "") + f": {why}"
 
 
 def did_you_mean(name: str, known: Iterable[str]) -> str:

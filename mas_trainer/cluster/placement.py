@@ -5,18 +5,12 @@ Both end the run in one line naming what, for whom and where; nothing waits in s
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from mas_trainer.config import ConfigError
-from mas_trainer.errors import UserError
+from mas_trainer.errors import RunStopped, where_lost
 
-__all__ = ["RunStopped", "WorkerLost", "lost_worker", "place_pool"]
-
-
-class RunStopped(UserError):
-    """The run stopped for a cause outside the user's input (a worker or its node lost): its
-    committed checkpoints are kept and `fit --resume` continues from the last one."""
+__all__ = ["WorkerLost", "lost_worker", "place_pool"]
 
 
 class WorkerLost(RunStopped):
@@ -35,16 +29,6 @@ def lost_worker(exc: BaseException, policy: str, who: str) -> WorkerLost | None:
         return None
     return WorkerLost(f"policy {policy}: {who} was lost ({where_lost(str(exc))}); the run stopped, resumable from its "
                       "last checkpoint (the workers' output is in the run's workers.log)")
-
-
-def where_lost(message: str) -> str:
-    """`on node IP (id 1a2b3c4d): WHY` from the text of Ray's actor-death error, as far as it says."""
-    ip = re.search(r"\bip: (\S+)", message)
-    node = re.search(r"Node Id: ([0-9a-f]+)", message)
-    died = re.search(r"The actor (?:died|is dead) because ([^\n.]*)", message)
-    how = re.search(r"the actor's node was ([^\n]*)", message)
-    why = (died.group(1).strip() if died else "its process died") + (f" ({' '.join(how.group(1).split())})" if how else "")
-    return f"on node {ip.group(1) if ip else 'unknown'}" + (f" (id {node.group(1)[:8]})" if node else "") + f": {why}"
 
 
 def place_pool(pool: Any, *, policy: str, what: str, timeout_s: float, address: str | None) -> None:

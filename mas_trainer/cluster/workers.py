@@ -8,6 +8,7 @@ wrapped by a `ReplicaGroupHandle` where rollout replicas serve. Every one presen
 
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -16,6 +17,7 @@ from mas_trainer.engines.base import Generation, SamplingParams, choice_id
 from mas_trainer.engines.config import EngineSettings
 from mas_trainer.policy.contract import StepResult, WarmStartExample, WorkerGroupHandle, WorkerPlan
 from mas_trainer.policy.turns import Serving, TurnStore
+from mas_trainer.cluster.placement import place_pool
 from mas_trainer.cluster.plan import RunPlan, check_joined_cluster, decide_device
 from mas_trainer.cluster.ray_init import init_ray, init_ray_for
 from mas_trainer.cluster.groups import VerlGroup, start_actor_groups, start_verl_groups
@@ -182,6 +184,11 @@ def _start_verl(plans: dict[str, WorkerPlan], runtime: RuntimeConfig) -> dict[st
     return handles
 
 
+def _placer(runtime: RuntimeConfig) -> Callable[..., None]:
+    """A replica pool placed within `runtime.placement_timeout_s`, or one line (`place_pool`)."""
+    return functools.partial(place_pool, timeout_s=runtime.placement_timeout_s, address=runtime.ray_address)
+
+
 def _with_replicas(learner: VerlGroup, runtime: RuntimeConfig) -> ReplicaGroupHandle:
     """Start the policy's rollout replicas on its base (or resumed) weights."""
     from mas_trainer.engines.models import load_tokenizer, materialize
@@ -191,7 +198,7 @@ def _with_replicas(learner: VerlGroup, runtime: RuntimeConfig) -> ReplicaGroupHa
     model_dir = str(materialize(plan.model, seed=plan.seed))
     fleet = RolloutFleet(plan.policy, model_dir, plan.engine, plan.replica, device=plan.device, settings=plan.engine_settings,
                          torch_threads=plan.torch_threads, first_rank=plan.replica_first_rank,
-                         placement_timeout_s=runtime.placement_timeout_s, ray_address=runtime.ray_address)
+                         place=_placer(runtime))
     try:
         fleet.start(learner.group)
     except BaseException:
@@ -224,8 +231,7 @@ def serving_backends(checkpoints: dict[str, Any], kind: str, runtime: RuntimeCon
         first = first_replica_ranks({name: cfg.replicas for name in checkpoints})
         for name, folder in checkpoints.items():
             fleet = RolloutFleet(name, str(folder), kind, cfg, device=device, settings=EngineSettings.of(runtime),
-                                 first_rank=first[name], placement_timeout_s=runtime.placement_timeout_s,
-                                 ray_address=runtime.ray_address).start()
+                                 first_rank=first[name], place=_placer(runtime)).start()
             fleets.append(fleet)
             tokenizer = load_tokenizer(str(folder))
             backends[name] = PolicyBackend(fleet.engine(tokenizer, owned=True), HFChatFormat(tokenizer))

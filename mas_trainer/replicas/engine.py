@@ -24,8 +24,8 @@ import time
 import uuid
 from typing import Any, Callable, Protocol, Sequence
 
-from mas_trainer.cluster.placement import RunStopped, where_lost
 from mas_trainer.engines.base import EngineUnavailable, FinishReason, Generation, SamplingParams, choice_id, cut_at_stop
+from mas_trainer.errors import RunStopped, where_lost
 
 __all__ = ["ReplicaClient", "ReplicaEngine", "ReplicaError", "vllm_sampling"]
 

@@ -24,10 +24,9 @@ import concurrent.futures
 import logging
 import time
 import types
-from typing import Any, Coroutine
+from typing import Any, Callable, Coroutine
 
 from mas_trainer.engines.config import EngineSettings
-from mas_trainer.cluster.placement import place_pool
 from mas_trainer.errors import UserError
 from mas_trainer.replicas.config import ReplicaConfig, replica_count, require_vllm
 from mas_trainer.replicas.engine import ReplicaEngine
@@ -118,7 +117,7 @@ class RolloutFleet:
 
     def __init__(self, policy: str, model_dir: str, kind: str, cfg: ReplicaConfig, *, device: str,
                  settings: EngineSettings | None = None, torch_threads: int | None = None, gpus_per_node: int = 8,
-                 first_rank: int = 0, placement_timeout_s: float = 600.0, ray_address: str | None = None) -> None:
+                 first_rank: int = 0, place: Callable[..., None] | None = None) -> None:
         if kind == "vllm" and device != "cuda":
             raise UserError("engine vllm runs on GPUs; this machine has none (use engine torch-replica or embedded)")
         self.policy, self.model_dir, self.kind, self.cfg, self.device = policy, model_dir, kind, cfg, device
@@ -126,7 +125,7 @@ class RolloutFleet:
         self.settings, self.torch_threads = settings, torch_threads
         self.gpus_per_node = gpus_per_node
         self.first_rank = first_rank
-        self.placement = (placement_timeout_s, ray_address)  # runtime.placement_timeout_s, and where
+        self.place = place  # places a CPU replica's pool within a bound (cluster/placement.py), else verl waits
         self.replicas: list[Any] = []
         self._pools: list[Any] = []
         self.balancer: Any = None
@@ -182,8 +181,8 @@ class RolloutFleet:
                 pool = RayResourcePool(process_on_nodes=[1], use_gpu=False, max_colocate_count=1,
                                        name_prefix=f"mas_rollout_{r.replica_rank}")
                 self._pools.append(pool)
-                place_pool(pool, policy=self.policy, what=f"rollout replica {r.replica_rank}", timeout_s=self.placement[0],
-                           address=self.placement[1])
+                if self.place is not None:
+                    self.place(pool, policy=self.policy, what=f"rollout replica {r.replica_rank}")
             await asyncio.gather(*(r.init_colocated(p) for r, p in zip(self.replicas, self._pools)))
         elif self.hybrid:
             if learner_group is None:

@@ -7,7 +7,8 @@ import time
 import pytest
 
 from mas_trainer.cluster.groups import ActorGroup
-from mas_trainer.cluster.placement import RunStopped, WorkerLost, lost_worker, where_lost
+from mas_trainer.cluster.placement import WorkerLost, lost_worker
+from mas_trainer.errors import RunStopped, where_lost
 from mas_trainer.engines.base import SamplingParams
 from mas_trainer.errors import UserError
 
