@@ -207,31 +207,53 @@ def _pairs(items: list[str], flag: str, example: str) -> dict[str, str]:
 
 def cmd_import_traces(args: argparse.Namespace) -> int:
     from mas_trainer.production.otel_import import Receiver, Unmapped, import_traces
-    from mas_trainer.view.server import serve_until_interrupted
 
     roles = _pairs(args.role, "--role", "NODE=ROLE (e.g. researcher=writer)")
     policies = _pairs(args.policy, "--policy", "ROLE=POLICY")
     if bool(args.files) == bool(args.listen):
-        raise UsageError("give FILE... or --listen HOST:PORT (one of them)")
-    if args.listen:
-        host, _, port = args.listen.rpartition(":")
-        if not host or not port.isdigit() or args.strict:
-            raise UsageError(f"--listen {args.listen!r}: give HOST:PORT, e.g. 127.0.0.1:4318 (and no --strict)")
-        receiver = Receiver(args.out, roles=roles, policies=policies)
+        raise UsageError("give FILE... or --listen [HOST:]PORT (one of them)")
+    if not args.listen:
+        if args.host is not None or args.api_key is not None or args.api_key_file is not None:
+            raise UsageError("--host, --api-key and --api-key-file apply to --listen; files are read as they are")
         try:
-            server = receiver.server(host, int(port))
-        except OSError as exc:
-            raise UsageError(f"--listen {args.listen}: {exc.strerror}; choose another port") from None
-        print(f"receiving OTLP/HTTP JSON traces at http://{args.listen}/v1/traces into {args.out}; Ctrl-C to stop", file=sys.stderr)
-        serve_until_interrupted(server)
-        print("\n".join(receiver.close().lines()))
+            report = import_traces(args.files, args.out, roles=roles, policies=policies, strict=args.strict)
+        except Unmapped as exc:
+            print("\n".join(["mas-trainer import-traces: --strict: nothing written", *exc.report.lines()[1:]]), file=sys.stderr)
+            return 1
+        print("\n".join(report.lines()))
         return 0
+    # --listen: until Ctrl-C or SIGTERM; then what is held is written and the report printed
+    import signal
+    import threading
+
+    from mas_trainer.serve import resolve_api_key
+    from mas_trainer.view.server import serve_until_interrupted
+
+    host, _, port = args.listen.rpartition(":")
+    host = host.strip("[]")
+    if not port.isdigit():
+        raise UsageError(f"--listen {args.listen!r}: give PORT or HOST:PORT, e.g. 4318 (on --host, 127.0.0.1 by default)")
+    if host and args.host is not None and host != args.host:
+        raise UsageError(f"--listen {args.listen} names host {host} and --host {args.host}: give the host once")
+    if args.strict:
+        raise UsageError("--strict applies to FILE imports; --listen writes each trace as it completes")
+    receiver = Receiver(args.out, roles=roles, policies=policies, api_key=resolve_api_key(args.api_key, args.api_key_file))
+    host = host or args.host or "127.0.0.1"
     try:
-        report = import_traces(args.files, args.out, roles=roles, policies=policies, strict=args.strict)
-    except Unmapped as exc:
-        print("\n".join(["mas-trainer import-traces: --strict: nothing written", *exc.report.lines()[1:]]), file=sys.stderr)
-        return 1
-    print("\n".join(report.lines()))
+        server = receiver.server(host, int(port))
+    except OSError as exc:
+        raise UsageError(f"--listen {host}:{port}: {exc.strerror}; choose another port or --host") from None
+    print(f"receiving OTLP/HTTP JSON traces at {server.url} into {args.out} ({receiver.protection()}); "
+          "Ctrl-C or SIGTERM to stop", file=sys.stderr, flush=True)
+    previous = None
+    if threading.current_thread() is threading.main_thread():  # SIGTERM ends it as Ctrl-C does: nothing held is lost
+        previous = signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
+    try:
+        serve_until_interrupted(server)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    print("\n".join(receiver.close().lines()), flush=True)
     return 0
 
 
@@ -387,8 +409,12 @@ def _parser() -> argparse.ArgumentParser:
                                    "with LLM spans under LangGraph nodes to a run, and append the runs to DIR in serve "
                                    "--record's format. What cannot be mapped is reported, never guessed (docs/serving.md).")
     p.add_argument("files", nargs="*", metavar="FILE", help="OTLP JSON files (one export request, or one per line)")
-    p.add_argument("--listen", default=None, metavar="HOST:PORT", help="instead of files, receive OTLP/HTTP JSON at "
-                                                                       "POST /v1/traces (e.g. 127.0.0.1:4318) until Ctrl-C")
+    p.add_argument("--listen", default=None, metavar="[HOST:]PORT", help="instead of files, receive OTLP/HTTP JSON at "
+                                                                          "POST /v1/traces (e.g. 4318) until Ctrl-C or SIGTERM")
+    p.add_argument("--host", default=None, help="with --listen: address to bind (default 127.0.0.1)")
+    p.add_argument("--api-key", default=None, help="with --listen: require this bearer token (401 otherwise); visible to "
+                                                    "local users in the process list: prefer --api-key-file or $MAS_TRAINER_API_KEY")
+    p.add_argument("--api-key-file", default=None, help="with --listen: read the bearer token from the first line of this file")
     p.add_argument("--out", required=True, metavar="DIR", help="record folder to append to (runs already in it are skipped)")
     p.add_argument("--role", action="append", default=[], metavar="NODE=ROLE", help="the role of a node's calls "
                                                                                      "(default: the node name; repeatable)")

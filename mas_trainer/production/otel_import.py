@@ -15,13 +15,18 @@ hex, and rejects a whole request for one bad span where a report per span is wan
 from __future__ import annotations
 
 import base64
+import hmac
+import io
 import json
+import logging
+import socket
 import threading
 import time
 import zlib
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterable, Iterator
 
 from mas_trainer.engines.base import choice_id
@@ -29,7 +34,10 @@ from mas_trainer.errors import UserError
 from mas_trainer.production.record import Recorder
 from mas_trainer.trace.schema import LLMCall
 
-__all__ = ["MAX_FILE_BYTES", "MAX_BODY_BYTES", "MAX_DEPTH", "ImportReport", "Unmapped", "Span", "Receiver", "load_spans", "map_traces", "import_traces"]
+__all__ = ["MAX_FILE_BYTES", "MAX_BODY_BYTES", "MAX_DEPTH", "ImportReport", "Unmapped", "Span", "ListenLimits", "Receiver",
+           "load_spans", "map_traces", "import_traces"]
+
+log = logging.getLogger(__name__)
 
 MAX_FILE_BYTES = 512 * 2**20  # one input file
 MAX_DEPTH = 64  # nesting of an attribute value (AnyValue arrays / kvlists, JSON inside strings)
@@ -84,6 +92,16 @@ class ImportReport:
         ex = self.examples.setdefault(reason, [])
         if len(ex) < EXAMPLES:
             ex.append(where)
+
+    def merge(self, other: ImportReport) -> None:
+        """Add the counts of `other` (a part parsed or written apart) to these."""
+        self.runs, self.calls = self.runs + other.runs, self.calls + other.calls
+        self.partial_runs, self.duplicates = self.partial_runs + other.partial_runs, self.duplicates + other.duplicates
+        self.nested += other.nested
+        for reason, n in other.unmapped.items():
+            self.unmapped[reason] += n
+            ex = self.examples.setdefault(reason, [])
+            ex.extend(other.examples.get(reason, [])[:EXAMPLES - len(ex)])
 
     def lines(self) -> list[str]:
         out = [f"imported {self.runs} runs ({self.calls} LLM calls); {self.duplicates} duplicate runs skipped"
@@ -526,13 +544,12 @@ def import_traces(files: Iterable[str | Path], out: str | Path, *, roles: dict[s
     runs = map_traces(spans, report, roles, policies)
     if strict and report.unmapped:
         raise Unmapped(report)
-    _write_runs(out, runs, report)
+    _write_runs(Recorder(out, max_mb=2**30), runs, report)  # never trim: an import only adds
     return report
 
 
-def _write_runs(out: str | Path, runs: dict[str, list[LLMCall]], report: ImportReport) -> None:
-    """Append the runs not already in the record folder `out`, counting them in `report`."""
-    recorder = Recorder(out, max_mb=2**30)  # never trim: an import only adds
+def _write_runs(recorder: Recorder, runs: dict[str, list[LLMCall]], report: ImportReport) -> None:
+    """Append the runs not already in the recorder's folder, counting them in `report`."""
     for run_id, calls in runs.items():
         if recorder.check(run_id, None) is None:
             report.duplicates += 1
@@ -545,24 +562,100 @@ def _write_runs(out: str | Path, runs: dict[str, list[LLMCall]], report: ImportR
 
 # ---- OTLP/HTTP receiver (JSON only) -------------------------------------------------------------
 
-MAX_BODY_BYTES = 64 * 2**20
+@dataclass(frozen=True)
+class ListenLimits:
+    """What `import-traces --listen` holds at most, in connections, time and bytes (docs/serving.md)."""
+
+    max_connections: int = 64  # open at once; a new one closes the oldest idle one, or gets a 503 if none is idle
+    idle_timeout_s: float = 30.0  # a connection waiting for its next request is closed after this
+    read_timeout_s: float = 60.0  # one request's headers and body must arrive within this of its first byte
+    max_body_bytes: int = 64 * 2**20  # one request, as sent and unpacked
+    max_inflight_bytes: int = 256 * 2**20  # all bodies being received and read at once; past it a 503 (exporters retry)
+    idle_s: float = 30.0  # a trace with no new span for this long is written (its root is in another service)
+    max_held_spans: int = 200_000  # spans held for their trace's root; past this or max_held_bytes
+    max_held_bytes: int = 256 * 2**20  # (their text), the least recently sent traces are written at once
+    flush_every_s: float = 1.0  # how often idle traces are looked for
+    close_wait_s: float = 5.0  # at the end, requests under way may finish for this long
+
+
+MAX_BODY_BYTES = ListenLimits.max_body_bytes
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+_BUSY_BODY = b'{"error": "too many connections; retry later"}'
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+         b"connection: close\r\nretry-after: 1\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY))
+
+
+def _size(value: Any) -> int:
+    """About what holding a parsed value costs: its text, and a little per item."""
+    if isinstance(value, str):
+        return len(value) + 8
+    if isinstance(value, dict):
+        return sum(len(k) + _size(v) for k, v in value.items()) + 8
+    if isinstance(value, list):
+        return sum(map(_size, value)) + 8
+    return 8
+
+
+def _span_bytes(span: Span) -> int:
+    return 128 + len(span.name) + _size(span.attrs) + sum(len(n) + _size(a) for n, a in span.events)
+
+
+@dataclass
+class _Held:
+    spans: list[Span] = field(default_factory=list)
+    nbytes: int = 0
+    seen: float = 0.0
 
 
 class Receiver:
     """`import-traces --listen`: POST /v1/traces (OTLP/HTTP, JSON encoding) into the record folder
-    `out`. Spans are held per trace until its root span (no parent) arrives, or `idle_s` passes
-    without new spans of it (a root in another service), then mapped and written like a file import;
-    `close()` writes what is left. Protobuf bodies get 415."""
+    `out`. Spans are held per trace until its root span (no parent) arrives, or `limits.idle_s`
+    passes without new spans of it (a root in another service: a timer writes it, no other POST
+    needed), then mapped and written like a file import; past the held bounds (spans, bytes) the
+    least recently sent traces are written at once; `close()` writes what is left. Parsing, mapping
+    and writing happen outside the lock on what is held, so a large POST delays no other's intake;
+    the record folder is read once, here, and then only appended to. Protobuf bodies get 415."""
 
     def __init__(self, out: str | Path, *, roles: dict[str, str] | None = None, policies: dict[str, str] | None = None,
-                 idle_s: float = 30.0, max_spans: int = 200_000) -> None:
-        self.out, self.roles, self.policies, self.idle_s, self.max_spans = Path(out), roles, policies, idle_s, max_spans
+                 api_key: str | None = None, limits: ListenLimits | None = None) -> None:
+        self.out, self.roles, self.policies, self.api_key = Path(out), roles, policies, api_key
+        self.limits = limits or ListenLimits()
         self.report = ImportReport()
-        self._spans: dict[str, list[Span]] = {}
-        self._seen: dict[str, float] = {}
-        self._lock = threading.Lock()
+        try:
+            self._recorder = Recorder(self.out, max_mb=2**30)  # never trim: an import only adds
+        except OSError as exc:
+            raise UserError(f"--out {self.out}: cannot write there ({exc.strerror}); give a folder you can write to") from None
+        self._held: OrderedDict[str, _Held] = OrderedDict()  # least recently sent first
+        self._held_spans = self._held_bytes = self._inflight = 0
+        self._lock = threading.Lock()  # what is held and in flight: never kept while parsing, mapping or writing
+        self._write_lock = threading.Lock()  # the recorder: one writer at a time
+        self._report_lock = threading.Lock()  # the report, added to by every POST: never waits for a write
+        self._stop = threading.Event()
+        self._timer: threading.Thread | None = None
 
-    def accept(self, body: bytes, content_type: str) -> tuple[int, dict[str, Any]]:
+    def key_ok(self, authorization: str | None) -> bool:
+        """`Authorization: Bearer KEY` when a key is set, compared in constant time (as `serve` does)."""
+        if not self.api_key:
+            return True
+        scheme, _, given = (authorization or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.api_key.encode())
+
+    def protection(self) -> str:
+        return "API key required" if self.api_key else "no API key: anyone who can connect may send traces"
+
+    def reserve(self, nbytes: int) -> bool:
+        """Count `nbytes` more of request bodies held; False (nothing counted) past `max_inflight_bytes`."""
+        with self._lock:
+            if self._inflight + nbytes > self.limits.max_inflight_bytes:
+                return False
+            self._inflight += nbytes
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self._inflight -= nbytes
+
+    def accept(self, body: bytes | bytearray, content_type: str) -> tuple[int, dict[str, Any]]:
         """(HTTP status, JSON answer) for one POST /v1/traces body."""
         if "protobuf" in content_type:
             return 415, {"error": "OTLP protobuf is not read here: set the exporter to JSON "
@@ -573,71 +666,281 @@ class Receiver:
             return 400, {"error": "the body is not JSON"}
         if not _is_request(req):
             return 400, {"error": "not an OTLP trace export (no resourceSpans list)"}
-        with self._lock:
-            before = sum(self.report.unmapped.values())
-            now = time.monotonic()
-            for s in _request_spans(req, "POST /v1/traces", self.report):
-                self._spans.setdefault(s.trace_id, []).append(s)
-                self._seen[s.trace_id] = now
-            rejected = sum(self.report.unmapped.values()) - before
-            done = [t for t, spans in self._spans.items()
-                    if any(s.parent_id is None for s in spans) or now - self._seen[t] > self.idle_s]
-            while sum(map(len, self._spans.values())) - sum(len(self._spans[t]) for t in done) > self.max_spans:
-                done.append(min((t for t in self._spans if t not in done), key=self._seen.__getitem__))
-            self._write(done)
+        parsed = ImportReport()
+        spans = [(s, _span_bytes(s)) for s in _request_spans(req, "POST /v1/traces", parsed)]
+        del req
+        with self._report_lock:
+            self.report.merge(parsed)
+        self._write(self._hold(spans))
+        rejected = sum(parsed.unmapped.values())
         return 200, ({"partialSuccess": {"rejectedSpans": str(rejected), "errorMessage": "malformed spans"}}
                      if rejected else {})
 
-    def _write(self, trace_ids: list[str]) -> None:
-        spans = [s for t in trace_ids for s in self._spans.pop(t, [])]
-        for t in trace_ids:
-            self._seen.pop(t, None)
-        if spans:
-            _write_runs(self.out, map_traces(spans, self.report, self.roles, self.policies), self.report)
+    def _hold(self, spans: list[tuple[Span, int]]) -> list[list[Span]]:
+        """Hold `spans`; return the traces due now (their root arrived, or the held bounds are passed)."""
+        rooted: set[str] = set()
+        with self._lock:
+            now = time.monotonic()
+            for s, nbytes in spans:
+                held = self._held.get(s.trace_id)
+                if held is None:
+                    held = self._held[s.trace_id] = _Held()
+                else:
+                    self._held.move_to_end(s.trace_id)
+                held.spans.append(s)
+                held.nbytes += nbytes
+                held.seen = now
+                self._held_spans += 1
+                self._held_bytes += nbytes
+                if s.parent_id is None:
+                    rooted.add(s.trace_id)
+            due = [self._take(t) for t in rooted]
+            while self._held and (self._held_spans > self.limits.max_held_spans or self._held_bytes > self.limits.max_held_bytes):
+                due.append(self._take(next(iter(self._held))))
+        return due
+
+    def _take(self, trace_id: str) -> list[Span]:
+        held = self._held.pop(trace_id)
+        self._held_spans -= len(held.spans)
+        self._held_bytes -= held.nbytes
+        return held.spans
+
+    def _write(self, traces: list[list[Span]]) -> None:
+        """Map and write traces taken out of those held; only the writing itself is serialised."""
+        if not traces:
+            return
+        mapped = ImportReport()
+        runs = map_traces((s for spans in traces for s in spans), mapped, self.roles, self.policies)
+        with self._write_lock:
+            _write_runs(self._recorder, runs, mapped)
+        with self._report_lock:
+            self.report.merge(mapped)
+
+    def _write_idle(self) -> None:
+        """The timer: every `flush_every_s`, write the traces with no new span for `idle_s`."""
+        while not self._stop.wait(self.limits.flush_every_s):
+            cutoff = time.monotonic() - self.limits.idle_s
+            with self._lock:
+                due = []
+                while self._held and next(iter(self._held.values())).seen < cutoff:
+                    due.append(self._take(next(iter(self._held))))
+            try:
+                self._write(due)
+            except Exception:  # a full disk: said, and the timer goes on
+                log.exception("import-traces: could not write %d idle traces to %s", len(due), self.out)
 
     def close(self) -> ImportReport:
+        """Stop the timer and write every trace still held; the report of the whole session."""
+        self._stop.set()
+        if self._timer is not None:
+            self._timer.join()
         with self._lock:
-            self._write(list(self._spans))
+            due = [self._take(t) for t in list(self._held)]
+        self._write(due)
         return self.report
 
-    def server(self, host: str, port: int) -> Any:
-        """A stdlib HTTP server answering POST /v1/traces; `serve_forever()` it, `close()` after."""
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    def server(self, host: str, port: int) -> _Server:
+        """A stdlib HTTP server answering POST /v1/traces within `limits`, and the timer that writes
+        idle traces; `serve_forever()` it, then `server_close()` and `close()`."""
+        if self.api_key is None and host not in LOOPBACK:
+            log.warning("receiving traces on %s without an API key: anyone who can reach it can add runs to %s "
+                        "(set MAS_TRAINER_API_KEY or --api-key-file)", host, self.out)
+        server = _Server(host, port, self)
+        if self._timer is None:
+            self._timer = threading.Thread(target=self._write_idle, name="import-traces-timer", daemon=True)
+            self._timer.start()
+        return server
 
-        receiver = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def _answer(self, status: int, body: dict[str, Any]) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+def _hang_up(sock: socket.socket) -> None:
+    """End a connection another thread may be reading: its read returns at once."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
-            def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
-                if self.path.split("?")[0] != "/v1/traces":
-                    return self._answer(404, {"error": "POST OTLP JSON traces to /v1/traces"})
+
+class _Server(ThreadingHTTPServer):
+    """A thread per connection, at most `max_connections` of them: a new connection closes the
+    oldest idle one to make room, or gets a 503 when every one is busy with a request."""
+
+    daemon_threads = True
+
+    def __init__(self, host: str, port: int, receiver: Receiver) -> None:
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.receiver = receiver
+        self.conns: dict[socket.socket, bool] = {}  # open connections, oldest first -> busy with a request
+        self.changed = threading.Condition()
+        super().__init__((host, port), _Handler)
+
+    @property
+    def url(self) -> str:
+        host, port = self.socket.getsockname()[:2]
+        return f"http://{f'[{host}]' if ':' in host else host}:{port}/v1/traces"
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self.changed:
+            full = len(self.conns) >= self.receiver.limits.max_connections
+            idle = next((c for c, busy in self.conns.items() if not busy), None) if full else None
+            if idle is not None:
+                del self.conns[idle]
+                _hang_up(idle)
+            if not full or idle is not None:
+                self.conns[request] = False
+        if full and idle is None:
+            try:
+                request.settimeout(1.0)
+                request.sendall(_BUSY)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def mark(self, sock: socket.socket, busy: bool) -> None:
+        with self.changed:
+            if sock in self.conns:
+                self.conns[sock] = busy
+                self.changed.notify_all()
+
+    def shutdown_request(self, request: Any) -> None:
+        with self.changed:
+            self.conns.pop(request, None)
+            self.changed.notify_all()
+        super().shutdown_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        log.debug("import-traces: the connection from %s ended with an error", client_address, exc_info=True)
+
+    def server_close(self) -> None:
+        """Stop listening and close idle connections; let requests under way end (for `close_wait_s`
+        at most), so their spans are held before the receiver writes what it holds."""
+        super().server_close()
+        deadline = time.monotonic() + self.receiver.limits.close_wait_s
+        with self.changed:
+            while self.conns:
+                left = deadline - time.monotonic()
+                for sock, busy in list(self.conns.items()):
+                    if not busy or left <= 0:
+                        _hang_up(sock)
+                if left <= 0 or not any(self.conns.values()):
+                    break
+                self.changed.wait(min(left, 0.1))
+
+
+class _Deadline(io.RawIOBase):
+    """A connection's reads, each given only what is left of its deadline (a socket timeout alone
+    restarts at every byte: a client sending a byte a minute would hold the connection for ever).
+    Waiting for a request: `idle_timeout_s`; from its first byte, `read_timeout_s` for all of it."""
+
+    def __init__(self, sock: socket.socket, server: _Server) -> None:
+        super().__init__()
+        self.sock, self.server, self.busy, self.deadline = sock, server, False, 0.0
+
+    def wait_for_request(self) -> None:
+        self.busy, self.deadline = False, time.monotonic() + self.server.receiver.limits.idle_timeout_s
+        self.server.mark(self.sock, False)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the connection's time is up")
+        self.sock.settimeout(left)
+        n = self.sock.recv_into(buffer)
+        if n and not self.busy:
+            self.busy, self.deadline = True, time.monotonic() + self.server.receiver.limits.read_timeout_s
+            self.server.mark(self.sock, True)
+        return n
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # exporters keep their connection; an idle one is closed after idle_timeout_s
+    server: _Server
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()
+        self.reader = _Deadline(self.connection, self.server)
+        self.rfile = io.BufferedReader(self.reader, 64 * 1024)
+
+    def handle_one_request(self) -> None:
+        self.reader.wait_for_request()
+        super().handle_one_request()
+
+    def _answer(self, status: int, body: dict[str, Any], close: bool = False, retry: bool = False) -> None:
+        """Answer; `close` where the body was not read (or the client is to go away)."""
+        data = json.dumps(body).encode()
+        self.connection.settimeout(self.server.receiver.limits.read_timeout_s)
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        if retry:
+            self.send_header("retry-after", "1")
+        if close:
+            self.send_header("connection", "close")
+            self.close_connection = True
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
+        receiver, limits = self.server.receiver, self.server.receiver.limits
+        if self.path.split("?")[0] != "/v1/traces":
+            return self._answer(404, {"error": "POST OTLP JSON traces to /v1/traces"}, close=True)
+        if not receiver.key_ok(self.headers.get("authorization")):
+            return self._answer(401, {"error": "invalid or missing API key: send Authorization: Bearer KEY (exporters: "
+                                               "OTEL_EXPORTER_OTLP_HEADERS=Authorization=Bearer%20KEY)"}, close=True)
+        try:
+            size = int(self.headers.get("content-length", ""))
+        except ValueError:
+            return self._answer(411, {"error": "send a content-length"}, close=True)
+        too_large = {"error": f"over {limits.max_body_bytes >> 20} MB; export smaller batches"}
+        if size > limits.max_body_bytes or size < 0:
+            return self._answer(413, too_large, close=True)
+        busy = {"error": "the receiver holds too many request bodies at once; retry later"}
+        if not receiver.reserve(size):
+            return self._answer(503, busy, close=True, retry=True)
+        held = size
+        try:
+            body = bytearray()
+            while len(body) < size:
                 try:
-                    size = int(self.headers.get("content-length", ""))
-                except ValueError:
-                    return self._answer(411, {"error": "send a content-length"})
-                if size > MAX_BODY_BYTES or size < 0:
-                    return self._answer(413, {"error": f"over {MAX_BODY_BYTES >> 20} MB; export smaller batches"})
-                body = self.rfile.read(size)
-                encoding = self.headers.get("content-encoding", "").strip().lower()
-                if encoding == "gzip":  # the collector's otlphttp exporter compresses by default
+                    chunk = self.rfile.read1(min(size - len(body), 2**20))
+                except TimeoutError:
+                    return self._answer(408, {"error": f"the request did not arrive within {limits.read_timeout_s:g} s"},
+                                        close=True)
+                if not chunk:
+                    self.close_connection = True
+                    return None
+                body += chunk
+            encoding = self.headers.get("content-encoding", "").strip().lower()
+            if encoding == "gzip":  # the collector's otlphttp exporter compresses by default
+                unpacked, inflate = bytearray(), zlib.decompressobj(16 + zlib.MAX_WBITS)
+                data: bytes | bytearray = body
+                while True:
                     try:
-                        body = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(body, MAX_BODY_BYTES + 1)
+                        out = inflate.decompress(data, 2**20)
                     except zlib.error:
                         return self._answer(400, {"error": "the gzip body is damaged"})
-                    if len(body) > MAX_BODY_BYTES:
-                        return self._answer(413, {"error": f"over {MAX_BODY_BYTES >> 20} MB unpacked; export smaller batches"})
-                elif encoding not in ("", "identity"):
-                    return self._answer(415, {"error": f"content-encoding {encoding[:20]!r}: send gzip or none"})
-                self._answer(*receiver.accept(body, self.headers.get("content-type", "")))
+                    data = inflate.unconsumed_tail
+                    if not out and not data:
+                        break
+                    if len(unpacked) + len(out) > limits.max_body_bytes:
+                        return self._answer(413, {"error": f"over {limits.max_body_bytes >> 20} MB unpacked; "
+                                                           "export smaller batches"})
+                    if not receiver.reserve(len(out)):
+                        return self._answer(503, busy, retry=True)
+                    held += len(out)
+                    unpacked += out
+                body = unpacked
+            elif encoding not in ("", "identity"):
+                return self._answer(415, {"error": f"content-encoding {encoding[:20]!r}: send gzip or none"})
+            self._answer(*receiver.accept(body, self.headers.get("content-type", "")))
+        finally:
+            receiver.release(held)
+        return None
 
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet
-                pass
-
-        return ThreadingHTTPServer((host, port), Handler)
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet
+        pass
