@@ -11,8 +11,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from mas_trainer.cluster.placement import RunStopped
-from mas_trainer.errors import UserError
+from mas_trainer.errors import RunStopped, UserError
 from mas_trainer.loop.quiet import quiet_libraries
 
 __all__ = ["main"]
