@@ -383,7 +383,8 @@ def _parser() -> argparse.ArgumentParser:
                         "off by default: nothing is written without it")
     p.add_argument("--record-file-mb", type=float, default=64, metavar="MB", help="start a new runs file past this size")
     p.add_argument("--record-max-mb", type=float, default=1024, metavar="MB",
-                   help="delete the oldest runs files past this total (their runs can no longer get feedback)")
+                   help="delete the oldest runs files past this total of recorded calls and graph records (their "
+                        "runs can no longer get feedback); feedback is bounded apart, at most a quarter of it")
     p.add_argument("--redact", default=None, metavar="MODULE:FUNCTION",
                    help="a str -> str function applied to every recorded text before it reaches disk")
     p.set_defaults(func=cmd_serve)
