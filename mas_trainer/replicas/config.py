@@ -20,8 +20,8 @@ ENGINES = ("embedded", "vllm", "torch-replica")
 class ReplicaConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    replicas: int = Field(1, ge=1, description="rollout replicas (servers) per policy; requests are balanced over them "
-                          "(placement=colocated on GPUs: one per tensor_parallel_size learner ranks, as verl's hybrid engine)")
+    replicas: int = Field(1, ge=1, description="rollout replicas (servers) per policy, at most 1024; requests are balanced "
+                          "over them (placement=colocated on GPUs: one per tensor_parallel_size learner ranks, as verl's hybrid engine)")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs of one vLLM replica (torch-replica: 1)")
     placement: Literal["separate", "colocated"] = Field(
         "separate", description="separate: replicas on GPUs of their own, weights sent after each update; colocated: "
