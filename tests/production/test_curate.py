@@ -217,6 +217,7 @@ def test_crafted_lines_are_counted_not_fatal(tmp_path):
     r = data.report
     assert r.runs_task_unusable == {"too_deep": 1, "too_large": 1, "not_json": 1}
     assert r.feedback_ignored == 6 and r.runs_without_task == 2  # run 5's graph line was unreadable
+    assert r.lines_skipped == {"too_deep": 1}
     assert data.tasks == [{"q": 1}] and data.report.calls_dropped == {"task_unusable": 3, "unusable": 1}
     assert sorted(line.completion["content"] for line in data.sft) == ["a", "r5"]
     make_datasets([tmp_path], tmp_path.parent / "out")  # and it writes
