@@ -5,7 +5,11 @@ whose metadata opens a new LangGraph task (`langgraph_checkpoint_ns` gains a seg
 after the run) are node calls. Each node call becomes an OTel span under the rollout's root
 span (or under the enclosing node call, for subgraph nodes). LLM calls themselves are
 recorded by the OpenAI instrumentation and the gateway; this handler only tells the
-instrumentation which node call, role and span the current code runs under.
+instrumentation which node call, role and span the current code runs under, and the node
+call's *branch*: what identifies it in every run of the rollout (task ids and checkpoint
+namespaces hash the checkpoint id, a fresh uuid each run; superstep and task path do not: a
+`Send` task's path holds its index among the step's sends, in the order the graph wrote them,
+not the order the branches ran). The gateway derives sampling seeds from it (`branch_segment`).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 from uuid import UUID
 
 from langchain_core.callbacks import BaseCallbackHandler
@@ -31,7 +35,7 @@ from mas_trainer.trace.schema import NodeCall, ToolCall
 from .serving import ServingRuns
 from .serving import install as install_serving_runs
 
-__all__ = ["GraphTracer", "node_path"]
+__all__ = ["GraphTracer", "node_path", "branch_segment"]
 
 # Exceptions LangGraph uses for control flow, not failures.
 _CONTROL_FLOW = {"GraphInterrupt", "NodeInterrupt", "ParentCommand", "GraphBubbleUp"}
@@ -42,6 +46,21 @@ def node_path(checkpoint_ns: str) -> str:
     return ":".join(seg.rsplit(":", 1)[0] for seg in checkpoint_ns.split("|") if seg)
 
 
+def branch_segment(node: str, metadata: Mapping[str, Any], attempt: int = 1) -> str:
+    """One node call's part of its branch, from what LangGraph decided, never from timing:
+    ``worker@2(__pregel_push,1,False)`` is the second `Send` of superstep 1, run in step 2;
+    ``planner@1(__pregel_pull,planner)`` a plain node; ``#2`` follows a retry's second attempt.
+    A subgraph's node calls append theirs to the enclosing node call's branch (``|``)."""
+    segment = f"{node}@{metadata.get('langgraph_step')}{_path_text(metadata.get('langgraph_path'))}"
+    return segment if attempt == 1 else f"{segment}#{attempt}"
+
+
+def _path_text(path: object) -> str:
+    if isinstance(path, (tuple, list)):
+        return "(" + ",".join(_path_text(p) for p in path) + ")"
+    return str(path)
+
+
 @dataclass
 class _NodeRun:
     record: NodeCall
@@ -49,6 +68,7 @@ class _NodeRun:
     role: str
     ns: str
     ctx: Any = field(default=None)
+    branch: str = ""
 
 
 class GraphTracer(BaseCallbackHandler):
@@ -98,7 +118,7 @@ class GraphTracer(BaseCallbackHandler):
         node = self.node_for(ns)
         if node is None:
             return None
-        return CallContext(self.rollout_id, node.record.name, node.record.id, node.role, node.ctx)
+        return CallContext(self.rollout_id, node.record.name, node.record.id, node.role, node.ctx, branch=node.branch)
 
     # --- node calls ------------------------------------------------------------------------
     def _maybe_open(self, run_id: UUID, metadata: dict | None, name: str | None) -> None:
@@ -122,6 +142,8 @@ class GraphTracer(BaseCallbackHandler):
         attempt = self._attempts.get(ns, 0) + 1
         self._attempts[ns] = attempt
         route = self.spec.route(path)
+        own = branch_segment(str(md.get("langgraph_node")), md, attempt)
+        branch = f"{enclosing.branch}|{own}" if enclosing else own
         parent_ctx = enclosing.ctx if enclosing else self._root_ctx
         span = get_tracer().start_span(
             f"node {path}",
@@ -133,6 +155,7 @@ class GraphTracer(BaseCallbackHandler):
                 A.STEP: md.get("langgraph_step", -1),
                 A.CHECKPOINT_NS: ns,
                 A.ATTEMPT: attempt,
+                A.BRANCH: branch,
                 A.ROLE: route.role,
                 A.POLICY: route.policy,
                 A.GEN_AI_AGENT_NAME: route.role,
@@ -150,7 +173,7 @@ class GraphTracer(BaseCallbackHandler):
         if enclosing:
             span.set_attribute(A.PARENT_NODE_CALL_ID, enclosing.record.id)
         span.set_attribute(A.NODE_CALL_ID, record.id)
-        node = _NodeRun(record, span, route.role, ns, trace.set_span_in_context(span))
+        node = _NodeRun(record, span, route.role, ns, trace.set_span_in_context(span), branch)
         self._nodes.append(node)
         return node
 

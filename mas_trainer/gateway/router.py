@@ -37,6 +37,7 @@ class RouteDecision:
     trainable: bool
     rollout_id: str | None
     node_call_id: str | None
+    branch: str | None = None  # the node call's run-independent identity (baggage `mas.branch`): seeds derive from it
 
 
 class Router:
@@ -66,15 +67,16 @@ class Router:
         node = _s(bag.get(A.BAGGAGE_NODE))
         role = _s(bag.get(A.BAGGAGE_ROLE))
         call = _s(bag.get(A.BAGGAGE_NODE_CALL))
+        branch = _s(bag.get(A.BAGGAGE_BRANCH))
         if node and self.spec is not None:
             if self.known_nodes_only and not self._known(node):
                 nodes = ", ".join(self.spec.nodes) or "(none)"
                 raise UnknownNode(f"node {node[:100]!r} is not in this run's policy map; its nodes: {nodes}")
             r = self.spec.route(node)
-            return RouteDecision(r.policy, role or r.role, node, r.trainable, rollout, call)
+            return RouteDecision(r.policy, role or r.role, node, r.trainable, rollout, call, branch)
         if role and role in self._role_policy:
             role_policy, trainable = self._role_policy[role]
-            return RouteDecision(role_policy, role, node, trainable, rollout, call)
+            return RouteDecision(role_policy, role, node, trainable, rollout, call, branch)
         policy = model if model in policies else self.model_routes.get(model)
         if policy is None and self.fallback is not None:
             policy = self.fallback
@@ -83,7 +85,7 @@ class Router:
                 log.warning("calls with no graph node asking for model %r are served by the fallback policy %r "
                             "(name a policy, or map the model to one)", model, policy)
         if policy is not None:
-            return RouteDecision(policy, role or model, node, False, rollout, call)
+            return RouteDecision(policy, role or model, node, False, rollout, call, branch)
         names = sorted(policies | set(self.model_routes))
         raise UnknownModel(f"model {model!r} is not served here; available models: {', '.join(names)}")
 

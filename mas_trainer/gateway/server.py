@@ -307,7 +307,8 @@ class Gateway:
                                     "(prompt + completion)", param="messages", code="context_length_exceeded")
             if params.max_tokens > room:
                 params = replace(params, max_tokens=room)
-        params = self.sampling.apply(params, decision.rollout_id, decision.node or decision.role)
+        params = self.sampling.apply(params, decision.rollout_id, decision.node or decision.role, branch=decision.branch,
+                                     prompt_ids=prompt_ids, call_id=call_id)
         return _Call(req, decision, backend, messages, tools, prompt_ids, params, call_id, time.time())
 
     async def _complete(self, call: _Call) -> dict[str, Any]:

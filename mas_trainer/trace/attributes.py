@@ -8,8 +8,8 @@ __all__ = [
     "GEN_AI_OPERATION", "GEN_AI_PROVIDER", "GEN_AI_REQUEST_MODEL", "GEN_AI_AGENT_NAME", "GEN_AI_TOOL_NAME",
     "GEN_AI_TOOL_CALL_ID", "GEN_AI_INPUT_TOKENS", "GEN_AI_OUTPUT_TOKENS",
     "ROLLOUT_ID", "NODE", "NODE_CALL_ID", "STEP", "PARENT_NODE_CALL_ID", "ROLE", "POLICY",
-    "ATTEMPT", "CHECKPOINT_NS", "KIND",
-    "BAGGAGE_ROLLOUT", "BAGGAGE_NODE", "BAGGAGE_NODE_CALL", "BAGGAGE_ROLE",
+    "ATTEMPT", "CHECKPOINT_NS", "BRANCH", "KIND",
+    "BAGGAGE_ROLLOUT", "BAGGAGE_NODE", "BAGGAGE_NODE_CALL", "BAGGAGE_ROLE", "BAGGAGE_BRANCH",
 ]
 
 GEN_AI_OPERATION = "gen_ai.operation.name"  # "chat", "execute_tool", "invoke_agent"
@@ -29,6 +29,7 @@ PARENT_NODE_CALL_ID = "mas.parent_node_call_id"
 STEP = "mas.step"
 ATTEMPT = "mas.attempt"
 CHECKPOINT_NS = "mas.checkpoint_ns"
+BRANCH = "mas.branch"  # what the node call is in its rollout, the same in every run of it (see BAGGAGE_BRANCH)
 ROLE = "mas.role"
 POLICY = "mas.policy"
 
@@ -37,3 +38,7 @@ BAGGAGE_ROLLOUT = "mas.rollout"
 BAGGAGE_NODE = "mas.node"
 BAGGAGE_NODE_CALL = "mas.node_call"
 BAGGAGE_ROLE = "mas.role"
+# The node call's identity in its rollout, from what the graph decided rather than when it ran
+# (LangGraph: superstep and task path, a `Send`'s index among the step's sends, the retry
+# attempt, the enclosing node call's for subgraphs): the gateway derives sampling seeds from it.
+BAGGAGE_BRANCH = "mas.branch"

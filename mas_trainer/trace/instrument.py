@@ -1,7 +1,8 @@
 """OpenAI SDK instrumentation: every chat completion carries the caller's graph context.
 
 The wrapped `create`/`parse` methods (sync and async) open a GenAI "chat" span under the
-current node call and inject W3C `traceparent` + `baggage` (rollout, node, node call, role)
+current node call and inject W3C `traceparent` + `baggage` (rollout, node, node call, role,
+and the node call's branch: its run-independent identity, which sampling seeds derive from)
 as request headers through OTel's propagators. The gateway routes on that baggage and files
 the engine's token ids under the span id. openai 3.x sends through `httpx2`, so patching
 httpx transports would miss these calls; wrapping the resource methods does not.
@@ -51,6 +52,9 @@ class CallContext:
     parent: Context | None = None
     # sees (the SDK resource, its result) of each call that succeeded: serving learns the run ids a server records
     on_result: Callable[[Any, Any], None] | None = None
+    # the node call's identity in its rollout, the same in every run of it (`Send` branches
+    # told apart by what the graph decided, not by which ran first): the gateway seeds from it
+    branch: str = ""
 
 
 Resolver = Callable[[], "CallContext | None"]
@@ -102,6 +106,7 @@ def _headers_for(call: CallContext, span: trace.Span) -> dict[str, str]:
         (A.BAGGAGE_NODE, call.node),
         (A.BAGGAGE_NODE_CALL, call.node_call_id),
         (A.BAGGAGE_ROLE, call.role),
+        (A.BAGGAGE_BRANCH, call.branch if call.rollout_id else ""),
         (BAGGAGE_TOKEN, token),
     ):
         if value:  # outside a rollout only the node is known
@@ -125,6 +130,8 @@ def _start_span(call: CallContext, kwargs: dict[str, Any]) -> trace.Span:
     }
     if isinstance(model, str):
         attrs[A.GEN_AI_REQUEST_MODEL] = model
+    if call.branch:
+        attrs[A.BRANCH] = call.branch
     return get_tracer().start_span(f"chat {model or ''}".strip(), context=call.parent, kind=SpanKind.CLIENT, attributes=attrs)
 
 
