@@ -285,6 +285,14 @@ def cmd_data(args: argparse.Namespace) -> int:
                  f"sft: {r.sft_lines} lines from {r.sft_runs} runs (by role: {roles}); calls dropped: {dropped}",
                  f"wrote {args.out}: tasks.jsonl, val.jsonl, sft.jsonl, report.json"):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
+    lines, files = sum(r.lines_skipped.values()), sum(r.files_skipped.values())
+    if lines or files or r.records_unknown_fields:  # what was not read, so it is not taken for all of the input
+        def why(counts: dict[str, int]) -> str:
+            return ", ".join(f"{k} {n}" for k, n in sorted(counts.items()) if n) or "none"
+
+        console.print(f"skipped: {lines} lines ({why(r.lines_skipped)}), {files} files ({why(r.files_skipped)}); "
+                      f"{r.records_unknown_fields} records with fields this version does not know (those fields ignored)",
+                      markup=False, highlight=False, soft_wrap=True)
     return 0
 
 

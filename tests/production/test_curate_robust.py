@@ -125,3 +125,16 @@ def test_fields_a_newer_writer_adds_are_ignored_and_counted(tmp_path):
     data = build_datasets([tmp_path], val_fraction=0)
     assert data.tasks == [{"q": 1}, {"q": 2}] and [line.run_id for line in data.sft] == [rid(1), rid(2)]
     assert data.report.records_unknown_fields == 3 and data.report.lines_skipped == {"not_a_record": 2}
+
+
+def test_the_data_command_says_what_it_skipped(tmp_path, capsys):
+    rec = Recorder(tmp_path / "rec")
+    add_run(rec, 1, {"q": 1}, [call(1)], feedback=[{"score": 1}])
+    raw(tmp_path / "rec", "[1, 2]", '{"run_id": "%s", "call": ' % rid(7))  # JSON that is not a record; a torn line
+    assert main(["data", str(tmp_path / "rec"), "--out", str(tmp_path / "ds"), "--val-fraction", "0"]) == 0
+    said = capsys.readouterr().out
+    assert "skipped: 2 lines (not_a_record 1, unreadable 1), 0 files (none); 0 records" in said, said
+    clean = Recorder(tmp_path / "clean")
+    add_run(clean, 1, {"q": 1}, [call(1)], feedback=[{"score": 1}])
+    assert main(["data", str(tmp_path / "clean"), "--out", str(tmp_path / "ds2"), "--val-fraction", "0"]) == 0
+    assert "skipped:" not in capsys.readouterr().out  # said only when something was
