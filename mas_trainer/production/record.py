@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import re
+import stat
 import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal
@@ -104,21 +105,47 @@ def _scrub(value: Any, redact: Redactor) -> Any:
     return value
 
 
+MAX_LINE_BYTES = 32 << 20  # a line longer than this (no writer here makes one) is skipped, never held whole
+
+
+def _regular(path: Path) -> bool:
+    """A regular file itself, not a link to one: a reader of a record folder stays inside it."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def run_files(folder: Path) -> list[Path]:
-    """The record files of `folder`, oldest first."""
-    found = [(int(m.group(1)), p) for p in folder.glob("runs-*.jsonl") if (m := _RUNS.fullmatch(p.name))]
+    """The record files of `folder` (regular files, links not followed), oldest first."""
+    found = [(int(m.group(1)), p) for p in folder.glob("runs-*.jsonl") if (m := _RUNS.fullmatch(p.name)) and _regular(p)]
     return [p for _, p in sorted(found)]
 
 
 def _sized_lines(path: Path) -> Iterator[tuple[int, Any]]:
-    """Each line's bytes and record (None for a torn line, the server killed mid-write, which is skipped)."""
-    with path.open("rb") as f:
-        for n, raw in enumerate(f, 1):
+    """Each line's bytes and record (None for a line that is skipped: torn, the server killed
+    mid-write; not JSON; longer than MAX_LINE_BYTES, read past in bounded pieces)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:  # a link put there since it was listed, or gone
+        log.warning("%s: not read (%s)", path, exc.strerror)
+        return
+    with os.fdopen(fd, "rb") as f:
+        n = 0
+        while raw := f.readline(MAX_LINE_BYTES + 1):
+            n, size = n + 1, len(raw)
+            if size > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                while raw and not raw.endswith(b"\n"):
+                    raw = f.readline(1 << 20)
+                    size += len(raw)
+                log.warning("%s:%d: skipping a line of more than %d bytes", path, n, MAX_LINE_BYTES)
+                yield size, None
+                continue
             try:
-                yield len(raw), json.loads(raw)
+                yield size, json.loads(raw)
             except (ValueError, RecursionError):  # RecursionError: nested past what json can parse
                 log.warning("%s:%d: skipping a torn or unreadable line", path, n)
-                yield len(raw), None
+                yield size, None
 
 
 def _lines(path: Path) -> Iterator[Any]:
@@ -331,6 +358,12 @@ class Recorder:
         return None
 
 
+def _known(model: type[BaseModel], data: Any) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise TypeError("not an object")
+    return {k: v for k, v in data.items() if k in model.model_fields}
+
+
 def read_runs(folder: str | Path) -> Iterator[tuple[Trajectory, list[dict[str, Any]]]]:
     """Each recorded run as a Trajectory (calls in order, nodes from the calls' node ids) with
     the feedback given on it, oldest run first."""
@@ -338,7 +371,7 @@ def read_runs(folder: str | Path) -> Iterator[tuple[Trajectory, list[dict[str, A
     calls: dict[str, list[LLMCall]] = {}
     graphs: dict[str, GraphRun] = {}
     feedback: dict[str, list[dict[str, Any]]] = {}
-    if (folder / FEEDBACK_FILE).exists():  # where earlier builds kept feedback
+    if _regular(folder / FEEDBACK_FILE):  # where earlier builds kept feedback
         for fb in _lines(folder / FEEDBACK_FILE):
             if isinstance(fb, dict) and isinstance(fb.get("run_id"), str):
                 feedback.setdefault(fb["run_id"], []).append(fb)
@@ -348,14 +381,15 @@ def read_runs(folder: str | Path) -> Iterator[tuple[Trajectory, list[dict[str, A
                 run_id = rec["run_id"]
                 if not RUN_ID.fullmatch(run_id):
                     raise ValueError(f"run id {run_id!r}")
+                # fields a newer writer added are ignored, not fatal to the record
                 if "graph" in rec:
-                    graphs.setdefault(run_id, GraphRun.model_validate({**rec["graph"], "run_id": run_id}))
+                    graphs.setdefault(run_id, GraphRun.model_validate({**_known(GraphRun, rec["graph"]), "run_id": run_id}))
                     continue
                 if "feedback" in rec:
-                    given = Feedback.model_validate({**rec["feedback"], "run_id": run_id})
+                    given = Feedback.model_validate({**_known(Feedback, rec["feedback"]), "run_id": run_id})
                     feedback.setdefault(run_id, []).append(given.model_dump(mode="json", exclude_none=True))
                     continue
-                call = LLMCall.model_validate(rec["call"])
+                call = LLMCall.model_validate(_known(LLMCall, rec["call"]))
             except (TypeError, KeyError, ValueError) as exc:
                 log.warning("%s: skipping a record that is not a served call (%s)", path, type(exc).__name__)
                 continue

@@ -273,3 +273,30 @@ def test_a_score_must_be_a_number():
     with pytest.raises(ValueError, match="score"):
         Feedback.model_validate_json('{"run_id": "' + run_id(1) + '", "score": "1"}')
     assert Feedback(run_id=run_id(1), score=1).score == 1.0
+
+
+def test_read_runs_stays_inside_its_folder_and_survives_any_line(tmp_path, monkeypatch, caplog):
+    """The public reader, as `data`'s: no link followed (a runs file or feedback.jsonl symlinked
+    out of the folder), a line past the bound read past in pieces, a newer writer's fields ignored."""
+    import os
+
+    from mas_trainer.production import record
+
+    outside = tmp_path / "outside"
+    Recorder(outside).record(run_id(9), call(9))
+    rec_dir = tmp_path / "rec"
+    Recorder(rec_dir).record(run_id(1), call(1))
+    os.symlink(outside / "runs-0000.jsonl", rec_dir / "runs-0001.jsonl")
+    (outside / "fb.jsonl").write_text(json.dumps({"run_id": run_id(1), "score": 0.1}) + "\n")
+    os.symlink(outside / "fb.jsonl", rec_dir / "feedback.jsonl")
+    monkeypatch.setattr(record, "MAX_LINE_BYTES", 4096)
+    newer = {"run_id": run_id(2), "call": {**call(2).model_dump(mode="json"), "added_later": 1}}
+    with (rec_dir / "runs-0000.jsonl").open("a") as f:
+        f.write('{"run_id": "' + run_id(3) + '", "pad": "' + "x" * 20_000 + '"}\n')  # past the bound
+        f.write(json.dumps(newer) + "\n")
+    with caplog.at_level(logging.WARNING):
+        runs = {t.rollout_id: fb for t, fb in read_runs(rec_dir)}
+    assert runs == {run_id(1): [], run_id(2): []}  # nothing from outside, the long line skipped, the newer call kept
+    assert "more than 4096 bytes" in caplog.text
+    restarted = Recorder(rec_dir)  # the index skips what the reader skips, and counts the long line's bytes
+    assert restarted.check(run_id(2), None) is None and "no recorded run" in restarted.check(run_id(9), None)
