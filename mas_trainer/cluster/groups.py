@@ -140,7 +140,29 @@ class VerlGroup(_RayGroup):
 
     async def _all(self, method: str, *args: Any) -> Any:
         with _user_errors(), self._losses():  # the first rank to fail ends the wait: a lost one leaves the others in a collective
-            return (await asyncio.gather(*getattr(self.group, method)(*args)))[0]
+            try:
+                return (await asyncio.gather(*getattr(self.group, method)(*args)))[0]
+            except Exception as exc:
+                # a rank's own error may arrive before its peer's death does (gloo's "connection closed"):
+                # if a rank of the group is gone, that is what happened
+                dead = None if isinstance(exc, UserError) else await asyncio.to_thread(self._dead_rank)
+                if dead is not None:
+                    raise dead from exc
+                raise
+
+    def _dead_rank(self, wait_s: float = 30.0) -> BaseException | None:
+        """Ray's error for the first rank found gone: a call to a dead actor fails at once (or once
+        Ray's health check has found its node gone); a live one answers, or is busy and counts as alive."""
+        import ray
+
+        refs = [w.__ray_ready__.remote() for w in self.group.workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as err:
+                return err
+        return None
 
     def _who(self, actor_id: str | None) -> str:
         ranks = [i for i, w in enumerate(self.group.workers) if actor_id and w._actor_id.hex() == actor_id]

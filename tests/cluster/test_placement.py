@@ -101,3 +101,32 @@ def test_the_workers_output_goes_to_the_run_file_not_the_console(tmp_path, capfd
     text = log.read_text()
     assert "into-the-file" in text and "pid=" in text and "back-on-the-console" not in text
     assert time.time() < deadline
+
+
+@pytest.mark.verl
+def test_a_ranks_own_error_after_its_peer_died_is_said_as_the_peer_lost():
+    """gloo's "connection closed" on rank 0 may reach the driver before rank 1's death does: the
+    group then looks for a rank that is gone and says that, not rank 0's traceback."""
+    from types import SimpleNamespace
+
+    from mas_trainer.cluster.groups import VerlGroup
+
+    @ray.remote(num_cpus=0)
+    class Rank:
+        def collective(self):
+            raise RuntimeError("[gloo] Connection closed by peer")
+
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        ranks = [Rank.remote(), Rank.remote()]
+        ray.get([r.__ray_ready__.remote() for r in ranks])
+        ray.kill(ranks[1])
+        group = SimpleNamespace(workers=ranks, train=lambda *args: [ranks[0].collective.remote()])
+        handle = VerlGroup(SimpleNamespace(policy="lead"), group)  # type: ignore[arg-type]
+        with pytest.raises(WorkerLost, match=r"^policy lead: rank 1 of its verl worker group of 2 was lost"):
+            asyncio.run(handle.train([]))
+        alone = VerlGroup(SimpleNamespace(policy="lead"), SimpleNamespace(workers=ranks[:1], train=group.train))
+        with pytest.raises(RuntimeError, match="Connection closed"):  # no rank gone: the rank's own error
+            asyncio.run(alone.train([]))
+    finally:
+        ray.shutdown()
