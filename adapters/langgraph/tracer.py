@@ -169,6 +169,7 @@ class GraphTracer(BaseCallbackHandler):
             status="ok",
             attempt=attempt,
             start_time=time.time(),
+            branch=branch,
         )
         if enclosing:
             span.set_attribute(A.PARENT_NODE_CALL_ID, enclosing.record.id)

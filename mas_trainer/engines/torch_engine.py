@@ -570,32 +570,47 @@ class TorchEngine:
         return tokens
 
     def _draw(self, logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
-        """Sample with temperature and top-p by inverse CDF: one uniform number per row.
+        """Sample with temperature and top-p by an exponential race (the Gumbel-max trick).
 
-        Unseeded rows share the engine's generator; seeded rows draw their number from their
-        own, so a seeded sample does not depend on what else is in the batch.
+        Each row draws one Exp(1) number E_i per token of the vocabulary (``-log U``, U uniform)
+        and picks ``argmax_i(log p_i - log E_i)``, p the softmax of ``logits / temperature``
+        restricted to the top-p nucleus (a token top-p removed scores -inf: never picked). This
+        samples exactly that distribution (up to the 2**-24 steps of a float uniform number):
+        ``E_i / p_i`` is Exp(p_i)-distributed, and the smallest of independent exponentials is
+        token j's with probability ``p_j / sum(p)``. ``log p`` is taken as
+        ``logits / temperature``: the softmax's normaliser is the same for every token of a row, so
+        it cannot change the argmax, and it is not computed unless top-p needs the probabilities.
+
+        Unseeded rows share the engine's generator; a seeded row draws its numbers from its own,
+        always a whole vocabulary's worth (whatever top-p keeps), so a seeded sample does not
+        depend on what else is in the batch. Nor does it on the float rounding that another batch
+        shape gives its logits, but for a near-tie: the two best perturbed scores of the row must
+        lie within that rounding of each other, which is rare even for a near-uniform distribution
+        (an inverse-CDF draw flips whenever the rounding of a 49k-long cumulative sum moves a token
+        boundary across its one uniform number: about one draw in a thousand of the tiny model's
+        distribution with its logits moved by 1e-6, so batched same-seed runs parted within a few calls).
         """
-        temps = torch.tensor([r.req.params.temperature for r in rows], device=logits.device)
-        probs = torch.softmax(logits / temps[:, None], dim=-1)
+        scores = logits.float() / torch.tensor([r.req.params.temperature for r in rows], device=logits.device)[:, None]
         nucleus = [i for i, r in enumerate(rows) if r.req.params.top_p < 1]
         if nucleus:
             top_p = torch.tensor([rows[i].req.params.top_p for i in nucleus], device=logits.device)
-            filtered = top_p_filter(probs[nucleus], top_p, first_k=TOP_K_FIRST if self.fast_decode else ())
-            if len(nucleus) == len(rows):
-                probs = filtered
-            else:
-                probs[nucleus] = filtered
-        u = torch.rand((len(rows), 1), generator=self._rng, device=logits.device)
-        for i, row in enumerate(rows):
-            if row.generator is not None:
-                u[i] = torch.rand(1, generator=row.generator, device=logits.device)
-        cdf = probs.cumsum(-1)
-        picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_max_(probs.shape[-1] - 1)
-        # Rounding at the very top of the CDF could land on a token with zero mass.
-        bad = probs.gather(1, picked) <= 0
-        if bool(bad.any()):
-            picked = torch.where(bad, probs.argmax(-1, keepdim=True), picked)
-        return picked[:, 0]
+            kept = top_p_filter(torch.softmax(scores[nucleus], dim=-1), top_p,
+                                first_k=TOP_K_FIRST if self.fast_decode else ())
+            scores[nucleus] = scores[nucleus].masked_fill(kept <= 0, float("-inf"))
+        # E = -log U from uniform numbers: a fifth of the time of torch's exponential_ on a CPU
+        uniform = torch.empty_like(scores)
+        shared = [i for i, r in enumerate(rows) if r.generator is None]
+        if len(shared) == len(rows):
+            uniform.uniform_(generator=self._rng)
+        else:
+            if shared:
+                uniform[shared] = torch.rand((len(shared), scores.shape[-1]), generator=self._rng, device=logits.device)
+            for i, row in enumerate(rows):
+                if row.generator is not None:
+                    uniform[i].uniform_(generator=row.generator)
+        # U in [tiny, 1): E in (0, 88], so log E is finite and a token scored -inf stays out (never a NaN)
+        race = uniform.clamp_min_(torch.finfo(uniform.dtype).tiny).log_().neg_()
+        return (scores - race.log_()).argmax(-1)
 
     def _finished(self, row: _Row) -> bool:
         """Decide whether `row` is done; if so, file its Generation."""

@@ -7,15 +7,16 @@ its LLM calls are collected from the gateway's ledger when it ends.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 from typing import Any, Callable, Iterable
 
 from mas_trainer.apps import AppRunner
 from mas_trainer.gateway.ledger import Ledger
-from mas_trainer.trace.schema import Trajectory
+from mas_trainer.trace.schema import LLMCall, NodeCall, Trajectory
 
-__all__ = ["Controller", "state_json"]
+__all__ = ["Controller", "state_json", "call_order"]
 
 
 def state_json(obj: Any) -> Any:
@@ -37,6 +38,46 @@ def state_json(obj: Any) -> Any:
     return str(obj)
 
 
+_DIGITS = re.compile(r"(\d+)")
+
+
+def _natural(text: str) -> list[Any]:
+    """``worker@2(__pregel_push,10,False)`` after ``...,9,...``: text and numbers alternate, numbers compared as numbers."""
+    return [int(part) if i % 2 else part for i, part in enumerate(_DIGITS.split(text))]
+
+
+def call_order(nodes: list[NodeCall]) -> Callable[[LLMCall], tuple[Any, ...]]:
+    """The sort key of a rollout's LLM calls: by what their node calls are, not by when they ran.
+
+    A call of a node call whose `branch` is known (LangGraph's tracer records it) sorts by the
+    chain of node calls it ran in, outermost first, each by (superstep, branch, attempt): one
+    superstep's parallel branches (`Send`s told apart by their index) come in the same order in
+    every run, however they raced; then by start time, which orders the calls one node call
+    makes one after the other. Calls outside such node calls (another adapter's, whose nodes
+    carry no branch; a call from a thread without the tracer's context) follow, by start time.
+    """
+    by_id = {n.id: n for n in nodes}
+    chains: dict[str, list[tuple[int, list[Any], int]]] = {}
+    for node in nodes:
+        if node.branch is None:
+            continue
+        chain: list[tuple[int, list[Any], int]] = []
+        seen: set[str] = set()
+        current: NodeCall | None = node
+        while current is not None and current.id not in seen:  # outward to the top-level node call
+            seen.add(current.id)
+            chain.append((current.step if current.step is not None else -1, _natural(current.branch or current.name),
+                          current.attempt))
+            current = by_id.get(current.parent_id) if current.parent_id else None
+        chains[node.id] = chain[::-1]
+
+    def key(call: LLMCall) -> tuple[Any, ...]:
+        chain = chains.get(call.node_id or "")
+        return (chain is None, chain or [], call.start_time or 0.0)
+
+    return key
+
+
 class Controller:
     def __init__(self, app: AppRunner, ledger: Ledger, *, max_in_flight: int = 64, timeout_s: float | None = 300.0) -> None:
         self.app = app
@@ -55,7 +96,7 @@ class Controller:
                 call.node = node_names[call.node_id]
         return Trajectory(rollout_id=rollout_id, task=task, status=result.status,  # type: ignore[arg-type]
                           error=result.error, trace_id=result.trace_id, nodes=result.nodes,
-                          llm_calls=sorted(calls, key=lambda c: (c.start_time or 0.0)), tool_calls=result.tool_calls,
+                          llm_calls=sorted(calls, key=call_order(result.nodes)), tool_calls=result.tool_calls,
                           final_state=state_json(result.final_state), duration_s=time.time() - start)
 
     async def run(self, tasks: Iterable[dict[str, Any]], *, n: int = 1, ids: list[str] | None = None,

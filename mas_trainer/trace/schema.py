@@ -36,6 +36,10 @@ class NodeCall(_Record):
     error: str | None = None
     start_time: float | None = None
     end_time: float | None = None
+    # What the node call is in its rollout, the same in every run of it (LangGraph: superstep,
+    # task path with a `Send`'s index, retry attempt, after the enclosing node call's for
+    # subgraphs; the span's `mas.branch`): trajectories order their LLM calls by it. None: unknown.
+    branch: str | None = None
 
 
 class LLMCall(_Record):
