@@ -106,6 +106,10 @@ def init_ray(runtime: Any, needed_cpus: int, env: dict[str, str]) -> None:
     try:
         try:
             ray.init(**args)
+        except ConnectionError as exc:
+            if local:
+                raise
+            raise _join_failed(runtime.ray_address, exc) from exc
         except RuntimeError as exc:
             # Ray forks its head processes from a driver that already runs threads (the gateway,
             # torch's pools); seen once in CI: the GCS server died before writing its port file
@@ -121,6 +125,17 @@ def init_ray(runtime: Any, needed_cpus: int, env: dict[str, str]) -> None:
             os.environ.pop(RAY_OWNER_ENV, None)
     if _worker_output is not None:
         _route_worker_output()
+
+
+def _join_failed(address: str, exc: ConnectionError) -> BaseException:
+    """Joining a cluster failed: one line, with the usual cause when this process is not in Ray's token
+    mode (a cluster Ray 2.60 starts turns token authentication on, and refuses a client without the token)."""
+    from mas_trainer.errors import UserError
+
+    token = os.environ.get("RAY_AUTH_MODE", "").lower() == "token"
+    hint = ("" if token else "; if the cluster uses token authentication (Ray's default for a cluster it starts), "
+            "set RAY_AUTH_MODE=token here, with the cluster's token in ~/.ray/auth_token or RAY_AUTH_TOKEN")
+    return UserError(f"runtime.ray_address={address}: could not join the Ray cluster ({' '.join(str(exc).split())}){hint}")
 
 
 def init_ray_for(device: str, runtime: Any, needed_cpus: int) -> dict[str, str]:

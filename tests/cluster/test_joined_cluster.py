@@ -75,3 +75,33 @@ def test_fit_joined_to_a_too_small_cluster_says_so_at_once(tmp_path):
     last = r.stderr.strip().splitlines()[-1]
     assert "policy" in last and "cannot hold the run's worker groups" in last and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "run" / "config.yaml").exists()  # refused before the run directory was written
+
+
+@pytest.mark.verl
+def test_a_cluster_with_token_authentication_refused_is_one_line_naming_the_fix(tmp_path, monkeypatch):
+    """A cluster Ray 2.60 starts turns token authentication on; a run whose environment is not in
+    token mode is refused by it: one line saying what to set, not Ray's traceback."""
+    from ray._raylet import Config
+    from ray.cluster_utils import Cluster
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # as a local ray.init turns it on: the cluster's processes inherit it
+    Config.initialize("")  # Ray's cached config reads it again
+    try:
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+        try:
+            cluster.add_node(num_cpus=1)
+            cluster.wait_for_nodes()
+            env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"} | {"OPENAI_API_KEY": "test"}
+            r = subprocess.run([sys.executable, "-m", "mas_trainer.cli", "fit", f"{WORDS}:single", "--data",
+                                str(ROOT / "tests" / "fixtures" / "words.jsonl"), "--output", str(tmp_path / "run"), "--model",
+                                "tiny", "steps=1", "runtime.learner=verl", f"runtime.ray_address={cluster.address}"],
+                               capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+        finally:
+            cluster.shutdown()
+    finally:
+        monkeypatch.undo()
+        Config.initialize("")
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    last = r.stderr.strip().splitlines()[-1]
+    assert "could not join the Ray cluster" in last and "set RAY_AUTH_MODE=token" in last, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and not (tmp_path / "run" / "config.yaml").exists()

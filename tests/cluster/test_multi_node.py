@@ -23,7 +23,10 @@ pytestmark = pytest.mark.verl
 ROOT = Path(__file__).resolve().parents[2]
 WORDS = ROOT / "tests" / "fixtures" / "words_app.py"
 WORDS_DATA = ROOT / "tests" / "fixtures" / "words.jsonl"
-ENV = {**os.environ, "OPENAI_API_KEY": "test", "MKL_CBWR": "COMPATIBLE"}
+def _env() -> dict[str, str]:
+    """The runs' environment, read when each starts: Ray's token mode (RAY_AUTH_MODE), which a local
+    ray.init earlier in this process turns on, reaches a cluster started since, and the run must join it."""
+    return {**os.environ, "OPENAI_API_KEY": "test", "MKL_CBWR": "COMPATIBLE"}
 SMALL = ["runtime.learner=verl", "learner.mini_batch_size=2", "learner.micro_batch_size=1", "rollout.tasks_per_step=2",
          "rollout.n=2", "rollout.max_tokens=12", "rollout.max_in_flight=1", "eval_every=10", "learner.lr=1e-2", "seed=5",
          "learner.bf16=false", "runtime.engine_bf16=false"]
@@ -75,7 +78,7 @@ def test_ranks_policies_and_replicas_are_placed_on_nodes_of_their_own(tmp_path):
     cluster, _ = _cluster("a", "b", "c")
     try:
         r = subprocess.run(_fit("graph", tmp_path / "run", cluster, "steps=1", "policies.crew.engine=torch-replica"),
-                           capture_output=True, text=True, timeout=600, env=ENV, cwd=ROOT)
+                           capture_output=True, text=True, timeout=600, env=_env(), cwd=ROOT)
         assert r.returncode == 0, r.stderr[-3000:]
         placed = _placed(cluster)
     finally:
@@ -102,7 +105,7 @@ def test_a_placement_ray_cannot_grant_is_said_within_the_bound(tmp_path, extra, 
         ray.get(held.ready(), timeout=60)
         t0 = time.monotonic()
         r = subprocess.run(_fit("single", tmp_path / "run", cluster, "steps=1", extra, "runtime.placement_timeout_s=5"),
-                           capture_output=True, text=True, timeout=300, env=ENV, cwd=ROOT)
+                           capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
         took = time.monotonic() - t0
         ray.util.remove_placement_group(held)
     finally:
@@ -123,13 +126,13 @@ def test_a_node_lost_mid_run_stops_in_one_line_and_resume_on_a_new_node_loses_no
     try:
         whole = tmp_path / "whole"
         args = ("steps=5", "save_every=1", "runtime.resources.nodes=2")
-        done = subprocess.run(_fit("single", whole, cluster, *args), capture_output=True, text=True, timeout=600, env=ENV, cwd=ROOT)
+        done = subprocess.run(_fit("single", whole, cluster, *args), capture_output=True, text=True, timeout=600, env=_env(), cwd=ROOT)
         assert done.returncode == 0, done.stderr[-3000:]
         assert sorted(_placed(cluster)["PolicyWorker"]) == ["a", "b"]  # the two ranks on the two nodes
 
         broken = tmp_path / "broken"
         proc = subprocess.Popen(_fit("single", broken, cluster, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=ENV, cwd=ROOT)
+                                text=True, env=_env(), cwd=ROOT)
         deadline = time.time() + 600
         while time.time() < deadline and proc.poll() is None:
             rows = _rows(broken) if (broken / "metrics.jsonl").exists() else []
@@ -150,7 +153,7 @@ def test_a_node_lost_mid_run_stops_in_one_line_and_resume_on_a_new_node_loses_no
         cluster.add_node(num_cpus=1, resources={"node_c": 1})  # the replacement
         cluster.wait_for_nodes()
         resumed = subprocess.run([*_fit("single", broken, cluster, *args), "--resume"], capture_output=True, text=True,
-                                 timeout=600, env=ENV, cwd=ROOT)
+                                 timeout=600, env=_env(), cwd=ROOT)
         assert resumed.returncode == 0, resumed.stderr[-3000:]
     finally:
         cluster.shutdown()

@@ -28,7 +28,10 @@ ROOT = Path(__file__).resolve().parents[2]
 WORDS = ROOT / "tests" / "fixtures" / "words_app.py"
 WORDS_DATA = ROOT / "tests" / "fixtures" / "words.jsonl"
 # fp32 everywhere and MKL's reproducible paths: a CPU run is the same number for number
-ENV = {**os.environ, "MKL_CBWR": "COMPATIBLE", "OPENAI_API_KEY": "test"}
+def _env() -> dict[str, str]:
+    """The runs' environment, read when each starts: Ray's token mode (RAY_AUTH_MODE), which a local
+    ray.init earlier in this process turns on, reaches a cluster started since, and the run must join it."""
+    return {**os.environ, "MKL_CBWR": "COMPATIBLE", "OPENAI_API_KEY": "test"}
 # the verl learner, one policy ("solo"); two ranks on one node, or one rank and a torch replica
 VERL2 = ["runtime.resources.procs_per_node=2"]
 REPLICA = ["runtime.engine=torch-replica"]
@@ -56,7 +59,7 @@ def _comparable(rows: list[dict]) -> list[dict]:
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=ENV, cwd=ROOT)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=_env(), cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
@@ -114,7 +117,7 @@ def test_a_killed_driver_leaves_nothing_behind_and_the_next_run_gets_every_cpu(t
         assert not any(_held(cluster.address).values()), _held(cluster.address)
         killed = tmp_path / "killed"
         proc = subprocess.Popen(_cmd(killed, cluster.address, *VERL2, steps=4), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT, start_new_session=True)
+                                stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT, start_new_session=True)
         try:
             _wait(lambda: any(r["kind"] == "train" for r in _rows(killed)) or proc.poll() is not None, RUN_TIMEOUT_S,
                   "the first step of the run to be killed")
@@ -163,7 +166,7 @@ def test_two_runs_at_once_train_as_if_alone(tmp_path):
 
         together = {name: tmp_path / f"{name}-together" for name in runs}
         procs = {name: subprocess.Popen(_cmd(out, cluster.address, *runs[name][0], steps=runs[name][1]),
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
                  for name, out in together.items()}
         from ray.util.state import list_actors
 
