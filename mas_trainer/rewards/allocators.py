@@ -145,7 +145,7 @@ def turn_delta(trajectory: Trajectory, values: LevelValues, weights: LevelWeight
                per_role: bool = False) -> dict[str, Allocation]:
     """The turn level is a running score; a call is credited with how much it moved it.
 
-    Calls are taken in the order they were made. A call whose score is None (not
+    Calls are taken in `llm_calls` order (node-call order, docs/trajectory.md). A call whose score is None (not
     applicable) gets no turn part and does not move the previous score, so the next scored
     call is compared with the last score seen. The deltas of a rollout sum to its last
     score minus ``initial``: with a trajectory reward equal to that final score, set

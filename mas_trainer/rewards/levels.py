@@ -206,7 +206,7 @@ class LevelValues:
 def evaluate_levels(spec: RewardSpec, trajectory: Trajectory) -> LevelValues:
     """Call every applicable reward of ``spec`` once on ``trajectory``.
 
-    Calls are judged in ``trajectory.llm_calls`` order (the order they were made), which
+    Calls are judged in ``trajectory.llm_calls`` order (node-call order: step, branch, then start), which
     allocators such as ``turn_delta`` rely on.
     """
     task, rid = trajectory.task, trajectory.rollout_id
