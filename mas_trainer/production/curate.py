@@ -47,7 +47,7 @@ import tempfile
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import IO, Any, Callable, Iterable, Iterator, Sequence
+from typing import IO, Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 from pydantic import BaseModel, Field
 
@@ -371,17 +371,15 @@ class _Run:
     index: int = 0  # second read: its calls met
 
 
-class _Sink:
+class _Sink(Protocol):
     """Where chosen tasks and SFT lines go, in order."""
 
-    def task(self, held_out: bool, text: str) -> None:
-        raise NotImplementedError
+    def task(self, held_out: bool, text: str) -> None: ...
 
-    def sft(self, text: str) -> None:
-        raise NotImplementedError
+    def sft(self, text: str) -> None: ...
 
 
-class _Lists(_Sink):
+class _Lists:
     def __init__(self) -> None:
         self.tasks: list[dict[str, Any]] = []
         self.val: list[dict[str, Any]] = []
@@ -394,7 +392,7 @@ class _Lists(_Sink):
         self.sft_lines.append(SFTLine.model_validate_json(text))
 
 
-class _Files(_Sink):
+class _Files:
     """Streams the three dataset files under `folder`; `close` fsyncs them."""
 
     def __init__(self, folder: Path) -> None:
