@@ -130,3 +130,27 @@ def test_a_ranks_own_error_after_its_peer_died_is_said_as_the_peer_lost():
             asyncio.run(alone.train([]))
     finally:
         ray.shutdown()
+
+
+@pytest.mark.verl
+def test_place_pool_makes_the_placement_groups_verl_would():
+    """place_pool stands in for verl's get_placement_groups (which waits for ever): the same
+    bundles, strategy and names, read from verl's own pool, so a drift of verl's scheme fails here."""
+    pytest.importorskip("verl")
+    from verl.single_controller.ray.base import RayResourcePool
+
+    from mas_trainer.cluster.placement import place_pool
+
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)  # two pools of 2 x 2 CPUs
+    try:
+        theirs = RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=2, name_prefix="v")
+        ours = RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=2, name_prefix="m")
+        theirs.get_placement_groups()
+        place_pool(ours, policy="p", what="verl worker group", timeout_s=60, address=None)
+        table = ray.util.placement_group_table()
+        for a, b in zip(theirs.pgs, ours.pgs, strict=True):
+            ta, tb = table[a.id.hex()], table[b.id.hex()]
+            assert ta["bundles"] == tb["bundles"] and ta["strategy"] == tb["strategy"]
+            assert ta["name"][1:] == tb["name"][1:]  # the same name but for the pool's prefix
+    finally:
+        ray.shutdown()
