@@ -174,7 +174,7 @@ def materialize(model: str, *, seed: int = 0) -> Path:
         build_tiny(tok, seed=seed).save_pretrained(tmp)
         tok.save_pretrained(tmp)
 
-    return _publish(build, cache_dir() / f"tiny-seed{seed}")
+    return _publish(build, cache_dir() / f"tiny-h32-seed{seed}")
 
 
 def bf16_is_fast(device: "str | torch.device") -> bool:
@@ -460,6 +460,9 @@ def _hub_error(hub_id: str, err: Exception) -> ModelNotFoundError:
 def build_tiny(tokenizer: Any, *, seed: int = 0, dtype: "torch.dtype | None" = None) -> Any:
     """A random 2-layer Llama on `tokenizer`'s vocabulary; same seed, same weights.
 
+    Two heads of 32: vLLM's CPU attention takes head sizes from 32 up, so `engine: vllm`
+    runs the tiny model too (four heads of 16 have the same weight shapes, but vLLM refuses them).
+
     The global torch RNG is left untouched so building a model never perturbs sampling
     elsewhere in the process.
     """
@@ -472,8 +475,8 @@ def build_tiny(tokenizer: Any, *, seed: int = 0, dtype: "torch.dtype | None" = N
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
         max_position_embeddings=8192,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
