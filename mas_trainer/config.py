@@ -220,8 +220,9 @@ class RuntimeConfig(_Strict, EngineSettings):
     resources: Resources = Field(default_factory=Resources)
     engine: Literal[ENGINES] = Field(  # type: ignore[valid-type]
         "embedded", description="what generates rollouts: embedded = the torch engine in the policy's worker group; vllm = "
-        "verl's vLLM rollout replicas (GPUs, verl learner), weights synced after each update; torch-replica = the embedded "
-        "engine behind the same replica interface (CPU)")
+        "vLLM, weights replaced in place after each update: verl's rollout replicas with the verl learner (on CPU vLLM's CPU "
+        "build in the replica's process), in the policy's own process with the torch learner; torch-replica = the embedded "
+        "engine behind the replica interface (CPU)")
     replica: ReplicaConfig = Field(default_factory=ReplicaConfig, description=f"rollout replicas (at most {MAX_REPLICAS} a policy)")
     share_gpus: bool = Field(False, description="verl learner on GPUs: every policy's worker group on one pool of GPUs (rollout and update take turns) instead of disjoint pools")
     execution: Literal["ray", "local"] = Field("ray", description="where the policies' worker groups run: ray = Ray actors (one per policy, or verl's ranks); local = in this process (torch learner only)")
@@ -490,15 +491,16 @@ def _check_overlap(cfg: FitConfig, engines: set[str]) -> None:
         raise ConfigError(f"rollout.max_staleness={cfg.rollout.max_staleness} overlaps rollouts with the update, but {why}")
 
 
-def old_logprobs_mode(learner_cfg: LearnerConfig, learner: str | None, max_staleness: int) -> str:
+def old_logprobs_mode(learner_cfg: LearnerConfig, learner: str | None, max_staleness: int, engine: str = "embedded") -> str:
     """`learner.old_logprobs` with `auto` decided: rollout_correction when rollouts may be a step
     behind (`rollout.max_staleness` > 0), else recompute on the verl learner (verl's default) and
-    bypass on the torch learner (its engine's log-probs are exact for the weights it trains)."""
+    bypass on the torch learner with the embedded engine (its log-probs are exact for the weights
+    it trains; vLLM's kernels are not the learner's, so beside vLLM it recomputes too)."""
     if learner_cfg.old_logprobs != "auto":
         return learner_cfg.old_logprobs
     if max_staleness:
         return "rollout_correction"
-    return "bypass" if learner == "torch" else "recompute"
+    return "bypass" if learner == "torch" and engine == "embedded" else "recompute"
 
 
 def _check_learner(cfg: FitConfig, learner: str | None) -> None:
@@ -507,9 +509,12 @@ def _check_learner(cfg: FitConfig, learner: str | None) -> None:
     engines = _replicated(cfg)
     if engines:
         which = ", ".join(sorted(engines))
-        if learner == "torch":
+        if learner == "torch" and engines != {"vllm"}:
             raise ConfigError(f"engine {which} syncs weights from verl worker groups on Ray: use runtime.learner=verl "
                               "(or auto on GPUs) and runtime.execution=ray, or runtime.engine=embedded")
+        if learner == "torch":  # vLLM in the policy's own process, beside the learner
+            _check_vllm_beside_torch(rt.replica)
+            engines = set()
         if "torch-replica" in engines and rt.replica.tensor_parallel_size != 1:
             raise ConfigError("engine torch-replica is one process a replica: set runtime.replica.tensor_parallel_size=1")
         _check_placement(cfg, engines)
@@ -584,6 +589,9 @@ def _check_ignored(cfg: FitConfig, learner: str | None, device: str | None) -> N
                 where = f"policies.{name}.resources" if name else "runtime.resources"
                 raise ConfigError(f"{where}: world size {res.world_size}, but the torch learner runs one process per policy; "
                                   "set nodes=1 and procs_per_node=1, or use runtime.learner=verl")
+    if device == "cpu" and rt.replica.placement == "colocated" and _replicated(cfg) and learner == "verl":
+        raise ConfigError("runtime.replica.placement=colocated is verl's hybrid engine, vLLM on the learner's own GPUs; this "
+                          "run is on CPU, where replicas run in processes of their own: use placement=separate")
     if rt.num_cpus is not None and rt.ray_address is not None:
         raise ConfigError("runtime.num_cpus sizes the local Ray instance; a cluster joined at runtime.ray_address offers "
                           "the CPUs its nodes started with: drop one of the two keys")
@@ -635,6 +643,16 @@ def _check_placement(cfg: FitConfig, engines: set[str]) -> None:
         if "replicas" in rep.model_fields_set and rep.replicas != world // tp:
             raise ConfigError(f"placement=colocated: runtime.replica.replicas={rep.replicas}, but verl runs one replica per "
                               f"{tp} learner rank(s): {world // tp} for {where}; drop runtime.replica.replicas")
+
+
+def _check_vllm_beside_torch(rep: ReplicaConfig) -> None:
+    """The torch learner with `engine: vllm` runs one vLLM engine in each policy's process and
+    loads the weights into it after every update: no replicas to count or place."""
+    for key in ("replicas", "placement", "tensor_parallel_size", "weight_sync", "bucket_mb"):
+        if getattr(rep, key) != ReplicaConfig.model_fields[key].default:
+            raise ConfigError(f"runtime.replica.{key} sets verl's rollout replicas; with runtime.learner=torch vLLM runs in "
+                              "each policy's own process and takes the weights there after every update: drop the key, or "
+                              "use runtime.learner=verl")
 
 
 def check_torch_only(cfg: FitConfig, fix: str) -> None:

