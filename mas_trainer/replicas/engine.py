@@ -76,8 +76,11 @@ class ReplicaEngine:
     def __init__(self, client: ReplicaClient, *, model_name: str, decode: Callable[[list[int]], str],
                  eos_ids: Sequence[int], structured: Callable[[dict[str, Any]], Any] | None = None,
                  timeout_s: float = 600.0, on_output: Callable[[str, Any], None] | None = None,
-                 on_close: Callable[[], None] | None = None) -> None:
+                 on_close: Callable[[], None] | None = None, max_model_len: int | None = None) -> None:
         self.client = client
+        # the replicas' context (prompt + completion); the gateway reads it (`engines.base.max_context`) to cap
+        # max_tokens and to refuse a prompt that leaves no room, which verl's server answers with an error
+        self.max_context = max_model_len
         self.model_name = model_name
         self._decode = decode
         self._eos = set(int(e) for e in eos_ids)
@@ -127,11 +130,20 @@ class ReplicaEngine:
             self._on_output(request_id, out)
         return self._generation(ids, logprobs, params, prompt_ids)
 
+    def budget(self, params: SamplingParams, prompt_len: int) -> int:
+        """The tokens a replica may sample for the request: verl's vLLM server clamps `max_tokens` to
+        the context left, `max(1, min(max_tokens, max_model_len - prompt_len))` (vllm_async_server.py
+        `generate`), so an answer cut by the context limit is shorter than `max_tokens`."""
+        if self.max_context is None:
+            return params.max_tokens
+        return max(1, min(params.max_tokens, self.max_context - prompt_len))
+
     def _generation(self, ids: list[int], logprobs: list[float], params: SamplingParams, prompt_ids: list[int]) -> Generation:
-        # verl reports "completed" for both of vLLM's "stop" and "length": tell them apart here
+        # verl reports "completed" for both of vLLM's "stop" and "length": tell them apart here. vLLM checks
+        # end-of-turn and stop strings before the length, so an answer ending on one at the budget is a stop
         ended = bool(ids) and ids[-1] in self._eos and not params.ignore_eos
         text, cut = cut_at_stop(self._decode(ids[:-1] if ended else ids), params.stop)
-        reason: FinishReason = "stop" if ended or cut or (len(ids) < params.max_tokens) else "length"
+        reason: FinishReason = "stop" if ended or cut or len(ids) < self.budget(params, len(prompt_ids)) else "length"
         return Generation(ids, logprobs, text, reason, list(prompt_ids))
 
     def metrics(self) -> dict[str, float]:

@@ -1,0 +1,157 @@
+"""The GPU paths of rollout replicas, checked on CPU with fakes of what needs a GPU (issue 43,
+point 4): the weights version a step with no turns leaves, generations cut at the context
+limit, and colocated vLLM's sleep and wake around the learner (verl's hybrid engine).
+
+The fakes answer as verl 0.9.1 does: a server's answers carry the version it was told
+(`set_global_steps`; None before it is told), its vLLM server clamps `max_tokens` to the
+context left and reports "completed" for vLLM's stop and length alike, and a colocated
+replica's sleep (level 2) drops its weights, so only a weight sync wakes it."""
+
+import asyncio
+from types import SimpleNamespace
+
+from verl.workers.rollout.replica import TokenOutput
+
+from mas_trainer.cluster.workers import ReplicaGroupHandle
+from mas_trainer.engines.base import SamplingParams, max_context
+from mas_trainer.policy.contract import StepResult
+from mas_trainer.replicas.config import ReplicaConfig
+from mas_trainer.replicas.fleet import RolloutFleet
+
+EOS = 2
+
+
+class Replica:
+    """One replica as the fleet and the engine see it: a server told its version, a vLLM that
+    sleeps and wakes, and verl's clamp of `max_tokens` (vllm_async_server.py `generate`)."""
+
+    def __init__(self, events: list, max_model_len: int = 4096, eos_at: int | None = None) -> None:
+        self.events, self.max_model_len, self.eos_at = events, max_model_len, eos_at
+        self.global_steps: int | None = None  # verl's server: None until set_global_steps
+        self.awake = True  # verl's hybrid engine starts vLLM with its weights and KV cache
+        self.weights = True
+        replica = self
+
+        class _Method:
+            async def remote(self, version):
+                replica.global_steps = version
+
+        self.servers = [SimpleNamespace(set_global_steps=_Method())]
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params):
+        assert self.awake and self.weights, "a request reached a sleeping vLLM"
+        room = self.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise ValueError(f"Prompt length ({len(prompt_ids)}) leaves no room to generate")
+        max_tokens = max(1, min(sampling_params["max_tokens"], room))
+        ids = [EOS if k == self.eos_at else 3 + k % 20 for k in range(max_tokens)]
+        ids = ids[: ids.index(EOS) + 1] if EOS in ids else ids
+        return TokenOutput(token_ids=ids, log_probs=[-0.5] * len(ids), stop_reason="completed",
+                           extra_fields={"global_steps": self.global_steps})
+
+
+class Manager:
+    """verl's CheckpointEngineManager over one colocated replica: `sleep_replicas` frees the GPU
+    (level 2: the weights go too); `update_weights` (`naive`) is the learner's in-process sync,
+    which loads the weights and then wakes the KV cache."""
+
+    def __init__(self, replica: Replica) -> None:
+        self.replica = replica
+
+    def sleep_replicas(self):
+        assert self.replica.awake, "vLLM put to sleep twice"
+        self.replica.events.append("sleep")
+        self.replica.awake = self.replica.weights = False
+
+    def update_weights(self, global_steps=None):
+        self.replica.events.append(f"update_weights {global_steps}")
+        self.replica.awake = self.replica.weights = True
+        return {}
+
+    def wake_up_replicas(self):  # a level-2 sleep left no weights to wake: verl wakes by update_weights
+        raise AssertionError("woke vLLM without its weights")
+
+
+class Learner:
+    """A verl worker group as the handle sees it (`VerlGroup`); every GPU phase of the learner
+    checks that the colocated vLLM sleeps."""
+
+    def __init__(self, replica: Replica, updates: int = 0, max_staleness: int = 0, hybrid: bool = True) -> None:
+        self.policy, self.plan, self.group = "p", SimpleNamespace(max_staleness=max_staleness), object()
+        self.replica, self.updates, self.hybrid = replica, updates, hybrid
+        self.trained: list = []
+
+    def _phase(self, what: str) -> None:
+        self.replica.events.append(what)
+        if self.hybrid:
+            assert not self.replica.awake, f"the learner's {what} ran beside an awake vLLM"
+
+    async def train(self, records, turns):
+        self._phase("train")
+        if not records:
+            return StepResult({"turns": 0.0, "updates": float(self.updates)})
+        self.trained.append(dict(turns))
+        self.updates += 1
+        return StepResult({"turns": float(len(records)), "updates": float(self.updates)})
+
+    async def warm_start(self, examples, config):
+        self._phase("warm_start")
+        return {}
+
+    async def save(self, folder, learner_dir):
+        self._phase("save")
+
+    async def load(self, learner_dir):
+        self._phase("load")
+        return self.updates
+
+
+class Tokenizer:
+    eos_token_id = EOS
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def _fleet(replica: Replica, *, colocated: bool, max_model_len: int = 4096) -> RolloutFleet:
+    cfg = ReplicaConfig(placement="colocated" if colocated else "separate", max_model_len=max_model_len)
+    fleet = RolloutFleet("p", "unused", "torch-replica", cfg, device="cuda")
+    fleet.replicas, fleet.client = [replica], replica
+    manager = Manager(replica)
+    fleet._manager = lambda learner_group: manager  # type: ignore[method-assign]
+    return fleet
+
+
+def _handle(replica: Replica, learner: Learner, *, colocated: bool = True, max_model_len: int = 4096) -> ReplicaGroupHandle:
+    return ReplicaGroupHandle(learner, _fleet(replica, colocated=colocated, max_model_len=max_model_len), Tokenizer())
+
+
+def _records(*turn_ids: str) -> list:
+    return [SimpleNamespace(turn_id=t) for t in turn_ids]
+
+
+# --- (c) generations cut at the context limit ------------------------------------------------
+def test_an_answer_cut_at_the_context_limit_is_length_not_stop():
+    """verl's vLLM server clamps max_tokens to max_model_len - len(prompt): an answer that fills
+    what is left of the context stopped for length, though shorter than max_tokens."""
+    replica = Replica([], max_model_len=32)
+    group = _handle(replica, Learner(replica, hybrid=False), colocated=False, max_model_len=32)
+    cut, = asyncio.run(group.generate(list(range(3, 23)), SamplingParams(max_tokens=100), None))
+    assert len(cut.token_ids) == 12 and cut.finish_reason == "length"
+    replica.eos_at = 11  # the end-of-turn token as the last token the context had room for: vLLM says stop
+    ended, = asyncio.run(group.generate(list(range(3, 23)), SamplingParams(max_tokens=100), None))
+    assert len(ended.token_ids) == 12 and ended.finish_reason == "stop"
+    replica.eos_at = 4
+    short, = asyncio.run(group.generate(list(range(3, 23)), SamplingParams(max_tokens=100), None))
+    assert short.finish_reason == "stop"
+    full, = asyncio.run(group.generate([5], SamplingParams(max_tokens=3), None))  # max_tokens itself reached
+    assert len(full.token_ids) == 3 and full.finish_reason == "length"
+
+
+def test_the_replicas_engine_tells_the_gateway_their_context():
+    """The gateway caps max_tokens to the context left and refuses a prompt that leaves no room
+    (one 400) by the engine's `max_context`; without it verl's server raises and the replica
+    engine fails for good."""
+    replica = Replica([], max_model_len=64)
+    engine = _fleet(replica, colocated=False, max_model_len=64).engine(Tokenizer())
+    assert max_context(engine) == 64
