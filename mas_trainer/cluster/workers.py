@@ -51,7 +51,9 @@ class ReplicaGroupHandle:
         self.serving = Serving(self.engine, TurnStore(learner.policy, learner.plan.max_staleness))
 
     def _answered(self, request_id: str, out: Any) -> None:
-        self._versions[request_id] = int(out.extra_fields.get("global_steps") or 0)
+        version = out.extra_fields.get("global_steps")
+        if version is not None:  # a server not yet told its version (verl's None) serves the fleet's: see generate
+            self._versions[request_id] = int(version)
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, turn_id: str | None = None) -> list[Generation]:
         call = turn_id or uuid.uuid4().hex  # named here, so a call without a turn leaves no version behind either
@@ -80,7 +82,9 @@ class ReplicaGroupHandle:
         await self.fleet.sleep(self.learner.group)
         result = await self.learner.train(records, turns)
         metrics = result.metrics
-        metrics.update(await self._sync(int(metrics.get("updates", 0))))
+        # a step that updated nothing leaves the weights, so their version, as they were: falling back to 0 would
+        # file the next turns as that many updates old, and the learner would refuse them as stale
+        metrics.update(await self._sync(int(metrics.get("updates", self.fleet.version))))
         metrics["replica/stale_turns"] = float(stale)
         for key, n in refused.items():  # the ones refused here, beside any the learner refused
             metrics[key] = metrics.get(key, 0.0) + n

@@ -163,8 +163,8 @@ class PolicyWorker(Worker):
             shared = [self.serving.turns.take(records, self.learner.updates)]
         torch.distributed.broadcast_object_list(shared, src=0)
         stale = self.serving.turns.stale_metrics()
-        if not shared[0]:
-            return StepResult({"turns": 0.0, **stale}) if self.rank == 0 else None
+        if not shared[0]:  # the weights' version goes back with it: the replicas are told it after every step
+            return StepResult({"turns": 0.0, "updates": float(self.learner.updates), **stale}) if self.rank == 0 else None
         with self.learner.on_device():  # shared GPUs: the update's turn, then the rollouts'
             result = policy_step(shared[0], self.plan.advantage, self.learner)
             self.sink.changed(self.learner)

@@ -8,13 +8,15 @@ context left and reports "completed" for vLLM's stop and length alike, and a col
 replica's sleep (level 2) drops its weights, so only a weight sync wakes it."""
 
 import asyncio
+import contextlib
 from types import SimpleNamespace
 
 from verl.workers.rollout.replica import TokenOutput
 
 from mas_trainer.cluster.workers import ReplicaGroupHandle
-from mas_trainer.engines.base import SamplingParams, max_context
+from mas_trainer.engines.base import SamplingParams, choice_id, max_context
 from mas_trainer.policy.contract import StepResult
+from mas_trainer.policy.turns import Serving, TurnStore
 from mas_trainer.replicas.config import ReplicaConfig
 from mas_trainer.replicas.fleet import RolloutFleet
 
@@ -128,6 +130,96 @@ def _handle(replica: Replica, learner: Learner, *, colocated: bool = True, max_m
 
 def _records(*turn_ids: str) -> list:
     return [SimpleNamespace(turn_id=t) for t in turn_ids]
+
+
+# --- (a) the weights version after a step with no turns -------------------------------------
+class RankLearner(Learner):
+    """A verl worker group of one rank: `PolicyWorker.train` itself (its turn store, its staleness
+    rule, its result for a step with nothing to train); only the update is faked."""
+
+    def __init__(self, replica: Replica, monkeypatch, updates: int, max_staleness: int) -> None:
+        import torch
+
+        from mas_trainer.policy import verl_rank
+
+        super().__init__(replica, updates, max_staleness, hybrid=False)
+        monkeypatch.setattr(torch.distributed, "broadcast_object_list", lambda objects, src=0: None)  # one rank: itself
+
+        def update(pairs, advantage, learner):
+            self.trained.append({r.turn_id: t for r, t in pairs})
+            learner.updates += 1
+            return StepResult({"turns": float(len(pairs))})
+
+        monkeypatch.setattr(verl_rank, "policy_step", update)
+        self.worker = verl_rank.PolicyWorker.__new__(verl_rank.PolicyWorker)
+        self.worker._rank = 0
+        self.worker.serving = Serving(None, TurnStore("p", max_staleness))
+        self.worker.learner = SimpleNamespace(updates=updates, on_device=contextlib.nullcontext)
+        self.worker.sink, self.worker.plan = SimpleNamespace(changed=lambda learner: None), SimpleNamespace(advantage=None)
+
+    async def train(self, records, turns):
+        self._phase("train")
+        return self.worker.train(records, turns)
+
+    async def load(self, learner_dir):
+        self._phase("load")
+        return self.worker.learner.updates
+
+
+def test_a_step_with_no_turns_keeps_the_version_the_replicas_serve_and_the_next_turns_are_trained(monkeypatch):
+    """After a step that trained nothing, the replicas still serve the weights of the last update:
+    their answers, and the turns filed from them, keep its version. Falling back to 0 filed the
+    next step's fresh turns as 5 updates old, and the verl rank refused them as stale."""
+    replica = Replica([])
+    learner = RankLearner(replica, monkeypatch, updates=5, max_staleness=1)
+    group = _handle(replica, learner, colocated=False)
+
+    async def run():
+        assert await group.load("ckpt") == 5
+        await group.train([])  # a step that trained nothing
+        await group.generate([1, 2, 3], SamplingParams(max_tokens=4), "t1")
+        return await group.train(_records(choice_id("t1", 0)))
+
+    result = asyncio.run(run())
+    assert [t.version for turns in learner.trained for t in turns.values()] == [5]  # trained, as served by update 5
+    assert result.metrics["turns/stale"] == 0.0 and result.metrics["replica/stale_turns"] == 0.0
+    assert group.fleet.version == 6 and replica.global_steps == 6
+
+
+def test_a_learner_result_without_updates_leaves_the_replicas_version_as_it_was():
+    """A learner that reports no `updates` changed no weights: the fleet keeps its version."""
+    events: list = []
+    replica = Replica(events)
+    learner = Learner(replica, updates=5, max_staleness=1, hybrid=False)
+
+    async def train(records, turns):
+        return StepResult({"turns": 0.0})  # a verl rank's result for a step with nothing to train
+
+    learner.train = train  # type: ignore[method-assign]
+    group = _handle(replica, learner, colocated=False)
+    asyncio.run(group.load("ckpt"))
+    asyncio.run(group.train([]))
+    assert group.fleet.version == 5 and replica.global_steps == 5
+
+
+def test_a_verl_rank_reports_the_weights_version_after_a_step_with_no_turns(monkeypatch):
+    """What the handle tells the replicas after a step comes from the rank's result."""
+    replica = Replica([])
+    result = asyncio.run(RankLearner(replica, monkeypatch, updates=5, max_staleness=1).train([], {}))
+    assert result.metrics["turns"] == 0.0 and result.metrics["updates"] == 5.0
+
+
+def test_an_answer_without_a_version_is_filed_with_the_fleets_own():
+    """verl's server answers `global_steps` None until it is told one: such a turn was served by
+    the fleet's weights, not by version 0 (which a learner 5 updates on refuses as stale)."""
+    events: list = []
+    replica = Replica(events)
+    learner = Learner(replica, updates=5, max_staleness=1, hybrid=False)
+    group = _handle(replica, learner, colocated=False)
+    group.fleet.version = 5  # e.g. resumed, and this server not told yet
+    asyncio.run(group.generate([1, 2], SamplingParams(max_tokens=2), "t"))
+    (_, turn), = group.serving.turns.take(_records(choice_id("t", 0)), 5)
+    assert turn.version == 5
 
 
 # --- (c) generations cut at the context limit ------------------------------------------------
