@@ -98,19 +98,29 @@ class ReplicaGroupHandle:
         await self._sync(self.fleet.version)
         return metrics
 
-    async def _sync(self, version: int) -> dict[str, float]:
-        """verl's weight sync to every replica; a replica gone during it stops the run here, resumable."""
+    async def _sync(self, version: int, *, changed: bool = True) -> dict[str, float]:
+        """verl's weight sync to every replica (`changed`: new weights; else only asleep ones need it,
+        to wake); a replica gone during it stops the run here, resumable."""
         try:
-            return await self.fleet.sync_weights(self.learner.group, version)
+            if changed:
+                return await self.fleet.sync_weights(self.learner.group, version)
+            await self.fleet.wake(self.learner.group, version)
+            return {}
         except Exception as exc:
             raise self.engine.fail(f"weight sync: {type(exc).__name__}: {str(exc).strip()[:200]}") from exc
 
     async def save(self, folder: str, learner_dir: str) -> None:
+        # colocated vLLM holds its share of the learner's GPUs while awake: the save gathers the full
+        # weights and the optimizer's state there, so it runs while vLLM sleeps, as in verl's trainer
+        await self.fleet.sleep(self.learner.group)
         await self.learner.save(folder, learner_dir)
+        if self.fleet.asleep:
+            await self._sync(self.fleet.version, changed=False)
 
     async def load(self, learner_dir: str) -> int:
+        await self.fleet.sleep(self.learner.group)  # verl's order: replicas asleep, checkpoint loaded, weights synced
         updates = int(await self.learner.load(learner_dir) or 0)
-        await self.fleet.set_version(updates)  # the replicas started from the checkpoint's weights
+        await self._sync(updates, changed=False)  # the replicas started from the checkpoint's weights
         return updates
 
     def close(self) -> None:

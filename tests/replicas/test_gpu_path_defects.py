@@ -247,3 +247,76 @@ def test_the_replicas_engine_tells_the_gateway_their_context():
     replica = Replica([], max_model_len=64)
     engine = _fleet(replica, colocated=False, max_model_len=64).engine(Tokenizer())
     assert max_context(engine) == 64
+
+
+# --- (d) colocated vLLM's memory life cycle beside the learner --------------------------------
+def test_colocated_vllm_sleeps_through_every_learner_phase_and_wakes_by_a_weight_sync():
+    """verl's order (ray_trainer.py, CheckpointEngineManager): vLLM asleep before the learner
+    loads a checkpoint, updates or saves one, woken by `update_weights` (the learner empties its
+    CUDA cache, loads the weights, then the KV cache) before the next rollout; never asleep twice,
+    never woken without weights. The fakes assert it at each call."""
+    events: list = []
+    replica = Replica(events)
+    learner = Learner(replica, updates=3)
+    group = _handle(replica, learner)
+
+    async def step(tid: str):
+        await group.generate([1, 2], SamplingParams(max_tokens=2), tid)
+        await group.train(_records(choice_id(tid, 0)))
+
+    async def run():
+        await group.load("ckpt")  # resume
+        await step("a")
+        await group.save("folder", "learner")
+        await step("b")
+        await group.warm_start([], None)
+        await group.save("folder", "learner")
+
+    asyncio.run(run())
+    assert events == ["sleep", "load", "update_weights 3",
+                      "sleep", "train", "update_weights 4",
+                      "sleep", "save", "update_weights 4",
+                      "sleep", "train", "update_weights 5",
+                      "sleep", "warm_start", "update_weights 5",
+                      "sleep", "save", "update_weights 5"]
+    assert replica.awake and replica.global_steps == 5
+
+
+def test_replicas_on_gpus_of_their_own_neither_sleep_nor_resync_around_a_checkpoint():
+    events: list = []
+    replica = Replica(events)
+    group = _handle(replica, Learner(replica, updates=3, hybrid=False), colocated=False)
+    asyncio.run(group.load("ckpt"))
+    asyncio.run(group.save("folder", "learner"))
+    assert events == ["load", "save"] and replica.global_steps == 3  # told the checkpoint's version, nothing sent
+
+
+def test_a_verl_rank_empties_its_cuda_cache_before_waking_its_colocated_vllm(monkeypatch):
+    """The learner rank's side of the wake (`PolicyWorker.update_weights`, `naive`), in verl's
+    own worker's order: cache emptied, vLLM's weights woken and loaded, then its KV cache."""
+    import torch
+    import verl.utils.device
+
+    from mas_trainer.policy import verl_rank
+
+    events: list = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.distributed, "barrier", lambda: events.append("barrier"))
+    monkeypatch.setattr(verl.utils.device, "set_expandable_segments", lambda on: None)
+
+    class Rollout:
+        async def resume(self, tags):
+            events.append(f"resume {'+'.join(tags)}")
+
+        async def update_weights(self, params, global_steps=None):
+            events.append(f"update_weights {global_steps}")
+
+    worker = verl_rank.PolicyWorker.__new__(verl_rank.PolicyWorker)
+    worker.sink = verl_rank.ReplicaSink.__new__(verl_rank.ReplicaSink)
+    worker.sink.rollout = Rollout()
+    worker.learner = SimpleNamespace(params=lambda: iter(()))
+    asyncio.run(worker.update_weights(global_steps=4, mode="naive"))
+    assert events[:3] == ["empty_cache", "resume weights", "update_weights 4"]
+    assert events[-1] == "resume kv_cache" and events.index("barrier") < events.index("resume kv_cache")
+
