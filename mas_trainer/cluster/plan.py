@@ -118,11 +118,31 @@ def resolve_plan(cfg: FitConfig, models: Mapping[str, tuple[str, str]], *, machi
                    runtime=rt.model_copy(update={"learner": learner, "device": device}))
 
 
+# the GPUs of one node a replica's pool may take (RolloutFleet's `gpus_per_node`, as verl's default)
+REPLICA_GPUS_PER_NODE = 8
+
+
 def _replica_gpus(w: WorkerPlan) -> int:
-    """GPUs of a policy's rollout replicas beside its learner (colocated ones use the learner's)."""
-    if w.engine != "vllm" or w.replica.placement == "colocated":
+    """GPUs of a policy's rollout replicas beside its learner: a vLLM replica's
+    `tensor_parallel_size`, a torch replica's one (both in GPU pools of their own, verl's
+    standalone mode); colocated ones use the learner's."""
+    if w.engine == "embedded" or w.replica.placement == "colocated":
         return 0
     return w.replica.replicas * w.replica.tensor_parallel_size
+
+
+def _replica_asks(w: WorkerPlan) -> list[dict[str, float]]:
+    """One replica's placement groups where it runs beside the learner: on CPU one bundle of a
+    CPU (the fleet's pool); on GPUs verl's standalone pool (`RolloutReplica.init_standalone`:
+    `max_colocate_count=2`, so two CPUs a GPU) of `tensor_parallel_size` GPUs over
+    `tensor_parallel_size / gpus_per_replica_node` nodes."""
+    if w.engine == "embedded" or (w.device == "cuda" and w.replica.placement == "colocated"):
+        return []
+    if w.device != "cuda":
+        return [{"CPU": 1.0}]
+    tp = w.replica.tensor_parallel_size
+    per_node = min(REPLICA_GPUS_PER_NODE, tp)
+    return [{"CPU": 2.0 * per_node, "GPU": float(per_node)}] * (tp // per_node)
 
 
 def _gpus_needed(workers: Mapping[str, WorkerPlan], learner: str, shared: bool, where: str) -> float:
@@ -141,8 +161,9 @@ def _gpu_use(workers: Mapping[str, WorkerPlan], learner: str) -> str:
 def placement_asks(plan: RunPlan) -> list[tuple[str, dict[str, float]]]:
     """What Ray must place for the worker groups, as (policy, what one node gives it): verl's
     resource pools ask one strict-pack placement group per node of `procs_per_node` bundles
-    (a CPU each, and a GPU each on GPUs; `share_gpus`: one pool for all, asked once); CPU rollout
-    replicas a CPU each; a torch-learner actor its `worker_cpus` and GPU share."""
+    (a CPU each, and a GPU each on GPUs; `share_gpus`: one pool for all, asked once); rollout
+    replicas beside the learner their own pools (`_replica_asks`); a torch-learner actor its
+    `worker_cpus` and GPU share."""
     asks: list[tuple[str, dict[str, float]]] = []
     for i, (p, w) in enumerate(plan.workers.items()):
         r, gpu = w.resources, w.device == "cuda"
@@ -152,8 +173,8 @@ def placement_asks(plan: RunPlan) -> list[tuple[str, dict[str, float]]]:
         elif plan.learner == "torch":
             ask = {"CPU": plan.runtime.worker_cpus, "GPU": r.gpus_per_proc if gpu else 0.0}
             asks += [(p, {k: v for k, v in ask.items() if v})] if any(ask.values()) else []
-        if plan.learner == "verl" and w.engine != "embedded" and not gpu:
-            asks += [(p, {"CPU": 1.0})] * w.replica.replicas
+        if plan.learner == "verl":
+            asks += [(p, ask) for ask in _replica_asks(w)] * w.replica.replicas
     return asks
 
 
