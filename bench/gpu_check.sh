@@ -5,28 +5,36 @@
 # no ray, verl or LangGraph, reaches no package index, and takes at most 64 MiB per call. So:
 #
 #   bash bench/gpu_check.sh prepare      # here: wheels for CPython 3.12 (manylinux x86_64) of the
-#                                        # set bench/gpu_wheels.py picks, + the tokenizer, packed
-#                                        # into .gpu-check/part-NN.tar (each < 56 MiB); stops, naming
-#                                        # the package, on a wheel it cannot fetch or a requirement
-#                                        # the device image's version breaks
+#                                        # set bench/gpu_wheels.py picks and of vLLM 0.24's list
+#                                        # (bench/gpu_vllm_wheels.py: vllm --no-deps, stripped, and
+#                                        # what it adds), + the tokenizer, packed into
+#                                        # .gpu-check/part-NN.tar, each as large as a call carries
+#                                        # beside the working tree (64 MiB in all): the fewest calls.
+#                                        # Stops, naming the package, on a wheel it cannot fetch or a
+#                                        # requirement the device image's version breaks
 #   bash bench/gpu_check.sh prove        # here (about 2.5 min): that set alone imports verl's
 #                                        # TrainingWorker and the fit path in a clean venv (also
 #                                        # MAS_TRAINER_SLOW=1 pytest tests/bench/test_gpu_check.py -m slow)
 #   then one device `run` per part, back to back (the machine stays warm 30 s after a call),
 #   each with carry [".gpu-check/part-NN.tar"]:
 #       bash bench/gpu_check.sh stash .gpu-check/part-NN.tar        # parts 00 .. N-2
-#   and for the last part (timeout_s 600; the log also lands in $OUT/gpu_check.log):
+#   and for the last part (timeout_s 540; the log also lands in $OUT/gpu_check.log):
 #       bash bench/gpu_check.sh run .gpu-check/part-NN.tar [gpu_check.py options]
+#   The default cases start with vllm-colocated; if vLLM does not import there, the log names
+#   the import that failed and the embedded cases still run. Commit the log as
+#   docs/results/gpu_check_<date>.log.
 #
-# What it measures: bench/gpu_check.py (a few `fit` steps per case: the torch learner, the verl
-# learner with GRPO and with GAE, and an NCCL weight sync to an embedded replica on 2+ GPUs).
+# What it measures: bench/gpu_check.py (a few `fit` steps per case: vLLM rollouts colocated with
+# the verl learner beside the same fit on the embedded engine, the torch learner, the verl
+# learner with GRPO and with GAE, the learner's MFU on a batch that loads the GPU, and an NCCL
+# weight sync to an embedded replica on 2+ GPUs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK=.gpu-check
 STASH=/tmp/mas-gpu-check
 case "${1:-}" in
   prepare)
-    rm -rf "$WORK" && mkdir -p "$WORK/wheels" "$WORK/tokenizer"
+    rm -rf "$WORK" && mkdir -p "$WORK/wheels" "$WORK/wheels-vllm" "$WORK/tokenizer"
     # everything the project's venv has, less what the device image has and what the check
     # never imports: the one list is bench/gpu_wheels.py (tests/bench/test_gpu_check.py checks it)
     .venv/bin/pip freeze --exclude-editable > "$WORK/freeze.txt"
@@ -35,12 +43,30 @@ case "${1:-}" in
     .venv/bin/python bench/gpu_wheels.py --check < "$WORK/freeze.txt" \
       || { echo "gpu_check prepare: stopped: the device image breaks the requirements above" >&2; exit 1; }
     bash "$0" wheels "$WORK/requirements.txt" "$WORK/wheels"
+    # the second list: vLLM 0.24 (verl 0.9.1's pin) itself, --no-deps and stripped, and what its
+    # requirements add to the first list, resolved for the device from vLLM's own metadata
+    vllm=$(.venv/bin/python -c "import sys; sys.path.insert(0, 'bench'); import gpu_vllm_wheels as v; print(v.VLLM)")
+    mkdir -p "$WORK/vllm-download"
+    bash "$0" wheels <(echo "$vllm") "$WORK/vllm-download"
+    unzip -p "$WORK"/vllm-download/vllm-*.whl '*.dist-info/METADATA' > "$WORK/vllm-METADATA"
+    .venv/bin/python bench/gpu_vllm_wheels.py resolve "$WORK/vllm-METADATA" "$WORK/requirements.txt" \
+      > "$WORK/requirements-vllm.txt"
+    # in a folder of their own: the run installs them to a site of their own, which the check takes
+    # off the path for the other cases if vLLM does not import (verl imports vLLM where it finds it)
+    bash "$0" wheels <(tail -n +2 "$WORK/requirements-vllm.txt") "$WORK/wheels-vllm"
+    .venv/bin/python bench/gpu_vllm_wheels.py strip "$WORK"/vllm-download/vllm-*.whl "$WORK/wheels-vllm" >/dev/null
+    rm -rf "$WORK/vllm-download"
     # the tokenizer alone (tokenizer_dir() may be the whole converted model's folder)
     .venv/bin/python -c "from transformers import AutoTokenizer; from mas_trainer.engines.models import tokenizer_dir; AutoTokenizer.from_pretrained(tokenizer_dir()).save_pretrained('$WORK/tokenizer')"
-    tar -C "$WORK" -cf "$WORK/all.tar" wheels tokenizer
-    split -b 56m -d -a 2 "$WORK/all.tar" "$WORK/part-" && rm "$WORK/all.tar"
+    tar -C "$WORK" -cf "$WORK/all.tar" wheels wheels-vllm tokenizer
+    # each part as large as a call carries beside the working tree (what travels besides: tracked
+    # and untracked files git does not ignore)
+    tree=$(git ls-files -z --cached --others --exclude-standard | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
+    size=$(.venv/bin/python bench/gpu_vllm_wheels.py part-size "$tree")
+    split -b "$size" -d -a 2 "$WORK/all.tar" "$WORK/part-" && rm "$WORK/all.tar"
     for p in "$WORK"/part-*; do mv "$p" "$p.tar"; done
     grep -qx "/$WORK/" .git/info/exclude 2>/dev/null || echo "/$WORK/" >> .git/info/exclude
+    echo "gpu_check prepare: $(ls "$WORK"/wheels/*.whl | wc -l) + $(ls "$WORK"/wheels-vllm/*.whl | wc -l) (vLLM) wheels, $(du -cb "$WORK"/part-*.tar | tail -1 | cut -f1) bytes in $(ls "$WORK"/part-*.tar | wc -l) parts of at most $size (working tree $tree bytes)"
     ls -l "$WORK"/part-*.tar
     ;;
   wheels)
@@ -52,8 +78,10 @@ case "${1:-}" in
     fetch() {
       local err tmp whl
       err=$(.venv/bin/pip download -q --no-deps --dest "$2" --only-binary=:all: --python-version 3.12 \
-        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-        --platform manylinux2014_x86_64 --platform any "$1" 2>&1 >/dev/null) && return 0
+        --implementation cp --platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64 \
+        --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+        --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        --platform any "$1" 2>&1 >/dev/null) && return 0
       tmp=$(mktemp -d)
       if .venv/bin/pip wheel -q --no-deps --wheel-dir "$tmp" "$1" >/dev/null 2>&1; then
         for whl in "$tmp"/*.whl; do
@@ -99,7 +127,8 @@ print('prove: the packed set imports TrainingWorker and the fit path')")  # not 
               "$p" -c "" 2>/dev/null && echo "$p" && break; done || true)
     if [ -n "$py312" ] && compgen -G "$WORK/wheels/*.whl" > /dev/null; then
       "$py312" -m pip install -q --dry-run --ignore-installed --no-index --no-deps --target "$WORK/prove-312" \
-        "$WORK"/wheels/*.whl && echo "prove: prepare's $(ls "$WORK"/wheels/*.whl | wc -l) wheels install on $("$py312" -V)"
+        "$WORK"/wheels/*.whl "$WORK"/wheels-vllm/*.whl \
+        && echo "prove: prepare's $(ls "$WORK"/wheels/*.whl "$WORK"/wheels-vllm/*.whl | wc -l) wheels install on $("$py312" -V)"
     fi
     ;;
   stash)
@@ -114,7 +143,13 @@ print('prove: the packed set imports TrainingWorker and the fit path')")  # not 
     # inherit it), so the packed versions shadow the image's (transformers at verl's cap).
     # --no-compile: the device's seconds are scarce, and only the imported modules need byte code
     python3 -m pip install -q --no-compile --no-index --no-deps --target "$STASH/site" "$STASH"/x/wheels/*.whl
-    export PYTHONPATH="$STASH/site" MAS_TRAINER_GPU_TOKENIZER="$STASH/x/tokenizer" PYTHONUNBUFFERED=1
+    # the vLLM list (bench/gpu_vllm_wheels.py) in a site of its own: MAS_TRAINER_GPU_VLLM_SITE
+    # tells gpu_check.py which path to drop if vLLM does not import
+    python3 -m pip install -q --no-compile --no-index --no-deps --target "$STASH/site-vllm" "$STASH"/x/wheels-vllm/*.whl
+    # VLLM_USE_FLASHINFER_SAMPLER=0: vLLM 0.24's top-p/top-k sampler imports FlashInfer unless it
+    # is 0 (FlashInfer is not packed: bench/gpu_vllm_wheels.py); Ray's workers inherit it
+    export PYTHONPATH="$STASH/site:$STASH/site-vllm" MAS_TRAINER_GPU_TOKENIZER="$STASH/x/tokenizer" PYTHONUNBUFFERED=1 \
+      VLLM_USE_FLASHINFER_SAMPLER=0 MAS_TRAINER_GPU_VLLM_SITE="$STASH/site-vllm"
     # the project too (its package-dir maps mas_trainer.adapters), built with the packed setuptools
     python3 -m pip install -q --no-compile --no-deps --no-build-isolation --target "$STASH/site" .
     here=$PWD

