@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from mas_trainer.engines.base import EngineUnavailable, Generation, SamplingParams, cut_at_stop
+from mas_trainer.engines.base import EngineUnavailable, FinishReason, Generation, SamplingParams, cut_at_stop
 
 __all__ = ["VllmEngine", "VllmSettings", "vllm_env", "checkpoint_names", "CPU_HEAD_SIZES"]
 
@@ -326,7 +326,7 @@ class VllmEngine:
         self.stats["requests"] += 1
         self.stats["tokens"] += len(ids)
         text, _ = cut_at_stop(self.tokenizer.decode(ids, skip_special_tokens=True), call.stop)
-        finish = "length" if choice.finish_reason == "length" else "stop"
+        finish: FinishReason = "length" if choice.finish_reason == "length" else "stop"
         return Generation(token_ids=ids, logprobs=logprobs, text=text, finish_reason=finish,
                           prompt_ids=list(out.prompt_token_ids or []))
 
