@@ -87,7 +87,7 @@ def resolve_plan(cfg: FitConfig, models: Mapping[str, tuple[str, str]], *, machi
     stale = cfg.rollout.max_staleness
     workers = {p: WorkerPlan(policy=p, model=model, reference=base, advantage=cfg.advantage_for(p), max_staleness=stale,
                              learner=cfg.learner_for(p).model_copy(  # `auto` decided here, once, for every learner
-                                 update={"old_logprobs": old_logprobs_mode(cfg.learner_for(p), learner, stale)}),
+                                 update={"old_logprobs": old_logprobs_mode(cfg.learner_for(p), learner, stale, cfg.engine_for(p))}),
                              critic=cfg.critic_for(p), seed=cfg.seed, device=device, resources=cfg.resources_for(p),
                              engine_settings=EngineSettings.of(rt), engine=cfg.engine_for(p), replica=rt.replica)
                for p, (model, base) in models.items()}
@@ -98,7 +98,7 @@ def resolve_plan(cfg: FitConfig, models: Mapping[str, tuple[str, str]], *, machi
         raise ConfigError("runtime.share_gpus puts every policy on one pool, so every policy needs the same resources: "
                           "set runtime.resources only, not policies.NAME.resources")
     ranks = sum(w.resources.world_size for w in workers.values())
-    first = first_replica_ranks({p: 0 if w.engine == "embedded" else replica_count(w.replica, device, w.resources.world_size)
+    first = first_replica_ranks({p: 0 if w.engine == "embedded" or learner == "torch" else replica_count(w.replica, device, w.resources.world_size)
                                  for p, w in workers.items()})
     for name, w in workers.items():  # torch threads per process: configured, else the cores shared out
         threads = rt.torch_threads
