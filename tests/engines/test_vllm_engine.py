@@ -148,3 +148,28 @@ def test_a_model_vllms_cpu_attention_refuses_is_one_line(tmp_path):
     tok.save_pretrained(tmp_path)
     with pytest.raises(UserError, match="head sizes 32, .* has 16: use engine embedded"):
         VllmEngine(tmp_path, model_name="h16")
+
+
+@pytest.mark.model
+def test_the_bundled_model_generates_and_reloads_as_the_embedded_engine():
+    """SmolLM2-135M (heads of 64, tied head): vLLM's greedy text is the embedded engine's, and a
+    reload of moved weights gives the moved model's tokens and log-probs."""
+    from mas_trainer.engines.vllm_engine import VllmEngine, VllmSettings
+
+    model, tok = load_model("default")
+    prompt = list(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                          add_generation_prompt=True, return_dict=True)["input_ids"])
+    ref = TorchEngine(model, tok, model_name="ref")
+    eng = VllmEngine(materialize("default"), model_name="default", settings=VllmSettings(max_model_len=512, max_num_seqs=4))
+    try:
+        got, want = _run(eng.generate(prompt, GREEDY))[0], _run(ref.generate(prompt, GREEDY))[0]
+        assert got.token_ids == want.token_ids and got.text == want.text
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-3)
+        moved = {k: v * 1.05 if "mlp" in k or "embed" in k else v for k, v in model.state_dict().items()}
+        _load(eng, moved)
+        ref.update_weights(moved)
+        got, want = _run(eng.generate(prompt, GREEDY))[0], _run(ref.generate(prompt, GREEDY))[0]
+        assert got.token_ids == want.token_ids and got.logprobs == pytest.approx(want.logprobs, abs=1e-3)
+    finally:
+        eng.close()
+        ref.close()
