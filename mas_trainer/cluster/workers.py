@@ -13,7 +13,7 @@ import logging
 import uuid
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from mas_trainer.engines.base import Generation, SamplingParams, choice_id
+from mas_trainer.engines.base import Generation, SamplingParams, choice_id, max_context
 from mas_trainer.engines.config import EngineSettings
 from mas_trainer.policy.contract import StepResult, WarmStartExample, WorkerGroupHandle, WorkerPlan
 from mas_trainer.policy.turns import Serving, TurnStore
@@ -136,6 +136,14 @@ class WorkerEngine:
     def __init__(self, handle: WorkerGroupHandle) -> None:
         self.handle = handle
         self.model_name = handle.policy
+
+    @property
+    def max_context(self) -> int | None:
+        """The serving engine's context where this process holds it (rollout replicas' client, an
+        in-process engine): the gateway then caps `max_tokens` by it and answers a prompt too
+        long with a 400, instead of the engine failing the run on it."""
+        engine = getattr(self.handle, "engine", None)
+        return max_context(engine) if engine is not None else None
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, *, turn_id: str | None = None) -> list[Generation]:
         return await self.handle.generate(list(prompt_ids), params, turn_id)

@@ -111,3 +111,17 @@ def test_a_second_failure_and_a_cluster_failure_are_raised(monkeypatch):
     with pytest.raises(RuntimeError, match="gcs_server_port"):
         ray_init.init_ray(_runtime("ray://head:10001"), 1, {})
     assert len(cluster.calls) == 1
+
+
+def test_the_gateway_sees_the_context_of_a_worker_groups_engine():
+    """Replicas' client or an in-process engine: the gateway caps max_tokens by it and refuses a
+    prompt too long with a 400, rather than the engine failing the run; a group whose engine
+    lives elsewhere (verl's rank 0) has none to tell."""
+    from types import SimpleNamespace
+
+    from mas_trainer.cluster.workers import WorkerEngine
+    from mas_trainer.engines.base import max_context
+
+    with_engine = SimpleNamespace(policy="p", engine=SimpleNamespace(max_context=1024))
+    assert max_context(WorkerEngine(with_engine)) == 1024
+    assert max_context(WorkerEngine(SimpleNamespace(policy="p"))) is None
