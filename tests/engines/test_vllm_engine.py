@@ -118,6 +118,17 @@ def test_a_cancelled_call_frees_the_engine(engine):
     assert len(_run(go())[0].token_ids) == 8
 
 
+def test_a_json_schema_constrains_the_output(engine):
+    """Forced tool calls and `response_format` reach vLLM's guided decoding: the text parses and fits."""
+    import json
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 8}},
+              "required": ["a", "b"], "additionalProperties": False}
+    got = _run(engine.generate(PROMPT, SamplingParams(temperature=1.0, max_tokens=100, json_schema=schema, seed=1)))[0]
+    value = json.loads(got.text)
+    assert set(value) == {"a", "b"} and isinstance(value["a"], int) and len(value["b"]) <= 8 and got.finish_reason == "stop"
+
+
 def test_reload_is_refused_off_the_engines_thread(engine):
     with pytest.raises(RuntimeError, match="run_exclusive"):
         engine.reload([])
