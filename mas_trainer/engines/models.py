@@ -387,6 +387,12 @@ def hub_folder(hub_id: str) -> Path:
     from huggingface_hub import HfApi, constants, snapshot_download
     from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError, RevisionNotFoundError
 
+    from mas_trainer.errors import did_you_mean
+
+    hint = did_you_mean(hub_id, ("tiny", "default")) if "/" not in hub_id else ""
+    if hint:  # a misspelt bundled model, not a hub id: say so before asking the hub for it
+        raise ModelNotFoundError(f"model {hub_id!r} is no bundled model, local folder or hub id (org/name); {hint}"
+                                 "the bundled models are 'tiny' and 'default'")
     cache = constants.HF_HUB_CACHE
     try:
         if _hub_offline():

@@ -160,3 +160,17 @@ def test_check_model_checks_an_adapters_base(tmp_path):
     with pytest.raises(ModelNotFoundError) as info:
         models.check_model(str(tmp_path))
     assert "./no/such/base" in str(info.value)
+
+
+def test_a_misspelt_bundled_model_gets_a_did_you_mean_before_the_hub_is_asked(monkeypatch):
+    """`--model defualt` is a typo, not a hub id: one line naming 'default', and the hub is never
+    contacted (offline that would be a network error; online, a 404 on someone else's name)."""
+    import huggingface_hub
+
+    from mas_trainer.engines.models import ModelNotFoundError, check_model
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: pytest.fail("the hub was asked"))
+    for typo, meant in (("defualt", "default"), ("tinny", "tiny"), ("Default", "default")):
+        with pytest.raises(ModelNotFoundError, match=rf"^model '{typo}' is no bundled model, local folder or hub id "
+                           rf"\(org/name\); did you mean '{meant}'\?"):
+            check_model(typo)
