@@ -520,8 +520,11 @@ class _Fit:
                                f"nothing to train; to train more, run again with --resume and steps=N, N > {c.steps}",
                                markup=False, highlight=False, soft_wrap=True)
             return [r for r in self.rundir.metrics() if r["step"] <= state["step"]]
-        if state is not None:
-            log.info("%s: resuming after step %d (data position %d)", self.rundir.root, state["step"], state["position"])
+        if state is not None:  # said, not logged: a user who typed --resume sees where it picks up
+            self.say(f"resuming {self.rundir.root} from its checkpoint at step {state['step']} of {c.steps} "
+                     f"(data position {state['position']})")
+        elif start_over:
+            self.say(f"{self.rundir.root} stopped before its first checkpoint: starting it over from step 0")
         # Nothing is written to the run directory until the app, the tasks, the plan and the models have been checked:
         # a refused fit leaves it as it was (no config.yaml of a config that never ran, nothing of a run cleared).
         with Session(model=c.model, max_in_flight=c.rollout.max_in_flight or c.runtime.max_batch_size, timeout_s=c.rollout.timeout_s,

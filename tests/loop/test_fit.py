@@ -409,8 +409,14 @@ def test_lora_policy_checkpoints_an_adapter_that_resumes_evals_and_exports(tmp_p
     folder = out / "checkpoint" / "policies" / "solo"
     assert is_adapter(folder) and adapter_base(folder) == "tiny"
     at_two = load_file(folder / "adapter_model.safetensors")
-    rows = fit(f"{APP}:single", TASKS[:4], _cfg("steps=3", *lora), out, resume=True)
+    import io
+
+    from rich.console import Console
+
+    said = io.StringIO()
+    rows = fit(f"{APP}:single", TASKS[:4], _cfg("steps=3", *lora), out, resume=True, console=Console(file=said, width=200))
     assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3]
+    assert f"resuming {out} from its checkpoint at step 2 of 3" in said.getvalue()  # where --resume picks up, said
     elapsed = [r["time/elapsed_s"] for r in rows]  # the run's wall time goes on across the resume
     assert elapsed[0] > 0 and elapsed == sorted(elapsed) and len(set(elapsed)) == len(elapsed)
     at_three = load_file(folder / "adapter_model.safetensors")
