@@ -65,15 +65,17 @@ def cmd_trace(args: argparse.Namespace) -> int:
                       "fit would give every call 0", markup=False, soft_wrap=True)
     else:
         console.print(reward_table(trajs))
-    console.print(f"{len(trajs)} rollouts in {result.elapsed_s:.1f} s → {result.output}")
+    where = result.output if result.output is not None else "not written (--output FILE keeps them)"
+    console.print(f"{len(trajs)} rollouts in {result.elapsed_s:.1f} s → {where}", markup=False, soft_wrap=True)
     if result.failed is not None:
         raise result.failed
     if result.judge_error is not None:
         raise result.judge_error
     if result.reward_errors:  # the first names the reward, its file and line, the level and the rollout
         first = result.reward_errors[0]
+        kept = f"the trajectories: {result.output}" if result.output is not None else "--output FILE keeps the trajectories"
         raise type(first)(f"{str(first).splitlines()[0]}; {len(result.reward_errors)} of {len(trajs)} "
-                          f"rollouts not scored (the trajectories: {result.output})")
+                          f"rollouts not scored ({kept})")
     return 0
 
 
@@ -308,7 +310,8 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--input", help="one task as a JSON object")
     src.add_argument("--data", help="tasks: JSON lines, a .json list, or hf:NAME[:CONFIG]:SPLIT (a Hugging Face dataset)")
     p.add_argument("--model", default=None, help="base model of every policy: tiny | default | PATH (default: as the app says)")
-    p.add_argument("--output", default="trajectories.jsonl", help="where to write trajectories (JSON lines)")
+    p.add_argument("--output", default=None, help="write the trajectories here (JSON lines; default: printed only, "
+                                                  "nothing written)")
     p.add_argument("--n", type=int, default=1, help="rollouts per task")
     p.add_argument("--concurrency", type=int, default=None, help="rollouts in flight at once (default: the engine's "
                                                                    "max batch size, so the tool's own load does not "

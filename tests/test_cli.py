@@ -321,6 +321,17 @@ graph = trainable(g.compile(), roles={"work": "p"}, policies={"p": "tiny"}, rewa
 '''
 
 
+def test_trace_without_output_prints_and_writes_nothing(tmp_path, reward_app):
+    """A dry run leaves the working folder as it was: no trajectories.jsonl unasked."""
+    app, data = reward_app
+    work = tmp_path / "work"
+    work.mkdir()
+    r = run_cli("trace", f"{app}:graph", "--data", str(data), "--model", "tiny", "--max-tokens", "4", cwd=work)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert list(work.iterdir()) == []
+    assert "2 rollouts in" in r.stdout and "not written (--output FILE keeps them)" in r.stdout
+
+
 def test_trace_exits_non_zero_when_every_rollout_failed(tmp_path):
     app = tmp_path / "failing_app.py"
     app.write_text(FAILING_APP)
