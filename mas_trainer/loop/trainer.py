@@ -577,6 +577,10 @@ def fit(app_ref: Any, tasks: list[dict], cfg: FitConfig, output: str | Path, *, 
         check_trackers(cfg.logger)  # a missing tracker package is one line, before anything starts
     except UserError as exc:
         raise ConfigError(str(exc)) from exc
+    if any(cfg.engine_for(p) == "vllm" for p in ["", *cfg.policies]):
+        from mas_trainer.replicas.config import require_vllm
+
+        require_vllm()  # a missing vLLM too: before the app loads and the gateway starts
     if val_tasks is None and cfg.val_fraction > 0:
         order = random.Random(_seed(cfg.seed, "split")).sample(range(len(tasks)), len(tasks))
         k = max(1, round(len(tasks) * cfg.val_fraction))

