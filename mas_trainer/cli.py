@@ -43,7 +43,7 @@ def _check_model(model: str | None) -> None:
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    from rich.console import Console
+    from mas_trainer.run.progress import output_console
 
     from mas_trainer.api import trace
     from mas_trainer.trace.report import print_trajectories, reward_table
@@ -52,7 +52,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
         raise UsageError(f"--concurrency {args.concurrency}: run at least 1 rollout at once")
     tasks = _load_tasks(args)
     _check_model(args.model)
-    console = Console(stderr=False)
+    console = output_console()
     result = trace(args.app, tasks, n=args.n, model=args.model, output=args.output, rewards=args.rewards,
                    max_in_flight=args.concurrency, timeout_s=args.timeout, max_tokens=args.max_tokens,
                    otel_exporter=args.otel, console=console)
@@ -83,7 +83,7 @@ _LAUNCHED: float | None = None
 
 
 def cmd_fit(args: argparse.Namespace) -> int:
-    from rich.console import Console
+    from mas_trainer.run.progress import output_console
 
     from mas_trainer import api
 
@@ -91,7 +91,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     if args.warm_start is not None:  # a path as given, not read as YAML (as a key=value override would be)
         cfg = cfg.model_copy(update={"warm_start": cfg.warm_start.model_copy(update={"data": args.warm_start})})
     _check_model(cfg.model)
-    console = Console()
+    console = output_console()
     # the Session says where its gateway listens and whom it answers, at INFO
     session_log = logging.getLogger("mas_trainer.loop.session")
     if session_log.getEffectiveLevel() > logging.INFO:
@@ -143,7 +143,7 @@ def _interrupted_fit(output: str, *, forced: bool) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from rich.console import Console
+    from mas_trainer.run.progress import output_console
     from rich.table import Table
 
     from mas_trainer.api import evaluate
@@ -167,7 +167,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     for key, value in result.items():
         if key.startswith("reward/role/"):
             table.add_row(f"role {key.split('/', 2)[2]}", f"{value:.4f}", "", "")
-    console = Console(stderr=True)
+    console = output_console(stderr=True)
     console.print(table)
     warning = timeout_warning(result)
     if warning:
@@ -270,7 +270,7 @@ def cmd_view(args: argparse.Namespace) -> int:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
-    from rich.console import Console
+    from mas_trainer.run.progress import output_console
 
     from mas_trainer.production.curate import make_datasets
 
@@ -279,7 +279,7 @@ def cmd_data(args: argparse.Namespace) -> int:
     r = data.report
     roles = ", ".join(f"{role} {n}" for role, n in sorted(r.sft_by_role.items())) or "none"
     dropped = ", ".join(f"{why} {n}" for why, n in sorted(r.calls_dropped.items())) or "none"
-    console = Console()
+    console = output_console()
     for line in (f"read {r.runs_read} runs ({r.calls_read} LLM calls) from {len(r.folders)} folder(s); "
                  f"{r.runs_without_task} without a task, {r.tasks_duplicate} repeating a task",
                  f"tasks: {r.tasks_train} train, {r.tasks_val} held out (val_fraction {args.val_fraction:g}, seed {args.seed})"

@@ -21,7 +21,21 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TextColumn
 from rich.text import Text
 
-__all__ = ["FitProgress", "duration", "eta_seconds", "number", "step_line", "val_line", "warm_start_lines"]
+__all__ = ["FitProgress", "duration", "eta_seconds", "number", "output_console", "step_line", "val_line", "warm_start_lines"]
+
+PIPED_WIDTH = 200
+
+
+def output_console(*, stderr: bool = False) -> Console:
+    """The verbs' console. Piped into a file or a CI log, rich would lay tables out for 80
+    columns and wrap their rows; there a log has no width, so rows are laid out for
+    `PIPED_WIDTH` (COLUMNS, when set, still wins). On a terminal, the terminal's width."""
+    import os
+
+    console = Console(stderr=stderr)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(stderr=stderr, width=PIPED_WIDTH)
+    return console
 
 
 def number(value: float | None) -> str:
