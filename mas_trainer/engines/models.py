@@ -20,15 +20,18 @@ and a lost rename race between processes just discards the loser's copy.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from mas_trainer.errors import UserError
 
@@ -126,6 +129,24 @@ def _publish(build, target: Path) -> Path:
         return target
 
 
+@contextlib.contextmanager
+def _gguf_bar_off_when_piped() -> Iterator[None]:
+    """transformers' GGUF conversion draws its own tqdm bar ("Converting and de-quantizing GGUF
+    tensors"), which the Hugging Face progress switch does not reach: piped into a log it would
+    write a line per refresh. On a terminal it stays (a ~15 s conversion worth watching)."""
+    if sys.stderr.isatty():
+        yield
+        return
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = gguf_utils.tqdm
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+
+
 def tokenizer_dir() -> Path:
     """Folder with the fixed bundled tokenizer (converted from the GGUF once, ~5 s)."""
     full = cache_dir() / _DEFAULT_NAME
@@ -136,7 +157,8 @@ def tokenizer_dir() -> Path:
         from transformers import AutoTokenizer
 
         gguf = bundled_gguf()
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        with _gguf_bar_off_when_piped():
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         fix_tokenizer(tok).save_pretrained(tmp)
 
     return _publish(build, cache_dir() / _TOKENIZER_NAME)
@@ -150,8 +172,9 @@ def default_model_dir() -> Path:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         gguf = bundled_gguf()
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        with _gguf_bar_off_when_piped():
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         save_pretrained(model, fix_tokenizer(tok, model), tmp)
 
     return _publish(build, cache_dir() / _DEFAULT_NAME)

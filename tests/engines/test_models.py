@@ -174,3 +174,19 @@ def test_a_misspelt_bundled_model_gets_a_did_you_mean_before_the_hub_is_asked(mo
         with pytest.raises(ModelNotFoundError, match=rf"^model '{typo}' is no bundled model, local folder or hub id "
                            rf"\(org/name\); did you mean '{meant}'\?"):
             check_model(typo)
+
+
+def test_the_gguf_conversion_bar_stays_out_of_a_piped_log(capfd):
+    """transformers' GGUF conversion draws a tqdm bar of its own, which the Hugging Face progress
+    switch does not reach; piped (stderr is captured here), converting the bundled model shows none."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    from mas_trainer.engines.models import _gguf_bar_off_when_piped
+
+    with _gguf_bar_off_when_piped():
+        for _ in gguf_utils.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):
+            pass
+    assert "Converting" not in capfd.readouterr().err
+    for _ in gguf_utils.tqdm(range(3), desc="Converting"):  # restored afterwards
+        pass
+    assert "Converting" in capfd.readouterr().err
