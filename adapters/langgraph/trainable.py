@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable, Mapping
 from langgraph.graph import StateGraph
 from langgraph.pregel import Pregel
 
+from mas_trainer.rewards.levels import check_arity
 from mas_trainer.spec import ResolvedSpec, SpecError, TrainSpec, qualified_nodes
 
 __all__ = ["trainable", "spec_of", "as_graph", "node_names", "no_fork_of"]
@@ -71,6 +72,10 @@ def trainable(
         roles, policies, role_names=role_names, frozen=frozen, default_policy=default_policy, reward=reward,
         role_rewards=role_rewards, turn_rewards=turn_rewards,
     )
+    # a reward that cannot take (task, subject, trajectory) is said now, not after a step of rollouts
+    for what, given in (("reward", reward), ("role_rewards", role_rewards), ("turn_rewards", turn_rewards)):
+        for fn in (given.values() if isinstance(given, Mapping) else [given] if given is not None else []):
+            check_arity(what, fn)
     mark = _marker(spec, frozenset(no_fork))
     return mark if app is None else mark(app)
 

@@ -42,7 +42,8 @@ from mas_trainer.trace.schema import LLMCall, Trajectory
 if TYPE_CHECKING:
     from mas_trainer.spec import TrainSpec
 
-__all__ = ["TrajectoryReward", "RoleReward", "TurnReward", "RewardError", "RewardSpec", "LevelValues", "evaluate_levels"]
+__all__ = ["TrajectoryReward", "RoleReward", "TurnReward", "RewardError", "RewardSpec", "LevelValues", "evaluate_levels",
+           "check_arity"]
 
 TrajectoryReward = Callable[[dict[str, Any], Any, Trajectory], "float | None"]
 RoleReward = Callable[[dict[str, Any], Sequence[LLMCall], Trajectory], "float | None"]
@@ -85,6 +86,27 @@ def _name(fn: Callable[..., Any]) -> str:
     if not module or module.startswith(APP_MODULE_PREFIX) or module == "__main__":
         return qualname
     return f"{module}.{qualname}"
+
+
+_SUBJECTS = {"reward": "final_state", "role_rewards": "calls", "turn_rewards": "llm_call"}
+
+
+def check_arity(what: str, fn: Callable[..., Any]) -> None:
+    """Every level calls its rewards as ``fn(task, subject, trajectory)``: a function that cannot
+    take three positional arguments is refused when the app is decorated, in one line naming it,
+    rather than after a whole step of rollouts. `what` is the keyword it was given under
+    (`reward`, `role_rewards`, `turn_rewards`)."""
+    if not callable(fn):
+        raise RewardError(f"{what}: {fn!r} is not callable; give a function (task, {_SUBJECTS[what]}, trajectory) -> float | None")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C callable without a signature to read: called as it is
+        return
+    try:
+        signature.bind(None, None, None)
+    except TypeError as exc:
+        raise RewardError(f"{what} {_name(fn)}{_defined_at(fn)} takes {signature}, but is called as "
+                          f"fn(task, {_SUBJECTS[what]}, trajectory) ({exc}); give it those three parameters") from None
 
 
 def _ours(path: str | None) -> bool:

@@ -163,3 +163,28 @@ def test_no_fork_is_kept_on_every_form_and_checked_against_the_nodes():
     assert no_fork_of(trainable(_builder().compile(), roles={"plan": "p"})) == frozenset()
     with pytest.raises(SpecError, match=r"no_fork names unknown node\(s\) 'send_email'; the graph's nodes are .*act"):
         trainable(_builder(), roles={"plan": "p"}, no_fork={"send_email"})
+
+
+def _two(task, final_state):
+    return 1.0
+
+
+def test_a_reward_of_the_wrong_arity_is_refused_when_decorated():
+    """Found at decoration, naming the function, where it is defined and how it is called, not
+    after a whole step of rollouts; defaults, *args and callable objects that take three pass."""
+    from mas_trainer.rewards.levels import RewardError
+
+    with pytest.raises(RewardError, match=r"^reward (test_trainable\.)?_two \(defined at .*test_trainable.py:\d+\) takes \(task, final_state\), "
+                       r"but is called as fn\(task, final_state, trajectory\)"):
+        trainable(_builder(), roles={"plan": "p"}, reward=_two)
+    with pytest.raises(RewardError, match=r"^role_rewards .*<lambda>.* takes \(task\), but is called as fn\(task, calls, trajectory\)"):
+        trainable(_builder(), roles={"plan": "p"}, role_rewards={"plan": lambda task: 1.0})
+    with pytest.raises(RewardError, match=r"^turn_rewards .* called as fn\(task, llm_call, trajectory\)"):
+        trainable(_builder(), roles={"plan": "p"}, turn_rewards=lambda task, call, traj, extra: 1.0)
+
+    class Judge:
+        def __call__(self, task, state, trajectory, *, temperature=0.0):
+            return 0.5
+
+    trainable(_builder(), roles={"plan": "p"}, reward=Judge(), role_rewards=lambda *a: 1.0,
+              turn_rewards={"plan": lambda task, call, traj=None: 1.0})
