@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from mas_trainer.spec import TrainSpec
 
 __all__ = ["TrajectoryReward", "RoleReward", "TurnReward", "RewardError", "RewardSpec", "LevelValues", "evaluate_levels",
-           "check_arity"]
+           "check_arity", "langgraph_state"]
 
 TrajectoryReward = Callable[[dict[str, Any], Any, Trajectory], "float | None"]
 RoleReward = Callable[[dict[str, Any], Sequence[LLMCall], Trajectory], "float | None"]
@@ -225,6 +225,31 @@ class LevelValues:
     turns: dict[str, float | None] = field(default_factory=dict)
 
 
+_MESSAGE_TYPES = frozenset({"human", "ai", "system", "tool", "function", "chat", "remove", "AIMessageChunk",
+                            "HumanMessageChunk", "SystemMessageChunk", "ToolMessageChunk", "FunctionMessageChunk",
+                            "ChatMessageChunk"})
+
+
+def langgraph_state(state: Any) -> Any:
+    """A trajectory's final state as LangGraph returned it, for rewards: the trajectory keeps
+    it as JSON (records, resumes, forks), where LangChain messages are their `model_dump`;
+    here they are messages again, so a reward reads `state["messages"][-1].content` as it
+    would on `graph.invoke(...)`'s result, from a live run and from a record alike. Everything
+    else is left as it is."""
+    if isinstance(state, list):
+        return [langgraph_state(v) for v in state]
+    if not isinstance(state, dict):
+        return state
+    if state.get("type") in _MESSAGE_TYPES and "content" in state and "additional_kwargs" in state:
+        from langchain_core.messages import messages_from_dict
+
+        try:
+            return messages_from_dict([{"type": state["type"], "data": state}])[0]
+        except Exception:  # a dict that only looks like a message: the reward gets it as it is
+            return state
+    return {k: langgraph_state(v) for k, v in state.items()}
+
+
 def evaluate_levels(spec: RewardSpec, trajectory: Trajectory) -> LevelValues:
     """Call every applicable reward of ``spec`` once on ``trajectory``.
 
@@ -234,7 +259,8 @@ def evaluate_levels(spec: RewardSpec, trajectory: Trajectory) -> LevelValues:
     task, rid = trajectory.task, trajectory.rollout_id
     values = LevelValues()
     if spec.trajectory is not None:
-        values.trajectory = _call(spec.trajectory, f"trajectory level, rollout {rid}", task, trajectory.final_state, trajectory)
+        values.trajectory = _call(spec.trajectory, f"trajectory level, rollout {rid}", task,
+                                  langgraph_state(trajectory.final_state), trajectory)
     by_role: dict[str, list[LLMCall]] = {}
     for call in trajectory.llm_calls:
         by_role.setdefault(call.role, []).append(call)

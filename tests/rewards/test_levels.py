@@ -192,3 +192,29 @@ def test_a_reward_file_under_the_working_directory_is_named_relative_to_it(app_r
     monkeypatch.chdir(path.parent)
     with pytest.raises(RewardError, match=rf" at my_app.py:{_line(path, 'RAISES HERE')} \(trajectory level"):
         evaluate_levels(RewardSpec(trajectory=load("trajectory_reward")), traj([call("a", "planner")]))
+
+
+def test_a_trajectory_reward_reads_the_state_as_langgraph_returns_it():
+    """The trajectory keeps the state as JSON (what a record or a resumed run reads back); the
+    reward gets LangChain messages again, as `graph.invoke` returns them, with other values as they are."""
+    import json
+
+    from langchain_core.messages import AIMessage, HumanMessage
+
+    from mas_trainer.loop.controller import state_json
+
+    live = {"messages": [HumanMessage("6 x 7?"), AIMessage("42", tool_calls=[{"name": "f", "args": {}, "id": "c1"}])],
+            "answer": "42", "notes": [{"type": "ai", "content": "a plain dict"}]}
+    stored = json.loads(json.dumps(state_json(live)))  # as written to and read from trajectories.jsonl
+    seen = {}
+
+    def reward(task, state, trajectory):
+        seen["state"] = state
+        return float(state["messages"][-1].content == state["answer"])
+
+    assert evaluate_levels(RewardSpec(trajectory=reward), traj([], final_state=stored)).trajectory == 1.0
+    got = seen["state"]
+    assert [type(m).__name__ for m in got["messages"]] == ["HumanMessage", "AIMessage"]
+    assert got["messages"][-1].tool_calls[0]["name"] == "f"
+    assert got["notes"] == [{"type": "ai", "content": "a plain dict"}]  # not a message dump: left alone
+    assert traj([], final_state=stored).final_state == stored  # the trajectory itself stays JSON
