@@ -22,13 +22,26 @@ def lost_worker(exc: BaseException, policy: str, who: str) -> WorkerLost | None:
     group is gone), naming the node it ran on and why it died as Ray reports them; None for any
     other error (a worker's own exception stays what it is)."""
     try:
-        from ray.exceptions import RayActorError
+        from ray.exceptions import OutOfMemoryError, RayActorError
     except ImportError:  # pragma: no cover - Ray is there whenever a Ray actor was
         return None
+    if isinstance(exc, OutOfMemoryError):  # Ray's memory monitor killed it: not a RayActorError, and not the user's bug
+        return WorkerLost(f"policy {policy}: {who} was killed by Ray's memory monitor, its node out of memory "
+                          f"({_memory_said(str(exc))}); lower runtime.max_batch_size or rollout.max_in_flight, or give the "
+                          "node more memory; the run stopped, resumable from its last checkpoint")
     if not isinstance(exc, RayActorError):
         return None
     return WorkerLost(f"policy {policy}: {who} was lost ({where_lost(str(exc))}); the run stopped, resumable from its "
                       "last checkpoint (the workers' output is in the run's workers.log)")
+
+
+def _memory_said(message: str) -> str:
+    """`on node IP: USED used / LIMIT limit` from the text of Ray's `OutOfMemoryError`, as far as it says."""
+    import re
+
+    ip = re.search(r"\(IP: ([^,)\s]+)", message)
+    used = re.search(r"was (\d[\d.]*GB used / \d[\d.]*GB limit)", message)  # Ray 2.60's raylet says it so
+    return f"on node {ip.group(1) if ip else 'unknown'}" + (f": {used.group(1)}" if used else "")
 
 
 def place_pool(pool: Any, *, policy: str, what: str, timeout_s: float, address: str | None) -> None:

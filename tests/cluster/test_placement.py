@@ -154,3 +154,22 @@ def test_place_pool_makes_the_placement_groups_verl_would():
             assert ta["name"][1:] == tb["name"][1:]  # the same name but for the pool's prefix
     finally:
         ray.shutdown()
+
+
+def test_a_worker_killed_by_rays_memory_monitor_is_one_line_with_the_fix():
+    """Ray's `OutOfMemoryError` is no `RayActorError`: it was passed on whole (130 lines, no
+    cause, no resume hint). It is a `RunStopped` now, naming the node, the memory and what to lower."""
+    from ray.exceptions import OutOfMemoryError
+
+    from mas_trainer.cluster.placement import lost_worker
+    from mas_trainer.errors import RunStopped
+
+    text = ("Task was killed due to the node running low on memory.\nMemory on the node (IP: 10.0.0.5, ID: 1a2b3c4d5e) "
+            "was 15.10GB used / 15.60GB limit (0.968000)\nOOM kill reason: ...")
+    lost = lost_worker(OutOfMemoryError(text), "solo", "its worker process (the torch learner and engine)")
+    assert isinstance(lost, RunStopped)
+    assert str(lost) == ("policy solo: its worker process (the torch learner and engine) was killed by Ray's memory monitor, "
+                         "its node out of memory (on node 10.0.0.5: 15.10GB used / 15.60GB limit); lower "
+                         "runtime.max_batch_size or rollout.max_in_flight, or give the node more memory; the run stopped, "
+                         "resumable from its last checkpoint")
+    assert lost_worker(ValueError("a worker's own bug"), "solo", "x") is None
