@@ -141,11 +141,22 @@ def _with_headers(kwargs: dict[str, Any], headers: dict[str, str]) -> dict[str, 
     return {**kwargs, "extra_headers": extra}
 
 
+def _ours(headers: Any) -> bool:
+    """The headers carry this project's baggage: an outer wrapped method (parse calling create)
+    added them. A `traceparent` alone says nothing: other instrumentations (OpenLLMetry's)
+    put their own into `extra_headers`, and taking it for ours left the call unrouted."""
+    if not isinstance(headers, dict):
+        return False
+    value = next((v for k, v in headers.items() if isinstance(k, str) and k.lower() == "baggage"), "")
+    return isinstance(value, str) and f"{A.BAGGAGE_NODE}=" in value
+
+
 def _begin(kwargs: dict[str, Any]) -> tuple[trace.Span | None, dict[str, Any], CallContext | None]:
-    """The call's span and its kwargs with trace headers; (None, kwargs) outside a graph, or
-    when an outer wrapped method (parse calling create) already added them."""
+    """The call's span and its kwargs with trace headers (ours replace another instrumentation's
+    `traceparent` and `baggage`: the gateway routes and records by them); (None, kwargs) outside a
+    graph, or when an outer wrapped method (parse calling create) already added them."""
     call = current_call()
-    if call is None or "traceparent" in (kwargs.get("extra_headers") or {}):
+    if call is None or _ours(kwargs.get("extra_headers")):
         return None, kwargs, None
     span = _start_span(call, kwargs)
     return span, _with_headers(kwargs, _headers_for(call, span)), call
