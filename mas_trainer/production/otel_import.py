@@ -75,6 +75,7 @@ class Span:
     end: float | None
     attrs: dict[str, Any]
     events: list[tuple[str, dict[str, Any]]]
+    error: str | None = None  # OTLP status ERROR: the span failed, with its message ("" without one)
 
 
 @dataclass
@@ -192,10 +193,16 @@ def _span(raw: Any) -> Span:
         events.append((ev["name"], _kv(ev.get("attributes") or [])))
     parent = raw.get("parentSpanId")
     name = raw.get("name")
+    raw_status = raw.get("status")
+    status: dict[str, Any] = raw_status if isinstance(raw_status, dict) else {}
+    # OTLP/JSON's status code: 2 (or "STATUS_CODE_ERROR", as some exporters write the enum) is an error
+    failed = status.get("code") in (2, "2", "STATUS_CODE_ERROR")
+    message = status.get("message")
     return Span(trace_id=_id(raw.get("traceId"), 16), span_id=_id(raw.get("spanId"), 8),
                 parent_id=_id(parent, 8) if parent else None, name=name if isinstance(name, str) else "",
                 start=_seconds(raw.get("startTimeUnixNano")), end=_seconds(raw.get("endTimeUnixNano")),
-                attrs=_kv(raw.get("attributes") or []), events=events)
+                attrs=_kv(raw.get("attributes") or []), events=events,
+                error=(message[:200] if isinstance(message, str) else "") if failed else None)
 
 
 def _request_spans(req: Any, where: str, report: ImportReport) -> Iterator[Span]:
@@ -516,6 +523,10 @@ def map_traces(spans: Iterable[Span], report: ImportReport, roles: dict[str, str
             node = nodes[span.span_id]
             if node is None:
                 report.skip("LLM span with no LangGraph node ancestor", where)
+                left_out += 1
+                continue
+            if span.error is not None:  # a call that failed (a 404, a timeout) answered nothing to train on
+                report.skip("LLM span that failed (its status is ERROR)", where + (f" ({span.error})" if span.error else ""))
                 left_out += 1
                 continue
             try:

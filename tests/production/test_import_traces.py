@@ -366,3 +366,21 @@ def test_receiver_over_http(tmp_path: Path) -> None:
     report = receiver.close()  # what is held is written at the end
     assert (report.runs, report.calls) == (2, 3)
     assert [t.rollout_id for t, _ in read_runs(tmp_path / "rec")] == [T1, T2]
+
+
+def test_a_failed_llm_span_is_not_a_trainable_call(tmp_path: Path) -> None:
+    """An LLM span whose status is ERROR (a 404, a timeout) answered nothing: it is reported, not
+    imported as a call to train on; the run keeps its other calls and counts as partial."""
+    spans = semconv_trace()
+    spans[2]["status"] = {"code": 2, "message": "Error code: 404 - model not served"}
+    f = write(tmp_path / "t.json", request(*spans))
+    report = import_traces([f], tmp_path / "rec")
+    assert (report.runs, report.calls, report.partial_runs) == (1, 1, 1)
+    assert report.unmapped == {"LLM span that failed (its status is ERROR)": 1}
+    assert "404 - model not served" in report.examples["LLM span that failed (its status is ERROR)"][0]
+    ((traj, _),) = list(read_runs(tmp_path / "rec"))
+    assert [c.node for c in traj.llm_calls] == ["writer"]
+    spans[2]["status"] = {"code": "STATUS_CODE_ERROR"}  # the enum's name, as some exporters write it
+    assert import_traces([write(tmp_path / "u.json", request(*spans))], tmp_path / "rec2").calls == 1
+    spans[2]["status"] = {"code": 1}  # OK
+    assert import_traces([write(tmp_path / "v.json", request(*spans))], tmp_path / "rec3").calls == 2
