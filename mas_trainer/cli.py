@@ -79,6 +79,16 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _no_held_out(val_fraction: float, train: int, val: int, without_task: int) -> str:
+    """Why `data` wrote no held-out task, when it wrote none: no task at all is not a matter of the seed."""
+    if not val_fraction or val:
+        return ""
+    if not train:
+        return (f": no run had a task ({without_task} without one); a served run gets it from the app's graph record, an "
+                "imported one from its root span's input (OpenInference's input.value, OpenLLMetry's traceloop.entity.input)")
+    return ": none fell on the held-out side; try another --seed"
+
+
 _LAUNCHED: float | None = None
 
 
@@ -283,7 +293,7 @@ def cmd_data(args: argparse.Namespace) -> int:
     for line in (f"read {r.runs_read} runs ({r.calls_read} LLM calls) from {len(r.folders)} folder(s); "
                  f"{r.runs_without_task} without a task, {r.tasks_duplicate} repeating a task",
                  f"tasks: {r.tasks_train} train, {r.tasks_val} held out (val_fraction {args.val_fraction:g}, seed {args.seed})"
-                 + (": none fell on the held-out side; try another --seed" if args.val_fraction and not r.tasks_val else ""),
+                 + _no_held_out(args.val_fraction, r.tasks_train, r.tasks_val, r.runs_without_task),
                  f"sft: {r.sft_lines} lines from {r.sft_runs} runs (by role: {roles}); calls dropped: {dropped}",
                  f"wrote {args.out}: tasks.jsonl, val.jsonl, sft.jsonl, report.json"):
         console.print(line, markup=False, highlight=False, soft_wrap=True)

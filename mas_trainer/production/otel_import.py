@@ -19,6 +19,7 @@ import hmac
 import io
 import json
 import logging
+import re
 import socket
 import threading
 import time
@@ -31,7 +32,7 @@ from typing import Any, Iterable, Iterator
 
 from mas_trainer.engines.base import choice_id
 from mas_trainer.errors import UserError
-from mas_trainer.production.record import Recorder
+from mas_trainer.production.record import GraphRun, Recorder
 from mas_trainer.trace.schema import LLMCall
 
 __all__ = ["MAX_FILE_BYTES", "MAX_BODY_BYTES", "MAX_DEPTH", "ImportReport", "Unmapped", "Span", "ListenLimits", "Receiver",
@@ -85,6 +86,7 @@ class ImportReport:
     partial_runs: int = 0  # written with some LLM spans left out
     duplicates: int = 0  # runs already in DIR, skipped
     nested: int = 0  # LLM spans inside another LLM span (one call seen by two instrumentations), counted once
+    tasks: int = 0  # runs written with their graph input (their task) from the root span
     unmapped: Counter[str] = field(default_factory=Counter)
     examples: dict[str, list[str]] = field(default_factory=dict)
 
@@ -99,13 +101,15 @@ class ImportReport:
         self.runs, self.calls = self.runs + other.runs, self.calls + other.calls
         self.partial_runs, self.duplicates = self.partial_runs + other.partial_runs, self.duplicates + other.duplicates
         self.nested += other.nested
+        self.tasks += other.tasks
         for reason, n in other.unmapped.items():
             self.unmapped[reason] += n
             ex = self.examples.setdefault(reason, [])
             ex.extend(other.examples.get(reason, [])[:EXAMPLES - len(ex)])
 
     def lines(self) -> list[str]:
-        out = [f"imported {self.runs} runs ({self.calls} LLM calls); {self.duplicates} duplicate runs skipped"
+        out = [f"imported {self.runs} runs ({self.calls} LLM calls); {self.tasks} of them with their task from the root "
+               f"span; {self.duplicates} duplicate runs skipped"
                + (f"; {self.partial_runs} runs written without some of their LLM spans" if self.partial_runs else "")
                + (f"; {self.nested} LLM spans inside another LLM span counted once" if self.nested else "")]
         for reason, n in self.unmapped.most_common():
@@ -543,6 +547,38 @@ def map_traces(spans: Iterable[Span], report: ImportReport, roles: dict[str, str
     return runs
 
 
+# where instrumentations put a run's graph input and output on its root span: OpenInference's
+# `input.value` / `output.value` (JSON text, or plain text), OpenLLMetry's `traceloop.entity.*`
+# (JSON text of {"inputs": ...} / {"outputs": ...})
+_TRACE_ID = re.compile(r"[0-9a-f]{32}")  # a recorded run's id (GraphRun.run_id)
+_ROOT_IO = (("input.value", "output.value", None), ("traceloop.entity.input", "traceloop.entity.output", ("inputs", "outputs")))
+
+
+def root_runs(spans: Iterable[Span]) -> dict[str, GraphRun]:
+    """trace id -> its graph input and output, from the trace's root span where an
+    instrumentation put them there (what becomes the run's task, as a served run's graph
+    record does); a root span that failed makes the run's status `error`."""
+    out: dict[str, GraphRun] = {}
+    for span in spans:
+        if span.parent_id is not None or not _TRACE_ID.fullmatch(span.trace_id):
+            continue
+        for in_key, out_key, wrapped in _ROOT_IO:
+            if in_key not in span.attrs:
+                continue
+            try:
+                value, result = _json(span.attrs.get(in_key)), _json(span.attrs.get(out_key))
+            except _Bad:  # JSON nested past Python's limit: the run is written without its task
+                break
+            if wrapped is not None:
+                value = value.get(wrapped[0], value) if isinstance(value, dict) else value
+                result = result.get(wrapped[1], result) if isinstance(result, dict) else result
+            out[span.trace_id] = GraphRun(run_id=span.trace_id, input=value, output=result,
+                                          status="error" if span.error is not None else "ok",
+                                          error=(span.error or "failed")[:2000] if span.error is not None else None)
+            break
+    return out
+
+
 def import_traces(files: Iterable[str | Path], out: str | Path, *, roles: dict[str, str] | None = None,
                   policies: dict[str, str] | None = None, strict: bool = False) -> ImportReport:
     """Import OTLP/JSON files into the record folder `out` (appended; runs already there are skipped).
@@ -555,18 +591,23 @@ def import_traces(files: Iterable[str | Path], out: str | Path, *, roles: dict[s
     runs = map_traces(spans, report, roles, policies)
     if strict and report.unmapped:
         raise Unmapped(report)
-    _write_runs(Recorder(out, max_mb=2**30), runs, report)  # never trim: an import only adds
+    _write_runs(Recorder(out, max_mb=2**30), runs, report, root_runs(spans))  # never trim: an import only adds
     return report
 
 
-def _write_runs(recorder: Recorder, runs: dict[str, list[LLMCall]], report: ImportReport) -> None:
-    """Append the runs not already in the recorder's folder, counting them in `report`."""
+def _write_runs(recorder: Recorder, runs: dict[str, list[LLMCall]], report: ImportReport,
+                graphs: dict[str, GraphRun] | None = None) -> None:
+    """Append the runs not already in the recorder's folder, with their graph input and output
+    where the root span carried them, counting them in `report`."""
     for run_id, calls in runs.items():
         if recorder.check(run_id, None) is None:
             report.duplicates += 1
             continue
         for call in calls:
             recorder.record(run_id, call)
+        graph = (graphs or {}).get(run_id)
+        if graph is not None and recorder.record_graph(graph) is None:
+            report.tasks += 1
         report.runs += 1
         report.calls += len(calls)
 
@@ -722,8 +763,9 @@ class Receiver:
             return
         mapped = ImportReport()
         runs = map_traces((s for spans in traces for s in spans), mapped, self.roles, self.policies)
+        graphs = root_runs(s for spans in traces for s in spans)
         with self._write_lock:
-            _write_runs(self._recorder, runs, mapped)
+            _write_runs(self._recorder, runs, mapped, graphs)
         with self._report_lock:
             self.report.merge(mapped)
 

@@ -384,3 +384,52 @@ def test_a_failed_llm_span_is_not_a_trainable_call(tmp_path: Path) -> None:
     assert import_traces([write(tmp_path / "u.json", request(*spans))], tmp_path / "rec2").calls == 1
     spans[2]["status"] = {"code": 1}  # OK
     assert import_traces([write(tmp_path / "v.json", request(*spans))], tmp_path / "rec3").calls == 2
+
+
+def test_the_root_spans_input_becomes_the_runs_task(tmp_path: Path) -> None:
+    """OpenInference puts the graph's input and output on the root span (`input.value`,
+    `output.value`), OpenLLMetry its `traceloop.entity.input` ({"inputs": ...}): the run gets
+    them as a served run's graph record, so `data` finds its task; a failed root is an error run."""
+    m = "llm.input_messages."
+    root = span(T1, "3000000000000001", None, "LangGraph", 1, **{
+        "openinference.span.kind": "CHAIN", "input.value": json.dumps({"question": "capital of France?"}),
+        "input.mime_type": "application/json", "output.value": json.dumps({"answer": "Paris"})})
+    node = span(T1, "3000000000000002", "3000000000000001", "critic", 1, metadata=json.dumps({"langgraph_node": "critic"}),
+                **{"openinference.span.kind": "CHAIN"})
+    llm = span(T1, "3000000000000003", "3000000000000002", "ChatOpenAI", 2, **{
+        "openinference.span.kind": "LLM", m + "0.message.role": "user", m + "0.message.content": "capital of France?",
+        "llm.output_messages.0.message.role": "assistant", "llm.output_messages.0.message.content": "Paris"})
+    traceloop = [dict(s, traceId=T2) for s in openllmetry_trace(T2)]
+    traceloop[0]["attributes"] += [{"key": "traceloop.entity.input", "value": {"stringValue": json.dumps(
+        {"inputs": {"question": "weather?"}, "tags": []})}}]
+    traceloop[0]["status"] = {"code": 2, "message": "boom"}
+    report = import_traces([write(tmp_path / "t.json", request(root, node, llm, *traceloop))], tmp_path / "rec")
+    assert (report.runs, report.tasks) == (2, 2)
+    assert "2 of them with their task from the root span" in report.lines()[0]
+    runs = {t.rollout_id: t for t, _ in read_runs(tmp_path / "rec")}
+    assert runs[T1].task == {"question": "capital of France?"} and runs[T1].final_state == {"answer": "Paris"}
+    assert runs[T1].status == "ok"
+    assert runs[T2].task == {"question": "weather?"} and runs[T2].status == "error"
+
+
+def test_imported_runs_with_a_root_input_are_tasks_for_data(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`import-traces` then `data`: runs whose root span carries the graph's input are tasks; runs
+    without one are said to have none, not that another --seed would help."""
+    def run(trace: str, question: str) -> list[dict[str, Any]]:
+        root = span(trace, trace[:15] + "1", None, "LangGraph", 1, **{"input.value": json.dumps({"question": question})})
+        rest = semconv_trace(trace)
+        rest[0]["parentSpanId"] = root["spanId"]
+        return [root, *rest]
+
+    f = write(tmp_path / "t.json", request(*run(T1, "capital of France?"), *run(T2, "capital of Spain?")))
+    import_traces([f], tmp_path / "rec")
+    assert main(["data", str(tmp_path / "rec"), "--out", str(tmp_path / "ds"), "--val-fraction", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "tasks: 1 train, 1 held out" in out
+    tasks = [json.loads(line) for p in ("tasks.jsonl", "val.jsonl") for line in (tmp_path / "ds" / p).read_text().splitlines()]
+    assert sorted(t["question"] for t in tasks) == ["capital of France?", "capital of Spain?"]
+
+    import_traces([write(tmp_path / "u.json", request(*semconv_trace(T3)))], tmp_path / "bare")
+    assert main(["data", str(tmp_path / "bare"), "--out", str(tmp_path / "ds2"), "--val-fraction", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "no run had a task (1 without one)" in out and "another --seed" not in out
