@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from mas_trainer.engines.base import Generation, SamplingParams
 from mas_trainer.config import ConfigError
-from mas_trainer.errors import UserError
+from mas_trainer.errors import RunStopped, UserError
 from mas_trainer.policy.contract import StepResult, WarmStartExample, WorkerPlan
 from mas_trainer.policy.turns import BufferedTurn
 from mas_trainer.cluster.placement import WorkerLost, lost_worker, place_pool
@@ -38,8 +38,8 @@ def _user_errors() -> Iterator[None]:
         yield
     except UserError as exc:
         cause = getattr(exc, "cause", None)
-        if isinstance(cause, UserError) and cause is not exc:
-            raise UserError(str(cause)) from None
+        if isinstance(cause, UserError) and cause is not exc:  # a run stopped stays one (exit 1, the resume hint)
+            raise (RunStopped if isinstance(cause, RunStopped) else UserError)(str(cause)) from None
         raise
 
 

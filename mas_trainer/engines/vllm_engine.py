@@ -37,8 +37,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from mas_trainer.engines.base import EngineUnavailable, FinishReason, Generation, SamplingParams, cut_at_stop
+from mas_trainer.errors import RunStopped
 
-__all__ = ["VllmEngine", "VllmSettings", "vllm_env", "checkpoint_names", "CPU_HEAD_SIZES"]
+__all__ = ["VllmEngine", "VllmEngineFailed", "VllmSettings", "vllm_env", "checkpoint_names", "CPU_HEAD_SIZES"]
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,11 @@ class _Call:
 
     def __init__(self, future: asyncio.Future, loop: asyncio.AbstractEventLoop, stop: tuple[str, ...], prompt_len: int) -> None:
         self.future, self.loop, self.stop, self.prompt_len = future, loop, stop, prompt_len
+
+
+class VllmEngineFailed(RunStopped, EngineUnavailable):
+    """The engine stopped (a reload failed, a partial weight set, vLLM itself died): the gateway
+    answers 503, a run stops in one line, resumable from its last checkpoint."""
 
 
 class VllmEngine:
@@ -226,7 +232,7 @@ class VllmEngine:
     def _submit(self, rid: str, prompt: list[int], sampling: Any, call: _Call) -> None:
         with self._cond:
             if self.failure is not None:
-                raise EngineUnavailable(str(self.failure))
+                raise VllmEngineFailed(str(self.failure))
             if self._closed:
                 raise RuntimeError(f"engine {self.model_name!r} is closed")
             self._adds.append((rid, prompt, sampling, call))
@@ -248,8 +254,9 @@ class VllmEngine:
             self._cond.notify()
         return fut
 
-    def _fail(self, why: str) -> EngineUnavailable:
-        err = EngineUnavailable(f"vLLM engine {self.model_name}: {why}; the engine is stopped")
+    def _fail(self, why: str) -> VllmEngineFailed:
+        err = VllmEngineFailed(f"vLLM engine {self.model_name}: {why}; the engine is stopped, and the run with it (resumable "
+                               "from its last checkpoint)")
         self.failure = err
         return err
 

@@ -125,3 +125,21 @@ def test_the_gateway_sees_the_context_of_a_worker_groups_engine():
     with_engine = SimpleNamespace(policy="p", engine=SimpleNamespace(max_context=1024))
     assert max_context(WorkerEngine(with_engine)) == 1024
     assert max_context(WorkerEngine(SimpleNamespace(policy="p"))) is None
+
+
+def test_a_run_stopped_in_a_worker_reaches_the_cli_as_one_still():
+    """Ray wraps a worker's exception in a class of the cause's type; the wrapper is unwrapped to
+    the cause's one line, and a `RunStopped` (exit 1, the resume hint) stays one."""
+    from mas_trainer.cluster.groups import _user_errors
+    from mas_trainer.errors import RunStopped
+
+    class Wrapped(RunStopped):  # what Ray's RayTaskError(cause) looks like: the cause's type, a traceback as text
+        def __init__(self, cause):
+            super().__init__("ray::PolicyWorker.train() ... Traceback ...")
+            self.cause = cause
+
+    for cause, kind in ((RunStopped("vLLM engine p: weight reload failed"), RunStopped),
+                        (UserError("reward f raised"), UserError)):
+        with pytest.raises(kind) as got, _user_errors():
+            raise Wrapped(cause)
+        assert type(got.value) is kind and str(got.value) == str(cause)

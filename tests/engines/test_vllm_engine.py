@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 from mas_trainer.engines.base import EngineUnavailable, SamplingParams  # noqa: E402
 from mas_trainer.engines.models import load_model, materialize  # noqa: E402
 from mas_trainer.engines.torch_engine import TorchEngine  # noqa: E402
-from mas_trainer.errors import UserError  # noqa: E402
+from mas_trainer.errors import RunStopped, UserError  # noqa: E402
 
 PROMPT = [1, 50, 60, 70, 80, 90]
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
@@ -142,8 +142,9 @@ def test_a_partial_update_ends_the_engine_in_one_line():
     eng = VllmEngine(materialize("tiny"), model_name="partial", settings=VllmSettings(max_model_len=64, max_num_seqs=2))
     try:
         weights = {k: v for k, v in load_model("tiny")[0].state_dict().items() if "layers.1." not in k}
-        with pytest.raises(EngineUnavailable, match=r"without \d+ of the model's tensors \(model\.layers\.1\."):
+        with pytest.raises(EngineUnavailable, match=r"without \d+ of the model's tensors \(model\.layers\.1\.") as failed:
             _load(eng, weights)
+        assert isinstance(failed.value, RunStopped)  # a run stops on it in one line, resumable
         with pytest.raises(EngineUnavailable, match="partial"):
             _run(eng.generate(PROMPT, GREEDY))
     finally:
