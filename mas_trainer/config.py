@@ -523,7 +523,8 @@ def _check_learner(cfg: FitConfig, learner: str | None) -> None:
     if cfg.rollout.max_staleness:
         _check_overlap(cfg, engines)
     for name in ["", *cfg.policies]:
-        old = old_logprobs_mode(cfg.learner_for(name) if name else cfg.learner, learner, cfg.rollout.max_staleness)
+        old = old_logprobs_mode(cfg.learner_for(name) if name else cfg.learner, learner, cfg.rollout.max_staleness,
+                                cfg.engine_for(name))
         if cfg.rollout.max_staleness and old not in ("rollout_correction", "bypass"):
             where = f"policies.{name}.learner.old_logprobs" if name else "learner.old_logprobs"
             raise ConfigError(f"rollout.max_staleness={cfg.rollout.max_staleness} trains on turns one update old, and {where}={old} "

