@@ -660,7 +660,7 @@ def check_torch_only(cfg: FitConfig, fix: str) -> None:
     """LoRA, skip_zero_advantage and share_prompts exist on the torch learner only in this version."""
     for name in ["", *cfg.policies]:
         learner = cfg.learner_for(name) if name else cfg.learner
-        for key, on in (("lora_rank", learner.lora_rank), ("skip_zero_advantage", learner.skip_zero_advantage),
+        for key, on in (("shared_base", learner.shared_base), ("lora_rank", learner.lora_rank), ("skip_zero_advantage", learner.skip_zero_advantage),
                         ("share_prompts", learner.share_prompts)):
             if on:
                 where = f"policies.{name}.learner.{key}" if name else f"learner.{key}"

@@ -128,6 +128,27 @@ class ActorGroup(_RayGroup):
             ray.kill(self.actor)
 
 
+class SharedActorGroup(ActorGroup):
+    """One policy of a shared base (`policy/shared_base.py`) whose Ray actor hosts every adapter
+    of that base: each call names the policy; the actor stops with its last policy's close."""
+
+    def __init__(self, policy: str, actor: Any, open_policies: set[str]) -> None:
+        super().__init__(policy, actor)
+        self.open = open_policies  # the base's policies not closed yet (one set for the whole base)
+
+    async def _serve(self, method: str, *args: Any) -> Any:
+        with _user_errors(), self._losses():
+            return await _cancellable(getattr(self.server, method).remote(self.policy, *args))
+
+    def _who(self, actor_id: str | None) -> str:
+        return "its worker process (the shared base's engine and learners)"
+
+    def close(self) -> None:
+        self.open.discard(self.policy)
+        if not self.open:
+            super().close()
+
+
 class VerlGroup(_RayGroup):
     """A verl worker group of one policy; `plan` is the plan its ranks started with. Rank 0
     serves; every rank trains (verl's ONE_TO_ALL) and rank 0 answers."""
@@ -184,21 +205,27 @@ class VerlGroup(_RayGroup):
 
 
 def start_actor_groups(plans: dict[str, WorkerPlan], runtime: Any) -> dict[str, ActorGroup]:
-    """One `LocalPolicy` actor per policy; returns once every one has started."""
+    """One `LocalPolicy` actor per policy, one `SharedBase` actor per shared base (its policies'
+    adapters); returns once every one has started."""
     import ray
 
     from mas_trainer.policy.local import LocalPolicy
+    from mas_trainer.policy.shared_base import SharedBase, shared_groups
 
     init_ray(runtime, 0, {})
-    actor_cls = ray.remote(LocalPolicy)
-    groups = {}
-    for name, plan in plans.items():  # the plan decided each group's torch threads
+    bases, alone = shared_groups(plans)
+
+    def start(cls: Any, plan: WorkerPlan, *args: Any) -> Any:  # the plan decided each process's torch threads
         gpus = plan.resources.gpus_per_proc if plan.device == "cuda" else 0
-        actor = actor_cls.options(num_cpus=runtime.worker_cpus, num_gpus=gpus, max_concurrency=1000).remote(plan)
-        groups[name] = ActorGroup(name, actor)
+        return ray.remote(cls).options(num_cpus=runtime.worker_cpus, num_gpus=gpus, max_concurrency=1000).remote(*args)
+
+    groups: dict[str, ActorGroup] = {name: ActorGroup(name, start(LocalPolicy, plan, plan)) for name, plan in alone.items()}
+    for group in bases.values():
+        actor, open_policies = start(SharedBase, next(iter(group.values())), group), set(group)
+        groups.update({name: SharedActorGroup(name, actor, open_policies) for name in group})
     # fail here, not at the first request, if an actor cannot start (e.g. a bad model path), and say
     # so if Ray cannot place one (its CPUs or GPU share) within the bound
-    waits = {g.actor.discard.remote(): name for name, g in groups.items()}
+    waits = {g.actor.__ray_ready__.remote(): name for name, g in groups.items()}
     ready, pending = ray.wait(list(waits), num_returns=len(waits), timeout=runtime.placement_timeout_s)
     if pending:
         for g in groups.values():

@@ -91,6 +91,7 @@ def resolve_plan(cfg: FitConfig, models: Mapping[str, tuple[str, str]], *, machi
                              critic=cfg.critic_for(p), seed=cfg.seed, device=device, resources=cfg.resources_for(p),
                              engine_settings=EngineSettings.of(rt), engine=cfg.engine_for(p), replica=rt.replica)
                for p, (model, base) in models.items()}
+    workers = _shared_bases(workers, {p: base for p, (_model, base) in models.items() if cfg.learner_for(p).shared_base})
     if any(w.engine == "vllm" for w in workers.values()):  # before minutes of start-up, not after
         require_vllm()
     shared = rt.share_gpus and learner == "verl" and device == "cuda"
@@ -98,12 +99,13 @@ def resolve_plan(cfg: FitConfig, models: Mapping[str, tuple[str, str]], *, machi
         raise ConfigError("runtime.share_gpus puts every policy on one pool, so every policy needs the same resources: "
                           "set runtime.resources only, not policies.NAME.resources")
     ranks = sum(w.resources.world_size for w in workers.values())
+    processes = len({w.shared_base or p for p, w in workers.items()})  # a shared base's policies are one process
     first = first_replica_ranks({p: 0 if w.engine == "embedded" or learner == "torch" else replica_count(w.replica, device, w.resources.world_size)
                                  for p, w in workers.items()})
     for name, w in workers.items():  # torch threads per process: configured, else the cores shared out
         threads = rt.torch_threads
         if threads is None and rt.execution == "ray" and (learner == "torch" or device == "cpu"):
-            threads = max(1, machine.cpus // max(1, ranks if learner == "verl" else len(workers)))
+            threads = max(1, machine.cpus // max(1, ranks if learner == "verl" else processes))
         workers[name] = w.model_copy(update={"torch_threads": threads if rt.execution == "ray" else None,
                                              "offload_between_phases": shared,
                                              "replica_first_rank": first[name]})
@@ -116,6 +118,32 @@ def resolve_plan(cfg: FitConfig, models: Mapping[str, tuple[str, str]], *, machi
     return RunPlan(learner=learner, device=device, execution=rt.execution, machine=machine, share_gpus=shared, gpus_needed=needed,
                    trackers=list(cfg.logger), allocator=cfg.reward.allocator, workers=workers,
                    runtime=rt.model_copy(update={"learner": learner, "device": device}))
+
+
+def _processes(workers: Mapping[str, WorkerPlan]) -> dict[str, WorkerPlan]:
+    """One plan per torch-learner process: a shared base's first policy stands for all of them."""
+    seen: dict[str, WorkerPlan] = {}
+    for p, w in workers.items():
+        seen.setdefault(w.shared_base or p, w)
+    return {w.policy: w for w in seen.values()}
+
+
+def _shared_bases(workers: dict[str, WorkerPlan], bases: Mapping[str, str]) -> dict[str, WorkerPlan]:
+    """Policies with learner.shared_base on one base model become adapters of one shared base
+    (`WorkerPlan.shared_base`: the base's reference), which must run alike: one engine, one device share."""
+    groups: dict[str, list[str]] = {}
+    for p, base in bases.items():
+        groups.setdefault(base, []).append(p)
+    for base, names in groups.items():
+        for key in ("engine", "resources"):
+            seen = {p: getattr(workers[p], key) for p in names}
+            if len({repr(v) for v in seen.values()}) > 1:
+                raise ConfigError(f"policies {', '.join(names)} are adapters of one shared base ({base}) and run in one process, "
+                                  f"but their {key} differ ({'; '.join(f'{p}: {v}' for p, v in seen.items())}): give them one "
+                                  f"(set it outside policies.NAME), or set policies.NAME.learner.shared_base=false for some")
+        for p in names:
+            workers[p] = workers[p].model_copy(update={"shared_base": base})
+    return workers
 
 
 # the GPUs of one node a replica's pool may take (RolloutFleet's `gpus_per_node`, as verl's default)
@@ -147,7 +175,7 @@ def _replica_asks(w: WorkerPlan) -> list[dict[str, float]]:
 
 def _gpus_needed(workers: Mapping[str, WorkerPlan], learner: str, shared: bool, where: str) -> float:
     if learner == "torch":  # in this process every policy takes the one GPU; on Ray each its share
-        return float(bool(workers)) if where == "local" else sum(w.resources.gpus_per_proc for w in workers.values())
+        return float(bool(workers)) if where == "local" else sum(w.resources.gpus_per_proc for w in _processes(workers).values())
     ranks = [w.resources.world_size for w in workers.values()]
     return float((max(ranks, default=0) if shared else sum(ranks)) + sum(map(_replica_gpus, workers.values())))
 
@@ -165,12 +193,13 @@ def placement_asks(plan: RunPlan) -> list[tuple[str, dict[str, float]]]:
     replicas beside the learner their own pools (`_replica_asks`); a torch-learner actor its
     `worker_cpus` and GPU share."""
     asks: list[tuple[str, dict[str, float]]] = []
+    processes = _processes(plan.workers)
     for i, (p, w) in enumerate(plan.workers.items()):
         r, gpu = w.resources, w.device == "cuda"
         if plan.learner == "verl" and not (plan.share_gpus and i):
             cpus = r.procs_per_node * (len(plan.workers) if plan.share_gpus else 1)
             asks += [(p, {"CPU": float(cpus), **({"GPU": float(r.procs_per_node)} if gpu else {})})] * r.nodes
-        elif plan.learner == "torch":
+        elif plan.learner == "torch" and p in processes:
             ask = {"CPU": plan.runtime.worker_cpus, "GPU": r.gpus_per_proc if gpu else 0.0}
             asks += [(p, {k: v for k, v in ask.items() if v})] if any(ask.values()) else []
         if plan.learner == "verl":

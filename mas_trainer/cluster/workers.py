@@ -186,8 +186,20 @@ def join_cluster(plan: RunPlan) -> None:
 def _start_torch(plans: dict[str, WorkerPlan], runtime: RuntimeConfig) -> dict[str, WorkerGroupHandle]:
     if runtime.execution == "local":
         from mas_trainer.policy.local import LocalPolicy
+        from mas_trainer.policy.shared_base import SharedBase, shared_groups
 
-        return {name: LocalPolicy(plan) for name, plan in plans.items()}
+        bases, alone = shared_groups(plans)
+        handles: dict[str, WorkerGroupHandle] = {}
+        try:
+            for group in bases.values():
+                host = SharedBase(group)
+                handles.update({name: host.handle(name) for name in group})
+            handles.update({name: LocalPolicy(plan) for name, plan in alone.items()})
+        except BaseException:
+            for handle in handles.values():
+                handle.close()
+            raise
+        return handles
     return dict(start_actor_groups(plans, runtime))
 
 

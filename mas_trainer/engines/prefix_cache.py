@@ -11,6 +11,10 @@ prompt's per-layer K/V and is found through the chained hashes of its blocks; a 
 token by token before it is used, so a hash collision costs a miss, never a wrong answer.
 Entries are evicted least recently used first once their bytes pass `max_bytes`; the engine
 clears the cache whenever its weights may have changed (any `run_exclusive` call).
+
+A `salt` keeps apart prompts whose K/V differ for the same tokens: an engine serving several
+LoRA adapters of one base salts each lookup with the row's adapter, whose q/k/v projections
+differ from the base's (an entry matches only its own salt).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import collections
 import itertools
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import torch
 
@@ -33,6 +37,7 @@ class _Entry:
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values (heads, len, dim)
     keys: list[int]  # the chained block hashes that lead here
     nbytes: int
+    salt: Hashable = None
 
 
 class PrefixCache:
@@ -48,37 +53,39 @@ class PrefixCache:
         self.nbytes = 0
         self.hits = self.lookups = 0
 
-    def _chain(self, tokens: Sequence[int], upto: int) -> list[int]:
+    def _chain(self, tokens: Sequence[int], upto: int, salt: Hashable = None) -> list[int]:
         """The chained hashes of the whole blocks of tokens[:upto], shortest prefix first."""
-        out, h = [], 0
+        out, h = [], hash(salt)
         for end in range(self.block, upto + 1, self.block):
             h = hash((h, tuple(tokens[end - self.block:end])))
             out.append(h)
         return out
 
-    def lookup(self, prompt: Sequence[int]) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """(n, per-layer K/V of prompt[:n]) for the longest cached prefix, n < len(prompt); (0, []) on a miss."""
+    def lookup(self, prompt: Sequence[int], salt: Hashable = None) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """(n, per-layer K/V of prompt[:n]) for the longest cached prefix stored with the same
+        `salt`, n < len(prompt); (0, []) on a miss."""
         self.lookups += 1
-        chain = self._chain(prompt, len(prompt) - 1)
+        chain = self._chain(prompt, len(prompt) - 1, salt)
         for i in range(len(chain) - 1, -1, -1):
             eid = self._index.get(chain[i])
             entry = self._entries.get(eid) if eid is not None else None
             n = (i + 1) * self.block
-            if entry is None or entry.tokens[:n] != tuple(prompt[:n]):
+            if entry is None or entry.salt != salt or entry.tokens[:n] != tuple(prompt[:n]):
                 continue
             self._entries.move_to_end(eid)  # type: ignore[arg-type]
             self.hits += 1
             return n, [(k[:, :n], v[:, :n]) for k, v in entry.kv]
         return 0, []
 
-    def store(self, prompt: Sequence[int], read_kv: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
-        """Keep `prompt`'s K/V (`read_kv()`: per layer, (heads, len(prompt), dim); copied) unless it
-        is too short, too big or here already (then `read_kv` is not called)."""
-        chain = self._chain(prompt, len(prompt))
+    def store(self, prompt: Sequence[int], read_kv: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]],
+              salt: Hashable = None) -> None:
+        """Keep `prompt`'s K/V (`read_kv()`: per layer, (heads, len(prompt), dim); copied) under
+        `salt` unless it is too short, too big or here already (then `read_kv` is not called)."""
+        chain = self._chain(prompt, len(prompt), salt)
         if not chain:
             return
         last = self._entries.get(self._index.get(chain[-1], -1))
-        if last is not None and last.tokens[:len(chain) * self.block] == tuple(prompt[:len(chain) * self.block]):
+        if last is not None and last.salt == salt and last.tokens[:len(chain) * self.block] == tuple(prompt[:len(chain) * self.block]):
             self._entries.move_to_end(self._index[chain[-1]])
             return  # its longest block prefix is here already
         n = len(chain) * self.block
@@ -88,7 +95,7 @@ class PrefixCache:
             return
         while self._entries and self.nbytes + nbytes > self.max_bytes:
             self._evict()
-        entry = _Entry(tuple(prompt[:n]), copied, chain, nbytes)
+        entry = _Entry(tuple(prompt[:n]), copied, chain, nbytes, salt)
         eid = next(self._ids)
         self._entries[eid] = entry
         for h in chain:  # a longer prompt takes over its prefixes' hashes: its K/V hold them too

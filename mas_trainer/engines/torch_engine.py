@@ -20,6 +20,13 @@ at the next step, and if still waiting is never admitted; `run_exclusive` runs a
 function on the model between batches (admission pauses, running rows finish first), which
 is how a learner swaps weights without a response mixing two policies.
 
+Adapters of one base (`adapters=`, `policy/shared_base.py`): the model is a peft model holding
+one LoRA adapter per policy, never merged; each request names its adapter (None: the bare
+base) and a batch mixes rows of different adapters: peft's mixed-batch forward
+(`adapter_names`) runs the base's matmuls once for the whole batch and each adapter's
+low-rank update on its own rows. Prompts are prefilled and their prefixes cached per adapter
+(its K/V differ from the base's).
+
 Keep a process's torch compute on one thread where possible (e.g. run learner steps through
 `run_exclusive`): every thread that runs torch ops gets its own OpenMP pool, and with more
 pool threads than cores libgomp stops spinning between parallel regions, which cost ~25%
@@ -56,6 +63,7 @@ class _Request:
     grammar: Any = None
     results: list[Generation | None] = field(default_factory=list)
     remaining: int = 0
+    adapter: str | None = None  # the LoRA adapter whose rows these are (adapters of one base); None: the base
     # Called on the worker thread with (choice index, token, Generation when it finished).
     listener: Callable[[int, int, Generation | None], None] | None = None
 
@@ -90,11 +98,13 @@ class TorchEngine:
         dtype: torch.dtype | None = None,
         max_grammars: int = 64,
         grammar_timeout_s: float = COMPILE_TIMEOUT_S,
+        adapters: Sequence[str] = (),
     ) -> None:
         """`settings`: how it batches, caches and computes (`EngineSettings`: the prefix cache is
         `engines/prefix_cache.py`, fast decode `engines/kv.py` and `top_p_filter`); `max_grammars`:
         compiled JSON-schema grammars kept; `grammar_timeout_s`: how long one schema may compile
-        before its request fails (`engines/grammar.py`)."""
+        before its request fails (`engines/grammar.py`); `adapters`: the LoRA adapters of `model`, a
+        peft model, that requests may name (`generate(..., adapter=)`)."""
         # a bare engine (tests, benchmarks) computes in fp32, so its log-probs match an fp32 forward
         settings = settings or EngineSettings(engine_bf16=False)
         self.model_name, self.settings = model_name, settings
@@ -107,6 +117,7 @@ class TorchEngine:
         else:
             self.bf16 = bool(settings.engine_bf16)
         self.tokenizer = tokenizer
+        self.adapters = frozenset(adapters)
         self.max_batch_size = settings.max_batch_size
         self.batch_wait_s = settings.batch_wait_ms / 1000
         self.device = torch.device(device)
@@ -173,18 +184,20 @@ class TorchEngine:
         return self.max_positions
 
     async def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, turn_id: str | None = None
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, turn_id: str | None = None, adapter: str | None = None
     ) -> list[Generation]:
-        """`params.n` choices for one prompt; cancelling the await frees the rows (or stops
-        compiling its schema, when nobody else waits for it)."""
+        """`params.n` choices for one prompt (by `adapter`, one of `adapters`; None: the base);
+        cancelling the await frees the rows (or stops compiling its schema, when nobody else waits for it)."""
+        self._check_adapter(adapter)
         grammar = await self._grammars.compile(params.json_schema) if params.json_schema is not None else None
-        return await asyncio.wrap_future(self._submit(prompt_ids, params, grammar))
+        return await asyncio.wrap_future(self._submit(prompt_ids, params, grammar, adapter=adapter))
 
     async def stream(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, turn_id: str | None = None
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, turn_id: str | None = None, adapter: str | None = None
     ) -> AsyncIterator[Delta]:
         """The `params.n` choices as deltas, token by token; closing the iterator (or
         cancelling its task) frees the rows."""
+        self._check_adapter(adapter)
         grammar = await self._grammars.compile(params.json_schema) if params.json_schema is not None else None
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[int, int, Generation | None] | None] = asyncio.Queue()
@@ -195,7 +208,7 @@ class TorchEngine:
             except RuntimeError:  # the caller's loop is gone: nobody reads these tokens
                 pass
 
-        future = self._submit(prompt_ids, params, grammar, listener=lambda i, token, gen: post((i, token, gen)))
+        future = self._submit(prompt_ids, params, grammar, listener=lambda i, token, gen: post((i, token, gen)), adapter=adapter)
         future.add_done_callback(lambda _: post(None))  # failure or cancellation ends the stream
         texts = [TextStream(self._detokenize, params.stop, self.eos_ids) for _ in range(params.n)]
         left = params.n
@@ -220,9 +233,15 @@ class TorchEngine:
     def _detokenize(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    def generate_sync(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[Generation]:
+    def generate_sync(self, prompt_ids: Sequence[int], params: SamplingParams, *, adapter: str | None = None) -> list[Generation]:
         """Blocking `generate` for threads without an event loop (never the worker itself)."""
-        return self._submit(prompt_ids, params).result()
+        self._check_adapter(adapter)
+        return self._submit(prompt_ids, params, adapter=adapter).result()
+
+    def _check_adapter(self, adapter: str | None) -> None:
+        if adapter is not None and adapter not in self.adapters:
+            raise ValueError(f"engine {self.model_name!r} has no adapter {adapter!r}; its adapters: "
+                             f"{', '.join(sorted(self.adapters)) or 'none (a plain model)'}")
 
     def run_exclusive(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
         """Run `fn(model)` on the worker once running rows finish; new rows wait meanwhile.
@@ -277,7 +296,8 @@ class TorchEngine:
         return self._grammars.compile_sync(schema)
 
     def _submit(self, prompt_ids: Sequence[int], params: SamplingParams, grammar: Any = None,
-                listener: Callable[[int, int, Generation | None], None] | None = None) -> concurrent.futures.Future:
+                listener: Callable[[int, int, Generation | None], None] | None = None,
+                adapter: str | None = None) -> concurrent.futures.Future:
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("prompt_ids is empty")
@@ -288,7 +308,7 @@ class TorchEngine:
             raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in a {self.max_positions}-token context")
         if params.json_schema is not None and grammar is None:  # generate_sync: async callers compiled it already
             grammar = self._grammar_for(params.json_schema)
-        req = _Request(prompt, params, concurrent.futures.Future(), grammar, [None] * params.n, params.n, listener)
+        req = _Request(prompt, params, concurrent.futures.Future(), grammar, [None] * params.n, params.n, listener=listener, adapter=adapter)
         rows = [
             _Row(req, i, min(params.max_tokens, room),
                  torch.Generator(device=self.device).manual_seed(_row_seed(params.seed, i)) if params.seed is not None else None)
@@ -392,11 +412,12 @@ class TorchEngine:
         follows each one's cached prefix) in one batch and merge them into the running batch."""
         from mas_trainer.engines.kv import new_cache
 
-        distinct: dict[tuple[int, ...], int] = {}
-        which = [distinct.setdefault(tuple(r.req.prompt_ids), len(distinct)) for r in rows]
-        prompts = list(distinct)
+        distinct: dict[tuple[str | None, tuple[int, ...]], int] = {}  # (adapter, prompt): a prompt's K/V are its adapter's
+        which = [distinct.setdefault((r.req.adapter, tuple(r.req.prompt_ids)), len(distinct)) for r in rows]
+        prompts = [p for _, p in distinct]
+        adapters = [a for a, _ in distinct]
         self.stats["prompt_tokens"] += sum(len(p) for p in prompts)
-        hits = [self._prefix.lookup(p) if self._prefix is not None else (0, []) for p in prompts]
+        hits = [self._prefix.lookup(p, a) if self._prefix is not None else (0, []) for a, p in distinct]
         self.stats["cached_tokens"] += sum(n for n, _ in hits)
         # Each row is [pad | cached prefix | pad | rest of the prompt]; the mask hides the pads and
         # positions count real tokens only, so a row computes what it would alone.
@@ -413,12 +434,12 @@ class TorchEngine:
         with self._autocast():
             out = self._model(
                 input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)[:, width_p:],
-                past_key_values=cache, use_cache=True, logits_to_keep=1,
+                past_key_values=cache, use_cache=True, logits_to_keep=1, **self._adapter_names(adapters),
             )
         if self._prefix is not None:
-            for i, p in enumerate(prompts):
+            for i, (a, p) in enumerate(distinct):
                 real = mask[i].bool()  # the row's own tokens: prefix and rest, without the pads
-                self._prefix.store(p, partial(_row_kv, cache, i, real))
+                self._prefix.store(p, partial(_row_kv, cache, i, real), a)
         index = torch.tensor(which, device=self.device)
         if len(prompts) != len(rows):
             cache.batch_select_indices(index)
@@ -459,6 +480,13 @@ class TorchEngine:
     def _autocast(self) -> Any:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
 
+    def _adapter_names(self, adapters: list[str | None]) -> dict[str, Any]:
+        """The forward's peft `adapter_names` (one per batch row; "__base__": no adapter), or
+        nothing for a plain model."""
+        if not self.adapters:
+            return {}
+        return {"adapter_names": [a if a is not None else "__base__" for a in adapters]}
+
     def _decode(self) -> None:
         mask, pos, nxt = self._mask, self._pos, self._next
         if mask is None or pos is None or nxt is None:
@@ -468,7 +496,7 @@ class TorchEngine:
         with self._autocast():
             out = self._model(
                 input_ids=nxt[:, None], attention_mask=mask, position_ids=pos[:, None],
-                past_key_values=self._cache, use_cache=True,
+                past_key_values=self._cache, use_cache=True, **self._adapter_names([r.req.adapter for r in self._rows]),
             )
         self._pos, self._next = pos + 1, None
         self.stats["decode_steps"] += 1

@@ -109,6 +109,10 @@ class LearnerConfig(BaseModel):
         None, ge=1, description="Put the adapter on the top N transformer layers only (peft's layers_to_transform; null: every "
         "layer). Nothing below the lowest adapted layer needs a gradient, so the backward pass stops there: an update costs "
         "about a forward pass plus N/L of a backward (see docs/training.md).")
+    shared_base: bool = Field(
+        False, description="With lora_rank: hold this policy as one LoRA adapter of a base shared with every other "
+        "shared_base policy on the same base model, in one process: one base in memory, one engine batching rows of "
+        "every adapter, one learner (and AdamW state) per adapter, the base frozen (see docs/shared_base.md).")
     skip_zero_advantage: bool = Field(
         False, description="Leave out of the update every turn whose advantage is zero at every token (e.g. a GRPO group whose rollouts "
         "all scored the same): they add nothing to the policy gradient, only to the token count it is averaged over "
@@ -124,6 +128,13 @@ class LearnerConfig(BaseModel):
     def _layers_need_lora(self) -> "LearnerConfig":
         if self.lora_layers is not None and not self.lora_rank:
             raise ValueError("lora_layers chooses the layers of a LoRA adapter; set lora_rank (e.g. 16) too, or lora_layers=null")
+        return self
+
+    @model_validator(mode="after")
+    def _shared_base_needs_lora(self) -> "LearnerConfig":
+        if self.shared_base and not self.lora_rank:
+            raise ValueError("shared_base holds each policy as a LoRA adapter of one base; set lora_rank (e.g. 16) too, "
+                             "or shared_base=false")
         return self
 
     @model_validator(mode="after")

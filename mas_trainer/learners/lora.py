@@ -26,7 +26,7 @@ from typing import Any
 
 from mas_trainer.errors import UserError
 
-__all__ = ["add_adapter", "open_adapter"]
+__all__ = ["add_adapter", "add_named_adapter", "adapter_params", "open_adapter", "save_adapter"]
 
 def add_adapter(model: Any, *, rank: int, alpha: float, target_modules: str | list[str], base_model: str,
                 layers: int | None = None) -> Any:
@@ -35,7 +35,66 @@ def add_adapter(model: Any, *, rank: int, alpha: float, target_modules: str | li
     Only the adapter requires grad afterwards. peft initialises B = 0, so the policy's
     function is the base model's until the first update. `layers`: adapt only the top that
     many transformer layers (``learner.lora_layers``)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
+
+    config = _lora_config(model, rank=rank, alpha=alpha, target_modules=target_modules, layers=layers)
+    try:
+        peft_model = get_peft_model(model, config)
+    except ValueError as exc:  # e.g. a target module name the model does not have
+        raise UserError(f"learner.target_modules={target_modules!r}: {str(exc).splitlines()[0]}") from None
+    # peft records the model's own name_or_path (none for `tiny`); the model reference is what loads the base again
+    peft_model.peft_config["default"].base_model_name_or_path = base_model
+    return peft_model
+
+
+def add_named_adapter(model: Any, name: str, *, rank: int, alpha: float, target_modules: str | list[str], base_model: str,
+                      layers: int | None = None, folder: str | Path | None = None) -> Any:
+    """One more adapter, `name`, on a shared base (``learner.shared_base``, `policy/shared_base.py`):
+    `model` is the plain base (the first adapter wraps it) or the `PeftModel` of the adapters
+    before; `folder`: a saved adapter that trains on (resume), else a fresh one (B = 0).
+    Returns the `PeftModel`, which holds every adapter, unmerged."""
+    from peft import PeftModel, get_peft_model
+
+    if folder is not None:
+        if isinstance(model, PeftModel):
+            model.load_adapter(str(folder), adapter_name=name, is_trainable=True)
+            return model
+        return PeftModel.from_pretrained(model, str(folder), adapter_name=name, is_trainable=True)
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    config = _lora_config(base, rank=rank, alpha=alpha, target_modules=target_modules, layers=layers)
+    try:
+        if isinstance(model, PeftModel):
+            model.add_adapter(name, config)
+        else:
+            model = get_peft_model(model, config, adapter_name=name)
+    except ValueError as exc:
+        raise UserError(f"learner.target_modules={target_modules!r}: {str(exc).splitlines()[0]}") from None
+    model.peft_config[name].base_model_name_or_path = base_model  # peft records the model's own name_or_path instead
+    return model
+
+
+def adapter_params(peft_model: Any, name: str) -> list[Any]:
+    """The parameters of adapter `name` alone (its A and B matrices in every adapted layer)."""
+    return [p for key, p in peft_model.named_parameters() if "lora_" in key and f".{name}." in key]
+
+
+def save_adapter(peft_model: Any, name: str, folder: str | Path) -> Path:
+    """Adapter `name` of a shared base as a plain peft adapter folder (its tensors named as a
+    single adapter's, so `PeftModel.from_pretrained`, `load_model` and vLLM's LoRA load it)."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = get_peft_model_state_dict(peft_model, adapter_name=name, save_embedding_layers=False)
+    save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(folder / "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    peft_model.peft_config[name].save_pretrained(str(folder))
+    return folder
+
+
+def _lora_config(model: Any, *, rank: int, alpha: float, target_modules: str | list[str], layers: int | None) -> Any:
+    from peft import LoraConfig
 
     where: dict[str, Any] = {}
     if layers is not None:
@@ -50,15 +109,8 @@ def add_adapter(model: Any, *, rank: int, alpha: float, target_modules: str | li
         elif isinstance(target_modules, str):
             raise UserError(f"learner.lora_layers needs learner.target_modules as a list of module names or 'all-linear', "
                             f"not the pattern {target_modules!r}; list the names (e.g. [q_proj, v_proj]) or set lora_layers=null")
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0, bias="none",
-                        task_type="CAUSAL_LM", **where)
-    try:
-        peft_model = get_peft_model(model, config)
-    except ValueError as exc:  # e.g. a target module name the model does not have
-        raise UserError(f"learner.target_modules={target_modules!r}: {str(exc).splitlines()[0]}") from None
-    # peft records the model's own name_or_path (none for `tiny`); the model reference is what loads the base again
-    peft_model.peft_config["default"].base_model_name_or_path = base_model
-    return peft_model
+    return LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0, bias="none",
+                      task_type="CAUSAL_LM", **where)
 
 
 def _linear_names(model: Any) -> list[str]:

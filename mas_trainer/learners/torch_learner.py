@@ -30,6 +30,11 @@ With ``lora_rank > 0`` the learner first injects a peft LoRA adapter into that m
 into the weights the engine generates with, and the KL reference is the base itself (the
 adapter switched off), so no copy of the model is kept for it.
 
+With ``adapter_name`` the learner trains one adapter of a shared base (``learner.shared_base``,
+`policy/shared_base.py`): ``model`` is the peft model holding every policy's adapter, one
+learner (and AdamW state) per adapter; its adapter is made the active one for an update and
+never merged, since the engine generates rows of every adapter from the same base weights.
+
 The learner updates the very model object its engine generates with, so the next
 generation uses the new weights without any copy: run updates on the engine's worker
 thread (``engine.run_exclusive(lambda _model: learner.update(turns))``, as the worker group
@@ -66,7 +71,8 @@ class TorchLearner:
     taken at construction when ``config.kl_coef > 0`` (and none is kept otherwise; with LoRA
     the reference is ``model`` with its adapter off). ``adapter``: a saved adapter folder to
     continue training (LoRA, on resume); ``base_model``: the model reference a new adapter records
-    as its base.
+    as its base; ``adapter_name``: train that adapter of ``model``, a peft model of a shared base
+    (its other adapters belong to other learners).
     """
 
     def __init__(
@@ -78,10 +84,14 @@ class TorchLearner:
         pad_id: int | None = None,
         adapter: str | Path | None = None,
         base_model: str = "default",
+        adapter_name: str | None = None,
     ) -> None:
         from verl.trainer.ppo import core_algos
         from verl.utils import torch_functional as verl_F
 
+        self.adapter_name = adapter_name
+        if adapter_name is not None:  # one adapter of a shared base: the peft model holds them all
+            self.peft, model = model, model.get_base_model()
         self.model = model
         self.config = config = config or LearnerConfig()
         self._core, self._verl_F = core_algos, verl_F
@@ -90,14 +100,21 @@ class TorchLearner:
         first = next(model.parameters())
         self.device = first.device
         self.bf16 = config.bf16 if isinstance(config.bf16, bool) else bf16_is_fast(self.device)
-        self.peft: Any = None
-        if config.lora_rank:
+        if adapter_name is not None:
             import mas_trainer.learners.lora as lora
 
-            self.peft = lora.open_adapter(model, adapter) if adapter is not None else lora.add_adapter(
-                model, rank=config.lora_rank, alpha=config.lora_alpha, target_modules=config.target_modules, base_model=base_model,
-                layers=config.lora_layers)
-        self._params = [p for p in model.parameters() if p.requires_grad]
+            self._params = [p.requires_grad_(True) for p in lora.adapter_params(self.peft, adapter_name)]
+        else:
+            self.peft = None
+            if config.lora_rank:
+                import mas_trainer.learners.lora as lora
+
+                self.peft = lora.open_adapter(model, adapter) if adapter is not None else lora.add_adapter(
+                    model, rank=config.lora_rank, alpha=config.lora_alpha, target_modules=config.target_modules,
+                    base_model=base_model, layers=config.lora_layers)
+            self._params = [p for p in model.parameters() if p.requires_grad]
+        if not self._params:
+            raise UserError(f"adapter {adapter_name!r}: no parameters to train" if adapter_name else "the model has no trainable parameters")
         fused = config.fused_adamw if isinstance(config.fused_adamw, bool) else (
             self.device.type in ("cpu", "cuda") and all(p.dtype in (torch.float32, torch.bfloat16) for p in self._params)
         )
@@ -131,14 +148,20 @@ class TorchLearner:
     # ---------------------------------------------------------------- LoRA
 
     def _merge(self) -> None:
-        """Fold the adapter into the weights, so the engine generates at plain-model speed."""
-        if self.peft is not None and not self.merged:
+        """Fold the adapter into the weights, so the engine generates at plain-model speed (not
+        on a shared base: its engine mixes rows of every adapter over the same base weights)."""
+        if self.peft is not None and not self.merged and self.adapter_name is None:
             self.peft.merge_adapter()
             self.merged = True
 
     def _unmerge(self) -> None:
-        """Take the adapter back out of the weights: the update trains the adapter alone."""
-        if self.peft is not None and self.merged:
+        """Take the adapter back out of the weights: the update trains the adapter alone (on a
+        shared base: make it the active adapter, the one a forward without adapter names runs)."""
+        if self.adapter_name is not None:
+            self.peft.set_adapter(self.adapter_name)
+            for p in self._params:  # peft's set_adapter unfreezes the active adapter's layers; be sure of ours
+                p.requires_grad_(True)
+        elif self.peft is not None and self.merged:
             self.peft.unmerge_adapter()
             self.merged = False
 
@@ -469,6 +492,13 @@ class TorchLearner:
 
         if self.peft is None:
             return save_pretrained(self.model, tokenizer, path)
+        if self.adapter_name is not None:  # one adapter of a shared base: a plain adapter folder of its own
+            from mas_trainer.learners.lora import save_adapter
+
+            save_adapter(self.peft, self.adapter_name, path)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(path)
+            return Path(path)
         # the adapter's own weights, merged or not; no embedding layers (none are adapted), so peft does not look the base up online
         self.peft.save_pretrained(str(path), save_embedding_layers=False)
         if tokenizer is not None:

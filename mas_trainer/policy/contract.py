@@ -94,5 +94,8 @@ class WorkerPlan(BaseModel):
     replica: ReplicaConfig = Field(default_factory=ReplicaConfig, description="replica engines only")
     replica_first_rank: int = Field(0, ge=0, description="the policy's first rollout replica rank (ranks are unique in a run)")
     max_staleness: int = Field(0, ge=0, description="rollout.max_staleness: how many updates old a trained turn may be")
+    shared_base: str | None = Field(
+        None, description="the shared base this policy is an adapter of (learner.shared_base): policies with the same "
+        "name are one process, one base model and one engine (`policy/shared_base.py`); None: a policy of its own")
     offload_between_phases: bool = Field(
         False, description="GPUs shared with other worker groups: the learner's shards and optimizer leave the GPU after each update")

@@ -103,11 +103,13 @@ class TurnStore:
 class Serving:
     """A policy's engine and the turns it generated, kept for the update: the serving side of
     every host (this process, a Ray actor, verl's rank 0). `engine` is None where rollout
-    replicas serve and the turns arrive with the records."""
+    replicas serve and the turns arrive with the records. `adapter`: the LoRA adapter of the
+    engine's base that serves this policy (a shared base); `metered`: whether this policy
+    reports the engine's figures (a shared engine's are reported once, by one of its policies)."""
 
-    def __init__(self, engine: Any, turns: TurnStore) -> None:
-        self.engine, self.turns = engine, turns
-        self.meter = EngineMeter(engine) if engine is not None else None
+    def __init__(self, engine: Any, turns: TurnStore, *, adapter: str | None = None, metered: bool = True) -> None:
+        self.engine, self.turns, self.adapter = engine, turns, adapter
+        self.meter = EngineMeter(engine) if engine is not None and metered else None
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, turn_id: str | None,
                        version: int) -> list[Generation]:
@@ -115,7 +117,8 @@ class Serving:
         (the engine runs no row across an update, `run_exclusive`)."""
         if self.engine is None:
             raise RuntimeError(f"policy {self.turns.policy}: this process holds no engine (its rollout replicas serve)")
-        gens = await self.engine.generate(prompt_ids, params)
+        gens = await (self.engine.generate(prompt_ids, params) if self.adapter is None else
+                      self.engine.generate(prompt_ids, params, adapter=self.adapter))
         self.turns.record(turn_id, prompt_ids, gens, version)
         return gens
 

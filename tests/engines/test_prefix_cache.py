@@ -127,5 +127,5 @@ def test_a_hash_collision_is_a_miss_not_a_wrong_answer(monkeypatch):
     cache = PrefixCache(max_bytes=1 << 20, block=4)
     k = torch.zeros(1, 8, 2)
     cache.store([1, 2, 3, 4, 5, 6, 7, 8], lambda: [(k, k)])
-    monkeypatch.setattr(cache, "_chain", lambda tokens, upto: [h for h in cache._index][: upto // 4])  # every prompt "collides"
+    monkeypatch.setattr(cache, "_chain", lambda tokens, upto, salt=None: [h for h in cache._index][: upto // 4])  # every prompt "collides"
     assert cache.lookup([9, 9, 9, 9, 9, 9, 9, 9, 9])[0] == 0

@@ -21,7 +21,10 @@ METHODS = ("generate", "discard", "train", "warm_start", "save", "load", "failur
 def _groups():
     from mas_trainer.policy.local import LocalPolicy
 
-    return [LocalPolicy, ActorGroup, VerlGroup, ReplicaGroupHandle]
+    from mas_trainer.cluster.groups import SharedActorGroup
+    from mas_trainer.policy.shared_base import AdapterPolicy
+
+    return [LocalPolicy, ActorGroup, VerlGroup, ReplicaGroupHandle, AdapterPolicy, SharedActorGroup]
 
 
 @pytest.mark.parametrize("cls", _groups(), ids=lambda c: c.__name__)
