@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
+import zlib
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -104,9 +105,13 @@ class SharedBase:
         peft_model: Any = model
         for name, plan in plans.items():
             cfg = plan.learner
-            peft_model = lora.add_named_adapter(peft_model, self.keys[name], rank=cfg.lora_rank, alpha=cfg.lora_alpha,
-                                                target_modules=cfg.target_modules, base_model=base, layers=cfg.lora_layers,
-                                                folder=plan.model if is_adapter(plan.model) else None)
+            # a fresh adapter's A is drawn at random: from the run's seed and the policy's name, so
+            # a run (and a run killed before its first checkpoint, started over) draws the same
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(zlib.crc32(f"{plan.seed}:{name}".encode()))
+                peft_model = lora.add_named_adapter(peft_model, self.keys[name], rank=cfg.lora_rank, alpha=cfg.lora_alpha,
+                                                    target_modules=cfg.target_modules, base_model=base, layers=cfg.lora_layers,
+                                                    folder=plan.model if is_adapter(plan.model) else None)
         self.peft = peft_model
         self.engine: Any
         if first.engine == "vllm":

@@ -142,3 +142,64 @@ def test_shared_base_is_refused_without_lora_and_on_the_verl_learner():
         load_config(overrides=["learner.shared_base=true"])
     with pytest.raises(ConfigError, match=r"learner.shared_base runs on the torch learner"):
         load_config(overrides=["learner.shared_base=true", "learner.lora_rank=4", "runtime.learner=verl"])
+
+
+def _fit_cmd(out, *extra):
+    import sys
+
+    return [sys.executable, "-m", "mas_trainer", "fit", f"{APP}:two_adapters", "--data", str(ROOT / "tests" / "fixtures" / "words.jsonl"),
+            "--output", str(out), "runtime.execution=local", "rollout.tasks_per_step=2", "rollout.n=2", "rollout.max_in_flight=1",
+            "rollout.max_tokens=10", "steps=4", "save_every=2", "eval_every=10", "val_fraction=0.25", "learner.lr=5e-2", "seed=5",
+            "learner.lora_rank=4", "learner.lora_alpha=8", "learner.shared_base=true",
+            # bit-exact across processes: fp32 everywhere and MKL's reproducible mode
+            "learner.bf16=false", "runtime.engine_bf16=false", *extra]
+
+
+def _rows_and_turns(out):
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [{k: v for k, v in r.items() if not {"time", "perf"} & set(k.split("/")[:3])} for r in rows]
+    turns = {p.name: [(t["rollout_id"], [(c["policy"], c["response_ids"]) for c in t["llm_calls"]])
+                      for t in map(json.loads, p.read_text().splitlines())] for p in sorted((out / "trajectories").iterdir())}
+    return rows, turns
+
+
+def test_kill_9_after_a_checkpoint_then_resume_gives_the_uninterrupted_runs_rows_and_turns(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    env = {**os.environ, "MKL_CBWR": "COMPATIBLE"}
+    whole = tmp_path / "whole"
+    done = subprocess.run(_fit_cmd(whole), env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(_fit_cmd(out), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    state, deadline = out / "checkpoint" / "state.json", time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if state.exists() and json.loads(state.read_text())["step"] == 2:
+            break
+        time.sleep(0.01)
+    assert proc.poll() is None, "the run ended before it could be killed after its step-2 checkpoint"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    resumed = subprocess.run(_fit_cmd(out, "--resume"), env=env, capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert _rows_and_turns(out) == _rows_and_turns(whole)
+    for p in ("a", "b"):
+        assert (out / "checkpoint" / "policies" / p / "adapter_model.safetensors").read_bytes() == \
+            (whole / "checkpoint" / "policies" / p / "adapter_model.safetensors").read_bytes()
+
+
+def test_on_ray_the_shared_base_is_one_actor_serving_both_policies(tmp_path):
+    """runtime.execution=ray: the two adapters' policies are one Ray actor (one process, one
+    base), and both train."""
+    from mas_trainer.loop.trainer import fit
+
+    out = tmp_path / "run"
+    rows = fit(f"{APP}:two_adapters", TASKS[:2], _cfg("steps=1", "runtime.execution=ray"), out)
+    [train] = [r for r in rows if r["kind"] == "train"]
+    assert train["policy/a/turns"] == 4 and train["policy/b/turns"] == 4
+    assert train["policy/a/optimizer_steps"] >= 1 and train["policy/b/optimizer_steps"] >= 1
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["workers"]["a"]["torch_threads"] == plan["machine"]["cpus"]  # one process: it gets every core
