@@ -138,21 +138,26 @@ class SharedBase:
                             settings=VllmSettings.of(first.replica, device=first.device, seed=first.seed),
                             adapters=list(self.keys.values()), max_lora_rank=max(p.learner.lora_rank for p in plans.values()))
         for name in plans:
-            self._sync_vllm(engine, name)
+            self._sync_vllm(engine, name, on_thread=False)
         return engine
 
-    def _sync_vllm(self, engine: Any, name: str) -> None:
-        """Policy `name`'s adapter weights into vLLM, in place (its `load_inplace`)."""
+    def _sync_vllm(self, engine: Any, name: str, *, on_thread: bool) -> None:
+        """Policy `name`'s adapter weights into vLLM (added, then replaced in place: `load_inplace`);
+        `on_thread`: called on the engine's thread (inside `run_exclusive`), else from outside."""
         from mas_trainer.learners.lora import save_adapter
 
         with tempfile.TemporaryDirectory(prefix="mas-adapter-") as folder:
             save_adapter(self.peft, self.keys[name], folder)
-            engine.load_adapter(self.keys[name], folder).result()
+            if on_thread:
+                engine.reload_adapter(self.keys[name], folder)
+            else:
+                engine.load_adapter(self.keys[name], folder).result()
 
     def _sync(self, name: str) -> None:
+        """After an update, on the engine's thread: vLLM gets the adapter's new weights; the
+        embedded engine already generates with the very weights the learner updated."""
         if self.adapters[name].plan.engine == "vllm":
-            self._sync_vllm(self.engine, name)
-        # the embedded engine generates with the very adapter weights the learner updates
+            self._sync_vllm(self.engine, name, on_thread=True)
 
     def _get(self, policy: str) -> _Adapter:
         try:

@@ -203,3 +203,24 @@ def test_on_ray_the_shared_base_is_one_actor_serving_both_policies(tmp_path):
     assert train["policy/a/optimizer_steps"] >= 1 and train["policy/b/optimizer_steps"] >= 1
     plan = json.loads((out / "plan.json").read_text())
     assert plan["workers"]["a"]["torch_threads"] == plan["machine"]["cpus"]  # one process: it gets every core
+
+
+@pytest.mark.model
+def test_on_the_bundled_model_each_adapter_moves_and_the_base_stays_the_bundled_models_bit_for_bit():
+    from mas_trainer.engines.models import load_model
+    from mas_trainer.learners.lora import adapter_params
+    from mas_trainer.policy.shared_base import SharedBase
+
+    plans = {n: p.model_copy(update={"model": "default", "shared_base": "default"}) for n, p in _plans().items()}
+    host = SharedBase(plans)
+    try:
+        before = {n: [p.detach().clone() for p in adapter_params(host.peft, host.keys[n])] for n in plans}
+        for n in plans:
+            _train_once(host, n, [1.0, 0.0, 0.5, 0.0])
+        for n in plans:
+            assert any(not torch.equal(x, y) for x, y in zip(before[n], adapter_params(host.peft, host.keys[n]))), n
+        bundled = load_model("default")[0].state_dict()
+        plain = {k.replace("base_layer.", ""): v for k, v in host.peft.get_base_model().state_dict().items() if "lora_" not in k}
+        assert plain.keys() == bundled.keys() and all(torch.equal(plain[k], bundled[k]) for k in bundled)
+    finally:
+        host.close()
