@@ -137,3 +137,23 @@ def test_verl_syncs_weights_into_vllm_replicas_and_a_lost_one_is_one_line(tmp_pa
     for r in train:
         assert r["policy/solo/replica/stale_turns"] == 0 and r.get("policy/solo/turns/stale", 0) == 0
         assert r["policy/solo/time/weight_sync_s"] > 0 and r["policy/solo/weight_sync/bytes"] > 0
+
+
+def test_a_shared_base_on_vllm_serves_each_adapter_and_replaces_it_in_place_after_every_update(tmp_path, monkeypatch):
+    """learner.shared_base with engine vllm: the planner's and the writer's policies are adapters
+    of one base in vLLM's multi-LoRA (the frozen critic on the embedded base); after each update
+    the adapter's weights go into vLLM in place, so vLLM's log-probs stay the learner's; with
+    the adapter sync skipped they drift away from step 2 on."""
+    from mas_trainer.policy.shared_base import SharedBase
+
+    cfg = load_config(overrides=[*VLLM, *TORCH, "steps=3", "learner.lora_rank=8", "learner.lora_alpha=16",
+                                 "learner.shared_base=true"])
+    rows = fit(f"{WORDS}:two_adapters", TASKS[:4], cfg, tmp_path / "synced")
+    for policy in ("a", "b"):
+        gaps = _gaps(rows, policy)
+        assert len(gaps) == 3 and max(gaps) < 1e-4, (policy, gaps)
+    assert all(r["policy/a/engine/tokens"] > 0 for r in rows if r["kind"] == "train")  # the shared engine's figures, once
+
+    monkeypatch.setattr(SharedBase, "_sync", lambda self, name: None)  # adapters loaded at start, never again
+    stale = _gaps(fit(f"{WORDS}:two_adapters", TASKS[:4], cfg, tmp_path / "unsynced"), "a")
+    assert stale[0] < 1e-4 and min(stale[1:]) > 1e-3, stale
