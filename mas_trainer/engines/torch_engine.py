@@ -22,10 +22,9 @@ is how a learner swaps weights without a response mixing two policies.
 
 Adapters of one base (`adapters=`, `policy/shared_base.py`): the model is a peft model holding
 one LoRA adapter per policy, never merged; each request names its adapter (None: the bare
-base) and a batch mixes rows of different adapters: peft's mixed-batch forward
-(`adapter_names`) runs the base's matmuls once for the whole batch and each adapter's
-low-rank update on its own rows. Prompts are prefilled and their prefixes cached per adapter
-(its K/V differ from the base's).
+base) and a batch mixes rows of different adapters: the base's matmuls run once for the whole
+batch and every row gets its own adapter's low-rank update (`engines/adapter_batch.py`).
+Prompts are prefilled and their prefixes cached per adapter (its K/V differ from the base's).
 
 Keep a process's torch compute on one thread where possible (e.g. run learner steps through
 `run_exclusive`): every thread that runs torch ops gets its own OpenMP pool, and with more
@@ -37,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import concurrent.futures
 import threading
 import time
@@ -122,6 +122,12 @@ class TorchEngine:
         self.batch_wait_s = settings.batch_wait_ms / 1000
         self.device = torch.device(device)
         self._model = model.to(device=self.device, dtype=dtype).eval()
+        self._lora: Any = None
+        self._net = self._model  # what a forward calls: with adapters, the peft model's base, hooked per row
+        if self.adapters:
+            from mas_trainer.engines.adapter_batch import BatchedLora
+
+            self._lora, self._net = BatchedLora(self._model, sorted(self.adapters)), self._model.get_base_model()
         self.max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
         self.eos_ids = _end_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids, default=0)
@@ -335,6 +341,8 @@ class TorchEngine:
                     self._controls.clear()
             if controls and self._prefix is not None:
                 self._prefix.clear()  # the weights may change: no K/V computed with the old ones is reused
+            if controls and self._lora is not None:
+                self._lora.refresh()  # so may the adapters': stacked again before the next forward
             for fn, fut in controls:
                 if fut.set_running_or_notify_cancel():
                     try:
@@ -431,10 +439,10 @@ class TorchEngine:
             mask[i, width_p + width_s - (len(p) - n):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         cache = new_cache(self._model.config, self._cached_prefixes(hits, width_p) if width_p else None, grow=self._grow)
-        with self._autocast():
-            out = self._model(
+        with self._autocast(), self._rows_of(adapters):
+            out = self._net(
                 input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)[:, width_p:],
-                past_key_values=cache, use_cache=True, logits_to_keep=1, **self._adapter_names(adapters),
+                past_key_values=cache, use_cache=True, logits_to_keep=1,
             )
         if self._prefix is not None:
             for i, (a, p) in enumerate(distinct):
@@ -480,12 +488,9 @@ class TorchEngine:
     def _autocast(self) -> Any:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
 
-    def _adapter_names(self, adapters: list[str | None]) -> dict[str, Any]:
-        """The forward's peft `adapter_names` (one per batch row; "__base__": no adapter), or
-        nothing for a plain model."""
-        if not self.adapters:
-            return {}
-        return {"adapter_names": [a if a is not None else "__base__" for a in adapters]}
+    def _rows_of(self, adapters: list[str | None]) -> Any:
+        """Within: the forward gives each batch row its adapter's output (a plain model: nothing to do)."""
+        return self._lora.rows(adapters) if self._lora is not None else contextlib.nullcontext()
 
     def _decode(self) -> None:
         mask, pos, nxt = self._mask, self._pos, self._next
@@ -493,10 +498,10 @@ class TorchEngine:
             raise RuntimeError("decode step without a running batch")
         ones = torch.ones((len(self._rows), 1), dtype=torch.long, device=self.device)
         self._mask = mask = torch.cat([mask, ones], dim=1)
-        with self._autocast():
-            out = self._model(
+        with self._autocast(), self._rows_of([r.req.adapter for r in self._rows]):
+            out = self._net(
                 input_ids=nxt[:, None], attention_mask=mask, position_ids=pos[:, None],
-                past_key_values=self._cache, use_cache=True, **self._adapter_names([r.req.adapter for r in self._rows]),
+                past_key_values=self._cache, use_cache=True,
             )
         self._pos, self._next = pos + 1, None
         self.stats["decode_steps"] += 1
