@@ -192,8 +192,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from mas_trainer.api import export
 
-    out = export(args.run_dir, args.out_dir, adapter=args.adapter)
-    kind = "LoRA adapters kept as adapters" if args.adapter else "one Hugging Face folder per policy"
+    # None: each LoRA policy as it was trained (a shared base's as base + adapters, the others merged)
+    adapter = True if args.adapter else False if args.merged else None
+    out = export(args.run_dir, args.out_dir, adapter=adapter)
+    manifest = Path(out) / "mas-trainer.json"
+    bases = json.loads(manifest.read_text()).get("bases", {}) if manifest.is_file() else {}
+    if bases:
+        kind = (f"{', '.join(bases)} (the shared base, written once) and one peft adapter folder per policy trained on it"
+                if len(bases) == 1 else f"the shared bases {', '.join(bases)} once each and one peft adapter folder per policy")
+    else:
+        kind = "LoRA adapters kept as adapters" if args.adapter else "one Hugging Face folder per policy"
     print(f"exported to {out}: {kind} and mas-trainer.json (role -> model)")
     return 0
 
@@ -375,12 +383,22 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("export", help="one Hugging Face folder per trained policy, plus role -> model",
-                       description="Copy a run's trained policies out as Hugging Face folders (transformers, vllm serve).")
+                       description="Copy a run's trained policies out as Hugging Face folders (transformers, vllm serve) into "
+                                   "OUT_DIR (new or empty), with mas-trainer.json (role -> policy -> folder). A policy trained "
+                                   "with learner.lora_rank is written merged into its base (a plain folder); policies trained "
+                                   "as adapters of one shared base (learner.shared_base) are written as they trained: the base "
+                                   "once (OUT_DIR/base, a plain folder) and one peft adapter folder per policy naming it "
+                                   "(vllm serve OUT_DIR/base --enable-lora --lora-modules NAME=OUT_DIR/NAME ...).")
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("out_dir", metavar="OUT_DIR")
-    p.add_argument("--adapter", action="store_true",
-                   help="policies trained with learner.lora_rank: write the peft adapter (small; PeftModel.from_pretrained, "
-                        "vllm --enable-lora) instead of base + adapter merged into one plain folder")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--adapter", action="store_true",
+                     help="policies trained with learner.lora_rank: write the peft adapter (small; PeftModel.from_pretrained, "
+                          "vllm --enable-lora), its base named by its folder on this machine, instead of base + adapter "
+                          "merged into one plain folder (a shared base's adapters: the default already)")
+    how.add_argument("--merged", action="store_true",
+                     help="every LoRA policy, a shared base's too, as base + adapter merged into one plain folder "
+                          "(transformers' from_pretrained, vllm serve FOLDER), no base folder")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("serve", help="serve a run's trained policies behind one OpenAI-compatible endpoint",

@@ -28,7 +28,7 @@ from mas_trainer.config import ConfigError
 from mas_trainer.errors import did_you_mean
 from mas_trainer.gateway import Gateway, GatewayServer, Router
 from mas_trainer.production.record import Recorder, load_redactor
-from mas_trainer.loop.backends import policy_backends
+from mas_trainer.loop.backends import adapters_by_base, policy_backends, shared_base_backends, shared_policies
 from mas_trainer.run.rundir import RunDir, run_config, trained_policies
 
 __all__ = ["build_gateway", "serve", "resolve_api_key", "API_KEY_ENV"]
@@ -66,7 +66,10 @@ def build_gateway(run_dir: str | Path, *, routes: Mapping[str, str] | None = Non
     policies, engines configured by the defaults; `model` replaces every policy's base model).
     `engine`: `embedded` (the torch engine,
     configured as the run's), or `vllm` / `torch-replica`: rollout replicas on each trained
-    policy's checkpoint (docs/vllm.md); frozen policies keep the embedded engine."""
+    policy's checkpoint (docs/vllm.md); frozen policies keep the embedded engine.
+    Policies a run trained as adapters of a shared base (``learner.shared_base``) share one engine
+    on one copy of the base, each answering with its adapter (with `vllm`: vLLM's multi-LoRA in
+    this process), and a frozen policy on that base gets its bare base (embedded engine only)."""
     if _is_app_ref(run_dir):
         from mas_trainer.apps import app_runner, load_object
         from mas_trainer.config import load_config
@@ -96,15 +99,36 @@ def build_gateway(run_dir: str | Path, *, routes: Mapping[str, str] | None = Non
         raise ConfigError(f"policy {untrained[0]!r} has no checkpoint folder in {RunDir(run_dir).checkpoint / 'policies'}")
     # known_nodes_only: a node the run never saw gets a 404, not the untrained base model
     gateway = Gateway(Router(spec, model_routes=routes, known_nodes_only=True), api_key=api_key, default_max_tokens=max_tokens)
-    served = {}
-    if engine != "embedded":
-        from mas_trainer.cluster.workers import serving_backends
-
-        served = serving_backends({p: trained[p] for p, pol in spec.policies.items() if pol.trainable}, engine, cfg.runtime)
+    # policies trained as adapters of one base are served as they trained: one base, each its adapter
+    shared = shared_policies(cfg, trained) if not _is_app_ref(run_dir) else set()
+    served = _served(spec, trained, shared, engine, cfg) if engine != "embedded" else {}
     for name, backend in policy_backends(spec.policies, cfg.runtime, seed=cfg.seed, checkpoints=trained,
-                                         served=served).items():
+                                         served=served, shared=shared).items():
         gateway.add_policy(name, backend)
     return gateway
+
+
+def _served(spec: Any, trained: Mapping[str, Path], shared: set[str], engine: str, cfg: Any) -> dict[str, Any]:
+    """`--engine vllm|torch-replica`: the trained policies' backends. A shared base's adapters are
+    one vLLM engine's multi-LoRA, in this process; torch-replica replicas load each merged, as before."""
+    from mas_trainer.cluster.workers import serving_backends
+    from mas_trainer.replicas.config import require_vllm
+
+    if engine == "vllm":
+        require_vllm()  # one line saying how to install it, before any model loads
+    served: dict[str, Any] = {}
+    adapters = {p: trained[p] for p in shared} if engine == "vllm" else {}
+    try:
+        for base, group in adapters_by_base(adapters).items():
+            served.update(shared_base_backends(group, base, cfg.runtime, seed=cfg.seed, engine="vllm"))
+        alone = {p: trained[p] for p, pol in spec.policies.items() if pol.trainable and p not in adapters}
+        if alone:
+            served.update(serving_backends(alone, engine, cfg.runtime))
+    except BaseException:
+        for backend in served.values():
+            backend.engine.close()
+        raise
+    return served
 
 
 def _is_app_ref(source: str | Path) -> bool:

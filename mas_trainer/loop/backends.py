@@ -6,16 +6,22 @@ config (`engine_bf16`, `max_batch_size`, `batch_wait_ms`, `device`): a held-out 
 `fit` reports is the score `eval --run` measures on the same checkpoint, and what `serve`
 answers with. bf16 autocast and the batch a row shares change the sampled tokens, so two
 verbs with differently configured engines would not agree.
+
+Policies a run trained as adapters of one shared base (``learner.shared_base``: their
+checkpoints are peft adapters of one base model) are served as they were trained, by one
+engine on one copy of the base holding every adapter (`shared_base_backends`); each policy's
+backend names its own adapter, and a frozen policy on that same base gets the bare base.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from contextlib import aclosing
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, AsyncIterator, Callable, Collection, Mapping, Sequence
 
 from mas_trainer.config import RuntimeConfig
 from mas_trainer.engines.config import EngineSettings
@@ -23,7 +29,8 @@ from mas_trainer.gateway import PolicyBackend
 from mas_trainer.cluster.plan import decide_device
 from mas_trainer.spec import PolicySpec
 
-__all__ = ["policy_backends", "torch_backend", "lazy_backend"]
+__all__ = ["policy_backends", "torch_backend", "lazy_backend", "shared_base_backends", "shared_policies", "adapters_by_base",
+           "AdapterEngine"]
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +106,7 @@ def policy_backends(
     checkpoints: Mapping[str, str | Path] | None = None,
     served: Mapping[str, PolicyBackend] | None = None,
     factory: Callable[[str], PolicyBackend] | None = None,
+    shared: Collection[str] = (),
 ) -> dict[str, PolicyBackend]:
     """One backend per policy of an app's spec (`spec.policies`).
 
@@ -107,6 +115,8 @@ def policy_backends(
     `checkpoints` (trained), else its base model built with `seed` (which only `tiny` reads).
     Trainable policies start now; frozen ones on their first call. `factory` (model -> backend)
     replaces the embedded engine, e.g. with fake engines in tests.
+    `shared`: policies whose checkpoints are adapters trained on a shared base (`shared_policies`):
+    those of one base share one engine (`shared_base_backends`), and so does every frozen policy on that base.
     """
 
     settings, device = EngineSettings.of(runtime), decide_device(runtime.device)
@@ -120,7 +130,15 @@ def policy_backends(
 
     served, checkpoints = served or {}, checkpoints or {}
     out: dict[str, PolicyBackend] = {}
+    if factory is None:  # a factory's engines hold no adapters
+        adapters = {p: checkpoints[p] for p in shared if p in checkpoints and p not in served}
+        for base, group in adapters_by_base(adapters).items():
+            frozen = [p for p, pol in policies.items()
+                      if not pol.trainable and p not in served and _same_model(pol.base_model, base)]
+            out.update(shared_base_backends(group, base, runtime, seed=seed, frozen=frozen))
     for name, policy in policies.items():
+        if name in out:
+            continue
         model = str(checkpoints.get(name, policy.base_model))
         if name in served:
             out[name] = served[name]
@@ -129,3 +147,162 @@ def policy_backends(
         else:
             out[name] = lazy_backend(name, partial(build, name, model))
     return out
+
+
+# --- adapters of a shared base (learner.shared_base) ---------------------------------------------
+
+def shared_policies(cfg: Any, checkpoints: Mapping[str, str | Path]) -> set[str]:
+    """The policies of `checkpoints` that a run's config (`FitConfig`) trained as adapters of a
+    shared base (``learner.shared_base``) and whose checkpoints are adapter folders."""
+    from mas_trainer.engines.models import is_adapter
+
+    return {p for p, folder in checkpoints.items() if cfg.learner_for(p).shared_base and is_adapter(folder)}
+
+
+def adapters_by_base(adapters: Mapping[str, str | Path]) -> dict[str, dict[str, Path]]:
+    """Adapter folders grouped by the base model reference each names."""
+    from mas_trainer.engines.models import adapter_base
+
+    groups: dict[str, dict[str, Path]] = {}
+    for name, folder in adapters.items():
+        groups.setdefault(adapter_base(folder), {})[name] = Path(folder)
+    return groups
+
+
+def _same_model(a: str, b: str) -> bool:
+    """Two model references to one model: the same text, or one local folder written two ways."""
+    if a == b:
+        return True
+    left, right = Path(a).expanduser(), Path(b).expanduser()
+    return left.is_dir() and right.is_dir() and left.resolve() == right.resolve()
+
+
+def shared_base_backends(adapters: Mapping[str, str | Path], base: str, runtime: RuntimeConfig, *, seed: int = 0,
+                         frozen: Sequence[str] = (), engine: str = "embedded") -> dict[str, PolicyBackend]:
+    """Backends for the policies whose checkpoints (`adapters`: policy -> adapter folder) are LoRA
+    adapters of `base`, all on one engine holding one copy of the base and every adapter: the
+    embedded engine (`engine="embedded"`, peft's mixed-batch forward) or vLLM's multi-LoRA
+    (`"vllm"`, in this process). Each policy's engine is an `AdapterEngine` naming its adapter;
+    the `frozen` policies (on `base` too) get the bare base. The engine closes with its last user."""
+    from mas_trainer.engines.chat import HFChatFormat
+
+    # peft matches adapter names as substrings of its own prefixes ("lora_"): policy names cannot be them
+    keys = {name: f"adapter_{i}" for i, name in enumerate(adapters)}
+    folders = {keys[name]: Path(folder) for name, folder in adapters.items()}
+    settings, device = EngineSettings.of(runtime), decide_device(runtime.device)
+    log.info("policies %s: adapters of one %s engine on %s (%s)", ", ".join(adapters), engine, base, device)
+    if engine == "vllm":
+        built = _vllm_shared(base, folders, runtime, seed=seed, device=device)
+    elif engine == "embedded":
+        built = _torch_shared(base, folders, seed=seed, settings=settings, device=device)
+    else:
+        raise ValueError(f"engine {engine!r}: a shared base is served by the embedded engine or vllm")
+    users = _Users(built)
+    chat = HFChatFormat(built.tokenizer)
+    out = {name: PolicyBackend(AdapterEngine(users, keys[name], str(folder)), chat) for name, folder in adapters.items()}
+    out.update({name: PolicyBackend(AdapterEngine(users, None, base), chat) for name in frozen})
+    return out
+
+
+def _adapter_config(folder: Path) -> dict[str, Any]:
+    from mas_trainer.engines.models import ADAPTER_CONFIG
+
+    return json.loads((folder / ADAPTER_CONFIG).read_text())
+
+
+def _torch_shared(base: str, folders: Mapping[str, Path], *, seed: int, settings: EngineSettings, device: str) -> Any:
+    from mas_trainer.engines.models import load_model
+    from mas_trainer.engines.torch_engine import TorchEngine
+    from mas_trainer.learners.lora import add_named_adapter
+
+    model, tokenizer = load_model(base, seed=seed)
+    for key, folder in folders.items():
+        lora = _adapter_config(folder)  # the folder's own config decides; these only fill the signature
+        model = add_named_adapter(model, key, rank=lora["r"], alpha=lora["lora_alpha"], target_modules=lora["target_modules"],
+                                  base_model=base, folder=folder)
+    return TorchEngine(model, tokenizer, model_name=base, settings=settings, device=device, adapters=list(folders))
+
+
+def _vllm_shared(base: str, folders: Mapping[str, Path], runtime: RuntimeConfig, *, seed: int, device: str) -> Any:
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    from mas_trainer.engines.models import load_tokenizer, materialize
+    from mas_trainer.engines.vllm_engine import VllmEngine, VllmSettings
+
+    need = max(int(_adapter_config(folder)["r"]) for folder in folders.values())
+    # vLLM takes only some ranks as its largest (1, 8, 16, ...): the smallest that holds every adapter
+    rank = min((r for r in get_args(MaxLoRARanks) if r >= need), default=need)
+    engine = VllmEngine(materialize(base, seed=seed), model_name=base, tokenizer=load_tokenizer(base),
+                        settings=VllmSettings.of(runtime.replica, device=device, seed=seed), adapters=list(folders),
+                        max_lora_rank=rank)
+    try:
+        for key, folder in folders.items():
+            engine.load_adapter(key, folder).result()
+    except BaseException:
+        engine.close()
+        raise
+    return engine
+
+
+class _Users:
+    """An engine several backends answer with; it closes when the last of them closes."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._open: set[object] = set()
+        self._lock = threading.Lock()
+
+    def join(self, user: object) -> None:
+        with self._lock:
+            self._open.add(user)
+
+    def leave(self, user: object) -> None:
+        with self._lock:
+            if user not in self._open:  # closed twice (the gateway, then its owner): counted once
+                return
+            self._open.discard(user)
+            last = not self._open
+        if last:
+            self.engine.close()
+
+
+class AdapterEngine:
+    """One policy's engine on a shared base: the shared engine, every call naming the policy's
+    adapter (None: the bare base). `model_name` is what the policy was loaded from."""
+
+    def __init__(self, users: _Users, adapter: str | None, model_name: str) -> None:
+        self.users, self.adapter, self.model_name = users, adapter, model_name
+        users.join(self)
+
+    @property
+    def engine(self) -> Any:
+        return self.users.engine
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_context(self) -> int | None:
+        from mas_trainer.engines.base import max_context
+
+        return max_context(self.engine)
+
+    async def generate(self, prompt_ids: Any, params: Any, *, turn_id: str | None = None) -> Any:
+        return await self.engine.generate(prompt_ids, params, turn_id=turn_id, adapter=self.adapter)
+
+    async def stream(self, prompt_ids: Any, params: Any, *, turn_id: str | None = None) -> AsyncIterator[Any]:
+        from mas_trainer.engines.base import Delta
+
+        if getattr(self.engine, "stream", None) is None:  # vLLM's engine answers whole: one delta per choice
+            for i, gen in enumerate(await self.generate(prompt_ids, params, turn_id=turn_id)):
+                yield Delta(i, list(gen.token_ids), gen.text, gen)
+            return
+        async with aclosing(self.engine.stream(prompt_ids, params, turn_id=turn_id, adapter=self.adapter)) as deltas:
+            async for delta in deltas:
+                yield delta
+
+    def close(self) -> None:
+        self.users.leave(self)

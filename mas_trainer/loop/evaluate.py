@@ -28,6 +28,7 @@ from mas_trainer.config import RewardConfig, load_config
 from mas_trainer.errors import UserError
 from mas_trainer.rewards import RewardError, RewardSpec, annotate_groups, assign_rewards, check_allocator, score_groups
 from mas_trainer.run.rundir import run_config, trained_policies
+from mas_trainer.loop.backends import policy_backends, shared_policies
 from mas_trainer.loop.session import Session
 from mas_trainer.loop.trainer import summarize
 from mas_trainer.trace.schema import Trajectory
@@ -92,7 +93,11 @@ def evaluate(app_ref: Any, tasks: list[dict], *, run_dir: str | Path | None = No
     with Session(model=_given(model, cfg.model), max_in_flight=_given(max_in_flight, ro.max_in_flight),
                  timeout_s=_given(timeout_s, ro.timeout_s), default_max_tokens=_given(max_tokens, ro.max_tokens),
                  engine_settings=cfg.runtime, seed=model_seed) as session:
-        app = session.load_app(app_ref, recursion_limit=ro.recursion_limit, checkpoints=trained)
+        app = session.load_app(app_ref, start_engines=False, recursion_limit=ro.recursion_limit)
+        # adapters of a shared base (learner.shared_base) are measured as fit ran them: one base, each its adapter
+        for name, backend in policy_backends(app.spec.policies, cfg.runtime, seed=model_seed, checkpoints=trained,
+                                             shared=shared_policies(cfg, trained)).items():
+            session.attach(name, backend)
         r = cfg.reward
         check_allocator(r.allocator, r.options)  # one the app registers exists only now
         session.reseed(seed, temperature=_given(temperature, ro.val_temperature))
