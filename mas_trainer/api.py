@@ -116,8 +116,11 @@ def evaluate(app: Any, data: str | Path | Iterable[dict[str, Any]], *, run: str 
     return run_evaluate(app, load_tasks(data), run_dir=run, **options)
 
 
-def export(run: str | Path, out_dir: str | Path, *, adapter: bool = False) -> Path:
-    """One Hugging Face folder per trained policy of `run`, plus `mas-trainer.json`."""
+def export(run: str | Path, out_dir: str | Path, *, adapter: bool | None = None) -> Path:
+    """One Hugging Face folder per trained policy of `run`, plus `mas-trainer.json`: the
+    `export` verb's. `adapter`: None writes a shared base's policies as the base once plus one
+    adapter each and other LoRA policies merged; True every LoRA policy as its adapter; False
+    every one merged (docs/shared_base.md)."""
     from mas_trainer.production.export import export as run_export
 
     quiet_libraries()  # no third-party progress bars, as from the CLI

@@ -17,6 +17,10 @@ mas-trainer model reference it was trained on (``default``, ``tiny`` or a folder
 `engines.models.load_model` turns such a folder into the merged model (eval, serve; the
 folder format is read there), `open_adapter` into a trainable one (``fit --resume``), and ``export`` writes it merged (a plain Hugging Face
 folder) or, with ``--adapter``, as the adapter itself.
+
+With ``learner.shared_base`` several policies are adapters of one base in one peft model
+(`add_named_adapter`, `policy/shared_base.py`), never merged: each is saved as a plain adapter
+folder of its own (`save_adapter`), and ``export`` writes the base once plus those folders.
 """
 
 from __future__ import annotations
