@@ -91,7 +91,11 @@ def resolve_plan(cfg: FitConfig, models: Mapping[str, tuple[str, str]], *, machi
                              critic=cfg.critic_for(p), seed=cfg.seed, device=device, resources=cfg.resources_for(p),
                              engine_settings=EngineSettings.of(rt), engine=cfg.engine_for(p), replica=rt.replica)
                for p, (model, base) in models.items()}
-    workers = _shared_bases(workers, {p: base for p, (_model, base) in models.items() if cfg.learner_for(p).shared_base})
+    # a LoRA policy beside vLLM is a shared base of its own: vLLM takes its adapter in place (multi-LoRA), where a
+    # weight reload would need the adapter merged into a full copy of the model after every update
+    groups = {p: base if cfg.learner_for(p).shared_base else f"{base}/{p}" for p, (_model, base) in models.items()
+              if cfg.learner_for(p).shared_base or (cfg.learner_for(p).lora_rank and workers[p].engine == "vllm")}
+    workers = _shared_bases(workers, groups)
     if any(w.engine == "vllm" for w in workers.values()):  # before minutes of start-up, not after
         require_vllm()
     shared = rt.share_gpus and learner == "verl" and device == "cuda"
@@ -130,7 +134,8 @@ def _processes(workers: Mapping[str, WorkerPlan]) -> dict[str, WorkerPlan]:
 
 def _shared_bases(workers: dict[str, WorkerPlan], bases: Mapping[str, str]) -> dict[str, WorkerPlan]:
     """Policies with learner.shared_base on one base model become adapters of one shared base
-    (`WorkerPlan.shared_base`: the base's reference), which must run alike: one engine, one device share."""
+    (`bases`: policy -> `WorkerPlan.shared_base`, the base's reference), which must run alike: one
+    engine, one device share."""
     groups: dict[str, list[str]] = {}
     for p, base in bases.items():
         groups.setdefault(base, []).append(p)

@@ -5,8 +5,9 @@ The learner updates the very module the engine generates with, on the engine's o
 between batches (`run_exclusive`), so the next request already uses the new weights: the
 engine is its own weight sink. With `engine: vllm` the policy's process runs vLLM's engine
 instead (`engines/vllm_engine.py`) and the learner its own copy of the model, whose weights
-go into vLLM in place (`reload`) at the end of every update, still between batches. The step
-itself is `policy/step.py`'s.
+go into vLLM in place (`reload`) at the end of every update, still between batches (a LoRA
+policy beside vLLM is hosted by `policy/shared_base.py` instead: vLLM takes its adapter). The
+step itself is `policy/step.py`'s.
 """
 
 from __future__ import annotations

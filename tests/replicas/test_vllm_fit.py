@@ -157,3 +157,14 @@ def test_a_shared_base_on_vllm_serves_each_adapter_and_replaces_it_in_place_afte
     monkeypatch.setattr(SharedBase, "_sync", lambda self, name: None)  # adapters loaded at start, never again
     stale = _gaps(fit(f"{WORDS}:two_adapters", TASKS[:4], cfg, tmp_path / "unsynced"), "a")
     assert stale[0] < 1e-4 and min(stale[1:]) > 1e-3, stale
+
+
+def test_a_lora_policy_on_vllm_takes_its_adapter_in_place_and_stays_in_step(tmp_path):
+    """learner.lora_rank with engine vllm (no shared base asked): the policy is a shared base of
+    its own, its adapter replaced in vLLM after each update (a full-weight reload of the peft
+    model's weights would miss the base's names and stop the engine)."""
+    cfg = load_config(overrides=[*VLLM, *TORCH, "steps=2", "learner.lora_rank=8"])
+    out = tmp_path / "run"
+    gaps = _gaps(fit(f"{WORDS}:single", TASKS[:4], cfg, out))
+    assert len(gaps) == 2 and max(gaps) < 1e-4, gaps
+    assert json.loads((out / "plan.json").read_text())["workers"]["solo"]["shared_base"] == "tiny/solo"
