@@ -70,6 +70,7 @@ class RunPlan(BaseModel):
         where = "in this process" if self.execution == "local" else "on Ray"
         pools = " (one shared GPU pool)" if self.share_gpus else ""
         each = "; ".join(f"{p}: {w.engine} engine, {w.resources.world_size} rank(s), {w.advantage.estimator}"
+                         + (f", an adapter of shared base {w.shared_base}" if w.shared_base else "")
                          for p, w in self.workers.items()) or "no trainable policy"
         return f"{self.learner} learner on {self.device} {where}{pools}; {each}"
 

@@ -10,7 +10,7 @@ import pytest
 
 from mas_trainer.config import ConfigError, load_config
 from mas_trainer.policy.contract import WorkerPlan
-from mas_trainer.cluster.plan import Machine, RunPlan, resolve_plan
+from mas_trainer.cluster.plan import Machine, RunPlan, placement_asks, resolve_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = ROOT / "tests" / "fixtures" / "words_app.py"
@@ -192,3 +192,21 @@ def test_vllm_on_cpu_plans_replicas_for_verl_and_the_policys_own_process_for_tor
         _plan("runtime.engine=vllm", "runtime.replica.placement=colocated")
     with pytest.raises(ConfigError, match="engine torch-replica syncs weights from verl worker groups"):
         _plan("runtime.engine=torch-replica", "runtime.learner=torch")
+
+
+def test_a_shared_base_is_one_process_in_the_plan():
+    """learner.shared_base: both policies are adapters of base `tiny`, one process, so one set of
+    threads (every core), one GPU share and one placement ask; a policy kept out is its own."""
+    shared = ["learner.lora_rank=4", "learner.shared_base=true"]
+    plan = _plan(*shared)
+    assert {w.shared_base for w in plan.workers.values()} == {"tiny"}
+    assert {w.torch_threads for w in plan.workers.values()} == {8}  # 8 cores, one process
+    assert "an adapter of shared base tiny" in plan.summary()
+    gpu = _plan(*shared, "runtime.learner=torch", "runtime.resources.gpus_per_proc=0.5", gpus=1)
+    assert gpu.gpus_needed == 0.5 and len(placement_asks(gpu)) == 1
+    apart = _plan(*shared, "policies.crew.learner.shared_base=false")
+    assert apart.workers["lead"].shared_base == "tiny" and apart.workers["crew"].shared_base is None
+    assert {w.torch_threads for w in apart.workers.values()} == {4}
+    with pytest.raises(ConfigError, match=r"policies lead, crew are adapters of one shared base \(tiny\) and run in one "
+                                          r"process, but their resources differ"):
+        _plan(*shared, "runtime.learner=torch", "policies.crew.resources.gpus_per_proc=0.5", gpus=1)
