@@ -181,7 +181,7 @@ def shared_base_backends(adapters: Mapping[str, str | Path], base: str, runtime:
                          frozen: Sequence[str] = (), engine: str = "embedded") -> dict[str, PolicyBackend]:
     """Backends for the policies whose checkpoints (`adapters`: policy -> adapter folder) are LoRA
     adapters of `base`, all on one engine holding one copy of the base and every adapter: the
-    embedded engine (`engine="embedded"`, peft's mixed-batch forward) or vLLM's multi-LoRA
+    embedded engine (`engine="embedded"`, every row its adapter: `engines/adapter_batch.py`) or vLLM's multi-LoRA
     (`"vllm"`, in this process). Each policy's engine is an `AdapterEngine` naming its adapter;
     the `frozen` policies (on `base` too) get the bare base. The engine closes with its last user."""
     from mas_trainer.engines.chat import HFChatFormat
