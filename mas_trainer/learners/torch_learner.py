@@ -89,6 +89,11 @@ class TorchLearner:
         from verl.trainer.ppo import core_algos
         from verl.utils import torch_functional as verl_F
 
+        # huggingface_hub decides lazily, and not thread-safely, whether Jinja2 is there (peft's adapter card needs it):
+        # policies save at once on their engines' threads, and one asking mid-check is told it is missing. Ask here, first.
+        from huggingface_hub.utils import is_jinja_available
+
+        is_jinja_available()
         self.adapter_name = adapter_name
         if adapter_name is not None:  # one adapter of a shared base: the peft model holds them all
             self.peft, model = model, model.get_base_model()
