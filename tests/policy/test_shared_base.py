@@ -196,8 +196,12 @@ def test_on_ray_the_shared_base_is_one_actor_serving_both_policies(tmp_path):
     base), and both train."""
     from mas_trainer.loop.trainer import fit
 
+    ray = pytest.importorskip("ray")
     out = tmp_path / "run"
-    rows = fit(f"{APP}:two_adapters", TASKS[:2], _cfg("steps=1", "runtime.execution=ray"), out)
+    try:
+        rows = fit(f"{APP}:two_adapters", TASKS[:2], _cfg("steps=1", "runtime.execution=ray"), out)
+    finally:
+        ray.shutdown()  # fit leaves Ray up for its caller; the next test's Ray is sized for that test
     [train] = [r for r in rows if r["kind"] == "train"]
     assert train["policy/a/turns"] == 4 and train["policy/b/turns"] == 4
     assert train["policy/a/optimizer_steps"] >= 1 and train["policy/b/optimizer_steps"] >= 1
