@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from mas_trainer.engines.base import Generation, SamplingParams
 from mas_trainer.policy.contract import StepResult, WarmStartExample, WorkerPlan
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from mas_trainer.config import WarmStartConfig
     from mas_trainer.learners.batch import Turn
 
-__all__ = ["LocalPolicy"]
+__all__ = ["LocalPolicy", "LearnerSide"]
 
 
 class LocalPolicy:
@@ -44,7 +44,7 @@ class LocalPolicy:
 
         if plan.torch_threads:
             torch.set_num_threads(plan.torch_threads)
-        self.policy, self.seed, self.advantage_config = plan.policy, plan.seed, plan.advantage
+        self.policy = plan.policy
         learner = plan.learner
         # resuming a LoRA policy: the base again, and its saved adapter trains on (not merged into a new base)
         adapter = plan.model if learner.lora_rank and is_adapter(plan.model) else None
@@ -68,12 +68,13 @@ class LocalPolicy:
         if learner.kl_coef > 0 and not learner.lora_rank and plan.reference is not None:  # resumed: the reference stays the base model
             reference = load_model(plan.reference, seed=plan.seed)[0].to(plan.device)
         self.critic = None
-        if self.advantage_config.estimator == "gae":  # GAE bootstraps from a learned value model
+        if plan.advantage.estimator == "gae":  # GAE bootstraps from a learned value model
             from mas_trainer.learners.critic import TorchCritic
 
             # built before a LoRA adapter is injected: the value model copies the plain body
             self.critic = TorchCritic(model, plan.critic)
         self.learner = TorchLearner(model, learner, reference=reference, adapter=adapter, base_model=plan.reference or plan.model)
+        self.side = LearnerSide(self.engine, self.serving, self.learner, self.critic, plan, self.tokenizer, self._sync)
 
     # --- serving ---------------------------------------------------------------------------
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, turn_id: str | None = None) -> list[Generation]:
@@ -86,16 +87,44 @@ class LocalPolicy:
         # the engine lives in this process: its errors reach each call, and a dead vLLM engine says so
         return getattr(self.engine, "failure", None)
 
-    # --- training --------------------------------------------------------------------------
+    # --- training and checkpoints: the learner side's ----------------------------------------
+    async def train(self, records: Sequence[TurnRecord]) -> StepResult:
+        return await self.side.train(records)
+
+    async def warm_start(self, examples: Sequence[WarmStartExample], config: WarmStartConfig) -> dict[str, float]:
+        return await self.side.warm_start(examples, config)
+
+    async def save(self, folder: str, learner_dir: str) -> None:
+        await self.side.save(folder, learner_dir)
+
+    async def load(self, learner_dir: str) -> int:
+        return await self.side.load(learner_dir)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class LearnerSide:
+    """The learner side of one trainable policy beside an engine in this process (`LocalPolicy`'s,
+    and each adapter's of a `SharedBase`): updates, the warm start and checkpoints, all on the
+    engine's thread between batches (`run_exclusive`), `sync` called after the weights change
+    (the engine's weight sink). It is `policy_step`'s `PolicyLearner`."""
+
+    def __init__(self, engine: Any, serving: Serving, learner: Any, critic: Any, plan: WorkerPlan, tokenizer: Any,
+                 sync: Callable[[], None]) -> None:
+        self.engine, self.serving, self.learner, self.critic = engine, serving, learner, critic
+        self.plan, self.tokenizer, self.sync = plan, tokenizer, sync
+
     async def train(self, records: Sequence[TurnRecord]) -> StepResult:
         """One update from thin records (`TurnRecord`s of this policy), on the engine's thread."""
         pairs = self.serving.turns.take(records, self.learner.updates)
         stale = self.serving.turns.stale_metrics()
         if not pairs:  # nothing to wait for the engine's batch for
             return StepResult({"turns": 0.0, **stale})
+
         def step(_engine: Any) -> StepResult:
-            result = policy_step(pairs, self.advantage_config, self)
-            self._sync()
+            result = policy_step(pairs, self.plan.advantage, self)
+            self.sync()
             return result
 
         result = await asyncio.wrap_future(self.engine.run_exclusive(step))
@@ -118,16 +147,16 @@ class LocalPolicy:
         """The supervised warm start (`TorchLearner.supervised`) on the engine's thread, like an
         update: the next request is served by the warm-started weights."""
         def run(_model: Any) -> dict[str, float]:
-            metrics = self.learner.supervised(examples, steps=config.steps, lr=config.lr, batch_size=config.batch_size, seed=self.seed)
-            self._sync()
+            metrics = self.learner.supervised(examples, steps=config.steps, lr=config.lr, batch_size=config.batch_size,
+                                              seed=self.plan.seed)
+            self.sync()
             return metrics
 
         return await asyncio.wrap_future(self.engine.run_exclusive(run))
 
-    # --- checkpoints -----------------------------------------------------------------------
     async def save(self, folder: str, learner_dir: str) -> None:
-        """Hugging Face folder of the current weights; optimizer and counters in `learner_dir`."""
-        def _save(model: Any) -> None:
+        """Hugging Face (or adapter) folder of the current weights; optimizer and counters in `learner_dir`."""
+        def _save(_model: Any) -> None:
             import torch
 
             self.learner.save_pretrained(folder, self.tokenizer)
@@ -152,6 +181,3 @@ class LocalPolicy:
 
         await asyncio.wrap_future(self.engine.run_exclusive(load))
         return self.learner.updates
-
-    def close(self) -> None:
-        self.engine.close()

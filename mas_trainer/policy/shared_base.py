@@ -17,23 +17,20 @@ peft adapter folder whose base is the shared base's model reference.
 
 from __future__ import annotations
 
-import asyncio
-import os
 import tempfile
 import zlib
-from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from mas_trainer.engines.base import Generation, SamplingParams
 from mas_trainer.errors import UserError
 from mas_trainer.policy.contract import StepResult, WarmStartExample, WorkerPlan
-from mas_trainer.policy.step import policy_step
+from mas_trainer.policy.local import LearnerSide
 from mas_trainer.policy.turns import Serving, TurnStore
 
 if TYPE_CHECKING:
-    from mas_trainer.algo.advantages import TurnAdvantage, TurnRecord
+    from mas_trainer.algo.advantages import TurnRecord
     from mas_trainer.config import WarmStartConfig
-    from mas_trainer.learners.batch import Turn
 
 __all__ = ["SharedBase", "AdapterPolicy", "shared_groups"]
 
@@ -48,26 +45,6 @@ def shared_groups(plans: Mapping[str, WorkerPlan]) -> tuple[dict[str, dict[str, 
         else:
             alone[name] = plan
     return groups, alone
-
-
-class _Adapter:
-    """One policy of the shared base: its serving side, learner and critic."""
-
-    def __init__(self, plan: WorkerPlan, serving: Serving, learner: Any, critic: Any) -> None:
-        self.plan, self.serving, self.learner, self.critic = plan, serving, learner, critic
-
-    # `policy_step`'s PolicyLearner, for this adapter
-    def values(self, turns: list[Turn]) -> dict[str, list[float]] | None:
-        return self.critic.values(turns) if self.critic is not None else None
-
-    def update(self, turns: list[Turn], advantages: Mapping[str, TurnAdvantage],
-               values: dict[str, list[float]] | None) -> dict[str, float]:
-        trained = [replace(t, advantages=advantages[t.id].advantages.tolist()) for t in turns]
-        metrics = self.learner.update(trained)
-        if self.critic is not None and values is not None:
-            returns = {tid: a.returns.tolist() for tid, a in advantages.items()}
-            metrics.update({f"critic/{k}": v for k, v in self.critic.update(trained, returns, values).items()})
-        return metrics
 
 
 class SharedBase:
@@ -121,12 +98,13 @@ class SharedBase:
 
             self.engine = TorchEngine(peft_model, self.tokenizer, model_name=self.name, settings=first.engine_settings,
                                       device=first.device, adapters=list(self.keys.values()))
-        self.adapters: dict[str, _Adapter] = {}
+        self.adapters: dict[str, LearnerSide] = {}
         for i, (name, plan) in enumerate(plans.items()):
             # one engine: its figures (tokens, busy time) are reported once, under the first policy
             serving = Serving(self.engine, TurnStore(name, plan.max_staleness), adapter=self.keys[name], metered=i == 0)
             learner = TorchLearner(peft_model, plan.learner, adapter_name=self.keys[name], base_model=base)
-            self.adapters[name] = _Adapter(plan, serving, learner, critics.get(name))
+            self.adapters[name] = LearnerSide(self.engine, serving, learner, critics.get(name), plan, self.tokenizer,
+                                              partial(self._sync, name))
         self._open = set(plans)
 
     def _vllm_engine(self, first: WorkerPlan, plans: Mapping[str, WorkerPlan]) -> Any:
@@ -159,7 +137,7 @@ class SharedBase:
         if self.adapters[name].plan.engine == "vllm":
             self._sync_vllm(self.engine, name, on_thread=True)
 
-    def _get(self, policy: str) -> _Adapter:
+    def _get(self, policy: str) -> LearnerSide:
         try:
             return self.adapters[policy]
         except KeyError:
@@ -182,64 +160,20 @@ class SharedBase:
     def failure(self) -> BaseException | None:
         return getattr(self.engine, "failure", None)
 
-    # --- training --------------------------------------------------------------------------
+    # --- training and checkpoints: each policy's learner side (`policy/local.py`) ------------
     async def train(self, policy: str, records: Sequence[TurnRecord]) -> StepResult:
         """One update of `policy`'s adapter from its records, on the engine's thread."""
-        a = self._get(policy)
-        pairs = a.serving.turns.take(records, a.learner.updates)
-        stale = a.serving.turns.stale_metrics()
-        if not pairs:
-            return StepResult({"turns": 0.0, **stale})
-
-        def step(_model: Any) -> StepResult:
-            result = policy_step(pairs, a.plan.advantage, a)
-            self._sync(policy)
-            return result
-
-        result = await asyncio.wrap_future(self.engine.run_exclusive(step))
-        result.metrics.update({**stale, **a.serving.figures()})
-        return result
+        return await self._get(policy).train(records)
 
     async def warm_start(self, policy: str, examples: Sequence[WarmStartExample], config: WarmStartConfig) -> dict[str, float]:
-        a = self._get(policy)
+        return await self._get(policy).warm_start(examples, config)
 
-        def run(_model: Any) -> dict[str, float]:
-            metrics = a.learner.supervised(examples, steps=config.steps, lr=config.lr, batch_size=config.batch_size, seed=self.seed)
-            self._sync(policy)
-            return metrics
-
-        return await asyncio.wrap_future(self.engine.run_exclusive(run))
-
-    # --- checkpoints -----------------------------------------------------------------------
     async def save(self, policy: str, folder: str, learner_dir: str) -> None:
         """The policy's adapter as a peft folder; its optimizer and counters in `learner_dir`."""
-        a = self._get(policy)
-
-        def _save(_model: Any) -> None:
-            import torch
-
-            a.learner.save_pretrained(folder, self.tokenizer)
-            state = {"learner": a.learner.state_dict()}
-            if a.critic is not None:
-                state["critic"] = a.critic.state_dict()
-            os.makedirs(learner_dir, exist_ok=True)
-            torch.save(state, os.path.join(learner_dir, "optimizer.pt"))
-
-        await asyncio.wrap_future(self.engine.run_exclusive(_save))
+        await self._get(policy).save(folder, learner_dir)
 
     async def load(self, policy: str, learner_dir: str) -> int:
-        from mas_trainer.run.untrusted import load_tensors
-
-        a = self._get(policy)
-        state = load_tensors(os.path.join(learner_dir, "optimizer.pt"))
-
-        def load(_model: Any) -> None:
-            a.learner.load_state_dict(state["learner"])
-            if a.critic is not None and "critic" in state:
-                a.critic.load_state_dict(state["critic"])
-
-        await asyncio.wrap_future(self.engine.run_exclusive(load))
-        return a.learner.updates
+        return await self._get(policy).load(learner_dir)
 
     def close(self, policy: str | None = None) -> None:
         """Close one policy's handle; the engine stops with the last (or with `policy=None`)."""
