@@ -224,19 +224,14 @@ def _torch_shared(base: str, folders: Mapping[str, Path], *, seed: int, settings
 
 
 def _vllm_shared(base: str, folders: Mapping[str, Path], runtime: RuntimeConfig, *, seed: int, device: str) -> Any:
-    from typing import get_args
-
-    from vllm.config.lora import MaxLoRARanks
-
     from mas_trainer.engines.models import load_tokenizer, materialize
     from mas_trainer.engines.vllm_engine import VllmEngine, VllmSettings
 
+    # the largest adapter's rank: the engine rounds it up to one vLLM takes
     need = max(int(_adapter_config(folder)["r"]) for folder in folders.values())
-    # vLLM takes only some ranks as its largest (1, 8, 16, ...): the smallest that holds every adapter
-    rank = min((r for r in get_args(MaxLoRARanks) if r >= need), default=need)
     engine = VllmEngine(materialize(base, seed=seed), model_name=base, tokenizer=load_tokenizer(base),
                         settings=VllmSettings.of(runtime.replica, device=device, seed=seed), adapters=list(folders),
-                        max_lora_rank=rank)
+                        max_lora_rank=need)
     try:
         for key, folder in folders.items():
             engine.load_adapter(key, folder).result()
