@@ -273,7 +273,7 @@ def decode(reps: int, tokens: int) -> dict:
     import asyncio
 
     import torch
-    from peft import get_peft_model
+    from peft import LoraConfig, get_peft_model
 
     from mas_trainer.engines.base import SamplingParams
     from mas_trainer.engines.config import EngineSettings
@@ -290,8 +290,8 @@ def decode(reps: int, tokens: int) -> dict:
     model, _ = load_model("default")
     peft_model = None
     for name in names:  # as lora.add_named_adapter, but random (B != 0): a trained adapter's cost
-        cfg = lora._lora_config(model, rank=RANK, alpha=defaults.lora_alpha, target_modules=defaults.target_modules, layers=None)
-        cfg.init_lora_weights = False
+        cfg = LoraConfig(r=RANK, lora_alpha=defaults.lora_alpha, target_modules=defaults.target_modules, lora_dropout=0.0,
+                         init_lora_weights=False)
         torch.manual_seed(len(names) + names.index(name))
         if peft_model is None:
             peft_model = get_peft_model(model, cfg, adapter_name=name)
