@@ -98,7 +98,7 @@ class LangGraphApp:
         elif own_thread:
             await _drop_thread(self.graph, configurable["thread_id"])
         nodes, tools = tracer.finish(status, error)
-        return RunResult(status, error, final, nodes, tools, tracer.trace_id)
+        return RunResult(status, error, final, nodes, tools, tracer.trace_id, answered=list(tracer.answered))
 
 
 def _input_keys(graph: Pregel) -> set[str] | None:

@@ -99,6 +99,9 @@ class GraphTracer(BaseCallbackHandler):
         self._tool_calls: list[ToolCall] = []
         self._open_tools: dict[UUID, tuple[ToolCall, trace.Span]] = {}
         self._attempts: dict[str, int] = {}
+        # (call id, node) of every non-streamed LLM call answered in this rollout: the
+        # controller fails the rollout when its trajectory lacks one (a call sent past the gateway)
+        self.answered: list[tuple[str, str]] = []
         self.root = get_tracer().start_span(
             "invoke_agent graph",
             kind=SpanKind.INTERNAL,
@@ -118,7 +121,9 @@ class GraphTracer(BaseCallbackHandler):
         node = self.node_for(ns)
         if node is None:
             return None
-        return CallContext(self.rollout_id, node.record.name, node.record.id, node.role, node.ctx, branch=node.branch)
+        name = node.record.name
+        return CallContext(self.rollout_id, name, node.record.id, node.role, node.ctx, branch=node.branch,
+                           on_answer=lambda call_id: self.answered.append((call_id, name)))
 
     # --- node calls ------------------------------------------------------------------------
     def _maybe_open(self, run_id: UUID, metadata: dict | None, name: str | None) -> None:

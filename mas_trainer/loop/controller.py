@@ -16,7 +16,7 @@ from mas_trainer.apps import AppRunner
 from mas_trainer.gateway.ledger import Ledger
 from mas_trainer.trace.schema import LLMCall, NodeCall, Trajectory
 
-__all__ = ["Controller", "state_json", "call_order"]
+__all__ = ["Controller", "state_json", "call_order", "unrecorded_calls"]
 
 
 def state_json(obj: Any) -> Any:
@@ -78,6 +78,20 @@ def call_order(nodes: list[NodeCall]) -> Callable[[LLMCall], tuple[Any, ...]]:
     return key
 
 
+def unrecorded_calls(answered: list[tuple[str, str]], calls: list[LLMCall]) -> str | None:
+    """One line when an LLM call the app got an answer to is missing from the rollout's calls,
+    else None. Training on the rest would credit the recorded turns with what the missing ones
+    did, so the rollout fails (another instrumentation or client sent the call past the gateway)."""
+    recorded = {c.id for c in calls}
+    missing = [(call_id, node) for call_id, node in answered if call_id not in recorded]
+    if not missing:
+        return None
+    nodes = ", ".join(sorted({node for _, node in missing}))
+    return (f"{len(missing)} of {len(answered)} LLM calls answered in this rollout were not recorded by the run's gateway "
+            f"(node {nodes}): something between the app and the gateway (another OpenTelemetry instrumentation, a "
+            f"client of its own) dropped the routing headers; see docs/routing.md#unrecorded-calls")
+
+
 class Controller:
     def __init__(self, app: AppRunner, ledger: Ledger, *, max_in_flight: int = 64, timeout_s: float | None = 300.0) -> None:
         self.app = app
@@ -94,8 +108,12 @@ class Controller:
         for call in calls:
             if call.node is None and call.node_id in node_names:
                 call.node = node_names[call.node_id]
-        return Trajectory(rollout_id=rollout_id, task=task, status=result.status,  # type: ignore[arg-type]
-                          error=result.error, trace_id=result.trace_id, nodes=result.nodes,
+        status, error = result.status, result.error
+        unrecorded = unrecorded_calls(result.answered, calls)
+        if status == "ok" and unrecorded:
+            status, error = "error", unrecorded
+        return Trajectory(rollout_id=rollout_id, task=task, status=status,  # type: ignore[arg-type]
+                          error=error, trace_id=result.trace_id, nodes=result.nodes,
                           llm_calls=sorted(calls, key=call_order(result.nodes)), tool_calls=result.tool_calls,
                           final_state=state_json(result.final_state), duration_s=time.time() - start)
 

@@ -37,7 +37,7 @@ from mas_trainer.loop.backends import policy_backends
 from mas_trainer.loop.controller import Controller
 from mas_trainer.spec import FROZEN_POLICY
 from mas_trainer.trace import otel
-from mas_trainer.trace.instrument import instrument_openai
+from mas_trainer.trace.instrument import instrument_openai, route_rollouts
 from mas_trainer.trace.schema import Trajectory
 
 __all__ = ["Session"]
@@ -160,6 +160,8 @@ class Session:
             self._saved_env[key] = os.environ.get(key)
             os.environ[key] = value
         instrument_openai()
+        # an app's clients made before this (at its import, in a notebook) are sent here too
+        route_rollouts(self.server.base_url, self.api_key)
         log.info("gateway %s", self.describe_gateway())
         return self
 
@@ -173,6 +175,7 @@ class Session:
             for backend in self.gateway.backends.values():
                 backend.engine.close()
         finally:
+            route_rollouts(None)
             self.server.stop()
             self._restore_env()
 

@@ -9,6 +9,14 @@ httpx transports would miss these calls; wrapping the resource methods does not.
 
 Which node is calling is framework knowledge: an adapter registers a resolver.
 
+Calls made inside a rollout go to the run's gateway whatever client makes them: an app that
+built its `ChatOpenAI` at import, before the gateway existed (the usual app, trained from a
+notebook by object), holds a client aimed at api.openai.com or its own OPENAI_BASE_URL. The
+call is sent through a copy of that client aimed at the gateway (`route_rollouts`), so its
+retries, timeouts and headers stay the app's. Each non-streamed call answered in a rollout is
+reported to the rollout (`CallContext.on_answer`), which fails a rollout whose trajectory
+lacks one of them rather than train on part of its turns.
+
 Calls made inside a rollout also carry `mas.token`: an HMAC, under a secret drawn once per
 process (one run), of the routing fields of the baggage. The run's gateway files and trains
 only calls whose token checks out: ids are predictable, the secret is not, so another local
@@ -33,7 +41,7 @@ from mas_trainer.trace import attributes as A
 from mas_trainer.trace.otel import get_tracer
 
 __all__ = ["CallContext", "register_resolver", "instrument_openai", "current_call", "span_hex", "rollout_token",
-           "rollout_token_ok", "BAGGAGE_TOKEN"]
+           "rollout_token_ok", "route_rollouts", "BAGGAGE_TOKEN"]
 
 BAGGAGE_TOKEN = "mas.token"
 # Never leaves the process: the gateway that checks tokens runs next to the controller that
@@ -55,12 +63,23 @@ class CallContext:
     # the node call's identity in its rollout, the same in every run of it (`Send` branches
     # told apart by what the graph decided, not by which ran first): the gateway seeds from it
     branch: str = ""
+    # told the call id (its chat span's id) of each call answered in the rollout, streams aside
+    on_answer: Callable[[str], None] | None = None
 
 
 Resolver = Callable[[], "CallContext | None"]
 _resolvers: list[Resolver] = []
 _lock = threading.Lock()
 _installed = False
+_gateway: tuple[str, str] | None = None  # (base URL, key) rollout calls are sent to
+
+
+def route_rollouts(base_url: str | None, api_key: str = "") -> None:
+    """Send every call made inside a rollout to `base_url` with `api_key` (None: as the client
+    says). A Session sets it while its gateway is up."""
+    global _gateway
+    with _lock:
+        _gateway = (base_url.rstrip("/"), api_key) if base_url else None
 
 
 def register_resolver(resolver: Resolver) -> None:
@@ -151,6 +170,18 @@ def _ours(headers: Any) -> bool:
     return isinstance(value, str) and f"{A.BAGGAGE_NODE}=" in value
 
 
+def _routed(resource: Any, call: CallContext | None) -> Any:
+    """`resource`, or the same resource on a copy of its client aimed at the run's gateway
+    when a rollout's call would go elsewhere."""
+    gateway = _gateway
+    client = getattr(resource, "_client", None)
+    if call is None or not call.rollout_id or gateway is None or client is None:
+        return resource
+    if str(getattr(client, "base_url", "")).rstrip("/") == gateway[0]:
+        return resource
+    return type(resource)(client.with_options(base_url=gateway[0], api_key=gateway[1]))
+
+
 def _begin(kwargs: dict[str, Any]) -> tuple[trace.Span | None, dict[str, Any], CallContext | None]:
     """The call's span and its kwargs with trace headers (ours replace another instrumentation's
     `traceparent` and `baggage`: the gateway routes and records by them); (None, kwargs) outside a
@@ -162,10 +193,12 @@ def _begin(kwargs: dict[str, Any]) -> tuple[trace.Span | None, dict[str, Any], C
     return span, _with_headers(kwargs, _headers_for(call, span)), call
 
 
-def _finished(span: trace.Span | None, call: CallContext | None, client: Any, result: Any) -> Any:
+def _finished(span: trace.Span | None, call: CallContext | None, client: Any, result: Any, stream: bool = False) -> Any:
     """`result`, once its span has the token counts and the rollout has the answer."""
     if span is None:
         return result
+    if call is not None and call.on_answer is not None and not stream:
+        call.on_answer(span_hex(span))
     usage = getattr(result, "usage", None)
     if usage is not None:
         span.set_attribute(A.GEN_AI_INPUT_TOKENS, getattr(usage, "prompt_tokens", 0) or 0)
@@ -194,8 +227,8 @@ def _wrap_sync(method: Callable[..., Any]) -> Callable[..., Any]:
     def create(self: Any, *args: Any, **kwargs: Any) -> Any:
         span, kwargs, call = _begin(kwargs)
         with _failing(span):
-            result = method(self, *args, **kwargs)
-        return _finished(span, call, self, result)
+            result = method(_routed(self, call), *args, **kwargs)
+        return _finished(span, call, self, result, kwargs.get("stream") is True)
 
     create.__mas_trainer_wrapped__ = method  # type: ignore[attr-defined]
     return create
@@ -206,8 +239,8 @@ def _wrap_async(method: Callable[..., Any]) -> Callable[..., Any]:
     async def create(self: Any, *args: Any, **kwargs: Any) -> Any:
         span, kwargs, call = _begin(kwargs)
         with _failing(span):
-            result = await method(self, *args, **kwargs)
-        return _finished(span, call, self, result)
+            result = await method(_routed(self, call), *args, **kwargs)
+        return _finished(span, call, self, result, kwargs.get("stream") is True)
 
     create.__mas_trainer_wrapped__ = method  # type: ignore[attr-defined]
     return create

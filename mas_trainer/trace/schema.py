@@ -7,7 +7,7 @@ field changes meaning.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -147,3 +147,5 @@ class RunResult:
     nodes: list[NodeCall]
     tool_calls: list[ToolCall]
     trace_id: str | None
+    # (call id, node) of each non-streamed LLM call the app got an answer to, where the adapter knows them
+    answered: list[tuple[str, str]] = field(default_factory=list)
