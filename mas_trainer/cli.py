@@ -235,7 +235,8 @@ def cmd_import_traces(args: argparse.Namespace) -> int:
         if args.host is not None or args.api_key is not None or args.api_key_file is not None:
             raise UsageError("--host, --api-key and --api-key-file apply to --listen; files are read as they are")
         try:
-            report = import_traces(args.files, args.out, roles=roles, policies=policies, strict=args.strict)
+            report = import_traces(args.files, args.out, roles=roles, policies=policies, strict=args.strict,
+                                   input_key=args.input_key)
         except Unmapped as exc:
             print("\n".join(["mas-trainer import-traces: --strict: nothing written", *exc.report.lines()[1:]]), file=sys.stderr)
             return 1
@@ -256,7 +257,8 @@ def cmd_import_traces(args: argparse.Namespace) -> int:
         raise UsageError(f"--listen {args.listen} names host {host} and --host {args.host}: give the host once")
     if args.strict:
         raise UsageError("--strict applies to FILE imports; --listen writes each trace as it completes")
-    receiver = Receiver(args.out, roles=roles, policies=policies, api_key=resolve_api_key(args.api_key, args.api_key_file))
+    receiver = Receiver(args.out, roles=roles, policies=policies, api_key=resolve_api_key(args.api_key, args.api_key_file),
+                        input_key=args.input_key)
     host = host or args.host or "127.0.0.1"
     try:
         server = receiver.server(host, int(port))
@@ -273,6 +275,31 @@ def cmd_import_traces(args: argparse.Namespace) -> int:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     print("\n".join(receiver.close().lines()), flush=True)
+    return 0
+
+
+def cmd_feedback(args: argparse.Namespace) -> int:
+    from mas_trainer.production.scoring import add_feedback, feedback_from_file, score_with_reward
+
+    one = {"--score": args.score, "--label": args.label, "--turn": args.turn, "--comment": args.comment}
+    if sum(x is not None for x in (args.run_id, args.from_file, args.reward)) != 1:
+        raise UsageError("give RUN_ID --score S (or --label L), --from FILE.jsonl, or --reward APP (one of them)")
+    if args.run_id is None and any(v is not None for v in one.values()):
+        raise UsageError(f"{', '.join(k for k, v in one.items() if v is not None)}: only with RUN_ID (a --from file's "
+                         "lines carry their own; a --reward gives scores)")
+    if args.run_id is not None:
+        add_feedback(args.folder, args.run_id, score=args.score, label=args.label, turn=args.turn, comment=args.comment)
+        print(f"wrote feedback on run {args.run_id} in {args.folder}")
+    elif args.from_file is not None:
+        done = feedback_from_file(args.folder, args.from_file)
+        print(f"wrote {done.entries} feedback entries on {done.runs} runs from {args.from_file} into {args.folder}")
+    else:
+        done = score_with_reward(args.folder, args.reward)
+        spread = f": min {min(done.scores):.4g}, mean {sum(done.scores) / len(done.scores):.4g}, max {max(done.scores):.4g}" \
+            if done.scores else ""
+        print(f"scored {done.runs} of {done.runs_read} runs in {args.folder} with {args.reward} (trajectory level){spread}; "
+              f"not scored: {done.not_applicable} the reward returned None for, {done.not_ok} that failed, "
+              f"{done.already} a reward scored before")
     return 0
 
 
@@ -303,6 +330,9 @@ def cmd_data(args: argparse.Namespace) -> int:
                  f"tasks: {r.tasks_train} train, {r.tasks_val} held out (val_fraction {args.val_fraction:g}, seed {args.seed})"
                  + _no_held_out(args.val_fraction, r.tasks_train, r.tasks_val, r.runs_without_task),
                  f"sft: {r.sft_lines} lines from {r.sft_runs} runs (by role: {roles}); calls dropped: {dropped}",
+                 *([] if r.runs_scored or not r.runs_read else [
+                     "no run has a score or a label, so no call is SFT data: score them with `mas-trainer feedback DIR RUN_ID "
+                     "--score S`, `--from FILE.jsonl` or `--reward APP` (imported runs), or POST /v1/feedback while serving"]),
                  f"wrote {args.out}: tasks.jsonl, val.jsonl, sft.jsonl, report.json"):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     lines, files = sum(r.lines_skipped.values()), sum(r.files_skipped.values())
@@ -460,7 +490,28 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", action="append", default=[], metavar="ROLE=POLICY", help="the policy of a role's calls "
                                                                                          "(default: the role; repeatable)")
     p.add_argument("--strict", action="store_true", help="anything that cannot be imported is an error (exit 1, nothing written)")
+    p.add_argument("--input-key", default=None, metavar="FIELD", help="a root input that is plain text is the graph input's "
+                                                                      "FIELD (OpenInference writes a one-field input as its text)")
     p.set_defaults(func=cmd_import_traces)
+
+    p = sub.add_parser("feedback", help="scores and labels for the runs of a record folder (imported traces): one run, a file, "
+                                        "or a reward function",
+                       description="Give feedback on the runs of RECORD_DIR (import-traces --out, or a stopped serve --record) "
+                                   "as POST /v1/feedback gives it while serving, so `data` can choose among them: one run's "
+                                   "score or label, a JSON-lines file of them, or a reward function's scores (all or nothing; "
+                                   "docs/serving.md).")
+    p.add_argument("folder", metavar="RECORD_DIR", help="a record folder no server is writing")
+    p.add_argument("run_id", nargs="?", default=None, metavar="RUN_ID", help="the run (32 hex: the trace id) to score")
+    p.add_argument("--score", type=float, default=None, help="with RUN_ID: a finite number")
+    p.add_argument("--label", default=None, help="with RUN_ID: a label (e.g. good)")
+    p.add_argument("--turn", default=None, help="with RUN_ID: one of its calls' ids, to score that call alone")
+    p.add_argument("--comment", default=None, help="with RUN_ID: a note kept with it")
+    p.add_argument("--from", dest="from_file", default=None, metavar="FILE.jsonl",
+                   help='one POST /v1/feedback body a line: {"run_id": ..., "score": ..., "label": ..., "turn": ...}')
+    p.add_argument("--reward", default=None, metavar="APP|FILE.py:FUNCTION",
+                   help="score each run with a function (task, final_state, trajectory) -> float | None, or an app's "
+                        "@trainable(reward=...); runs a reward scored before are left as they are")
+    p.set_defaults(func=cmd_feedback)
 
     p = sub.add_parser("view", help="look at a run in the browser: curves, graphs of node calls, tokens, rewards",
                        description="Serve a local page (127.0.0.1 only) showing RUN_DIR's reward and held-out curves and, per step, "

@@ -52,7 +52,7 @@ from typing import IO, Any, Callable, Iterable, Iterator, Protocol, Sequence
 from pydantic import BaseModel, Field
 
 from mas_trainer.errors import UserError, nested_too_deep
-from mas_trainer.production.record import FEEDBACK_FILE, RUN_ID, Feedback, GraphRun, write_synced
+from mas_trainer.production.record import FEEDBACK_FILE, RUN_ID, GraphRun, RecordedFeedback, write_synced
 from mas_trainer.trace.schema import LLMCall
 
 __all__ = ["SFTLine", "Report", "Datasets", "Written", "DEFAULT_MIN_SCORE", "MAX_TASK_BYTES", "MAX_DEPTH", "MAX_LINE_BYTES",
@@ -100,6 +100,7 @@ class Report(BaseModel):
     runs_without_task: int = 0
     runs_task_unusable: dict[str, int] = Field(default_factory=dict)  # too_large / too_deep / not_json: no task, no SFT
     feedback_ignored: int = 0  # not a finite score or a label, or a turn the run does not have
+    runs_scored: int = 0  # runs with a score or a label to go by (on the run, or on one of its calls)
     tasks_train: int = 0
     tasks_val: int = 0
     tasks_duplicate: int = 0  # runs whose task an earlier run already gave
@@ -329,8 +330,8 @@ def _record(value: Any) -> tuple[str, str, Any, bool]:
         data, extra = _known(GraphRun, value["graph"])
         return "graph", run_id, GraphRun.model_validate({**data, "run_id": run_id}), extra
     if "feedback" in value:
-        data, extra = _known(Feedback, value["feedback"])
-        fb = Feedback.model_validate({**data, "run_id": run_id})
+        data, extra = _known(RecordedFeedback, value["feedback"])
+        fb = RecordedFeedback.model_validate({**data, "run_id": run_id})
         return "feedback", run_id, {"score": fb.score, "label": fb.label, "turn": fb.turn}, extra
     data, extra = _known(LLMCall, value["call"])
     return "call", run_id, LLMCall.model_validate(data), extra
@@ -590,6 +591,7 @@ class _Curator:
             if run.side != "duplicate":
                 r.feedback_ignored += run.stray + sum(v.useless if turn is None or v.matched else v.given
                                                       for turn, v in run.votes.items())
+                r.runs_scored += any((v.scores or v.labelled) and (turn is None or v.matched) for turn, v in run.votes.items())
 
     def _call(self, run_id: str, run: _Run, call: LLMCall, place: tuple[int, int],
               best: dict[bytes, tuple[tuple[int, int], str, str, str]]) -> None:
@@ -660,10 +662,10 @@ def check_folders(folders: Sequence[str | Path]) -> list[Path]:
     for folder in map(Path, folders):
         if not folder.is_dir():
             raise UserError(f"record folder {folder} {'is not a folder' if folder.exists() else 'not found'}: "
-                            "give a folder written by `mas-trainer serve --record DIR`")
+                            "give a folder written by `mas-trainer serve --record DIR` or `import-traces --out DIR`")
         if not _regular_run_files(folder):
             raise UserError(f"{folder} holds no runs-NNNN.jsonl files (links are not followed): "
-                            "give a folder written by `mas-trainer serve --record DIR`")
+                            "give a folder written by `mas-trainer serve --record DIR` or `import-traces --out DIR`")
         if folder.resolve() not in {p.resolve() for p in out}:
             out.append(folder)
     return out

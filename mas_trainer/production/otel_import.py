@@ -87,6 +87,7 @@ class ImportReport:
     duplicates: int = 0  # runs already in DIR, skipped
     nested: int = 0  # LLM spans inside another LLM span (one call seen by two instrumentations), counted once
     tasks: int = 0  # runs written with their graph input (their task) from the root span
+    text_tasks: int = 0  # of those, inputs that are not an object (kept as {"input": ...})
     unmapped: Counter[str] = field(default_factory=Counter)
     examples: dict[str, list[str]] = field(default_factory=dict)
 
@@ -102,6 +103,7 @@ class ImportReport:
         self.partial_runs, self.duplicates = self.partial_runs + other.partial_runs, self.duplicates + other.duplicates
         self.nested += other.nested
         self.tasks += other.tasks
+        self.text_tasks += other.text_tasks
         for reason, n in other.unmapped.items():
             self.unmapped[reason] += n
             ex = self.examples.setdefault(reason, [])
@@ -111,7 +113,9 @@ class ImportReport:
         out = [f"imported {self.runs} runs ({self.calls} LLM calls); {self.tasks} of them with their task from the root "
                f"span; {self.duplicates} duplicate runs skipped"
                + (f"; {self.partial_runs} runs written without some of their LLM spans" if self.partial_runs else "")
-               + (f"; {self.nested} LLM spans inside another LLM span counted once" if self.nested else "")]
+               + (f"; {self.nested} LLM spans inside another LLM span counted once" if self.nested else "")
+               + (f"; {self.text_tasks} tasks are plain text, kept as {{\"input\": ...}}: if the graph's input is one "
+                  "field, which OpenInference writes as its text alone, give --input-key FIELD" if self.text_tasks else "")]
         for reason, n in self.unmapped.most_common():
             out.append(f"  not imported: {n} x {reason} (e.g. {', '.join(self.examples.get(reason, []))})")
         return out
@@ -554,10 +558,28 @@ _TRACE_ID = re.compile(r"[0-9a-f]{32}")  # a recorded run's id (GraphRun.run_id)
 _ROOT_IO = (("input.value", "output.value", None), ("traceloop.entity.input", "traceloop.entity.output", ("inputs", "outputs")))
 
 
-def root_runs(spans: Iterable[Span]) -> dict[str, GraphRun]:
+def _lc_messages(value: Any, depth: int = 0) -> Any:
+    """`value` with each LangChain message in `messages_to_dict`'s form ({"type": "ai", "data":
+    {...}}, as OpenInference writes a state's messages) as its own fields (the message's
+    `model_dump`, as a served run's record holds it), so a reward gets messages back from either."""
+    if depth > MAX_DEPTH:
+        return value
+    if isinstance(value, list):
+        return [_lc_messages(v, depth + 1) for v in value]
+    if not isinstance(value, dict):
+        return value
+    data = value.get("data")
+    if len(value) == 2 and isinstance(data, dict) and data.get("type") == value.get("type") and "content" in data:
+        return data
+    return {k: _lc_messages(v, depth + 1) for k, v in value.items()}
+
+
+def root_runs(spans: Iterable[Span], input_key: str | None = None) -> dict[str, GraphRun]:
     """trace id -> its graph input and output, from the trace's root span where an
     instrumentation put them there (what becomes the run's task, as a served run's graph
-    record does); a root span that failed makes the run's status `error`."""
+    record does); a root span that failed makes the run's status `error`. `input_key`: an input
+    that is not an object becomes {input_key: it} (OpenInference writes a one-field input as
+    that field's text alone)."""
     out: dict[str, GraphRun] = {}
     for span in spans:
         if span.parent_id is not None or not _TRACE_ID.fullmatch(span.trace_id):
@@ -572,6 +594,9 @@ def root_runs(spans: Iterable[Span]) -> dict[str, GraphRun]:
             if wrapped is not None:
                 value = value.get(wrapped[0], value) if isinstance(value, dict) else value
                 result = result.get(wrapped[1], result) if isinstance(result, dict) else result
+            value, result = _lc_messages(value), _lc_messages(result)
+            if input_key is not None and value is not None and not isinstance(value, dict):
+                value = {input_key: value}
             out[span.trace_id] = GraphRun(run_id=span.trace_id, input=value, output=result,
                                           status="error" if span.error is not None else "ok",
                                           error=(span.error or "failed")[:2000] if span.error is not None else None)
@@ -580,10 +605,10 @@ def root_runs(spans: Iterable[Span]) -> dict[str, GraphRun]:
 
 
 def import_traces(files: Iterable[str | Path], out: str | Path, *, roles: dict[str, str] | None = None,
-                  policies: dict[str, str] | None = None, strict: bool = False) -> ImportReport:
+                  policies: dict[str, str] | None = None, strict: bool = False, input_key: str | None = None) -> ImportReport:
     """Import OTLP/JSON files into the record folder `out` (appended; runs already there are skipped).
     Bad input (a missing file, not JSON, not OTLP): UserError. `strict`: anything not imported
-    raises Unmapped and nothing is written."""
+    raises Unmapped and nothing is written. `input_key`: see `root_runs`."""
     report = ImportReport()
     spans: list[Span] = []
     for f in files:
@@ -591,7 +616,7 @@ def import_traces(files: Iterable[str | Path], out: str | Path, *, roles: dict[s
     runs = map_traces(spans, report, roles, policies)
     if strict and report.unmapped:
         raise Unmapped(report)
-    _write_runs(Recorder(out, max_mb=2**30), runs, report, root_runs(spans))  # never trim: an import only adds
+    _write_runs(Recorder(out, max_mb=2**30), runs, report, root_runs(spans, input_key))  # never trim: an import only adds
     return report
 
 
@@ -608,6 +633,7 @@ def _write_runs(recorder: Recorder, runs: dict[str, list[LLMCall]], report: Impo
         graph = (graphs or {}).get(run_id)
         if graph is not None and recorder.record_graph(graph) is None:
             report.tasks += 1
+            report.text_tasks += graph.input is not None and not isinstance(graph.input, dict)
         report.runs += 1
         report.calls += len(calls)
 
@@ -669,8 +695,9 @@ class Receiver:
     the record folder is read once, here, and then only appended to. Protobuf bodies get 415."""
 
     def __init__(self, out: str | Path, *, roles: dict[str, str] | None = None, policies: dict[str, str] | None = None,
-                 api_key: str | None = None, limits: ListenLimits | None = None) -> None:
+                 api_key: str | None = None, limits: ListenLimits | None = None, input_key: str | None = None) -> None:
         self.out, self.roles, self.policies, self.api_key = Path(out), roles, policies, api_key
+        self.input_key = input_key
         self.limits = limits or ListenLimits()
         self.report = ImportReport()
         try:
@@ -763,7 +790,7 @@ class Receiver:
             return
         mapped = ImportReport()
         runs = map_traces((s for spans in traces for s in spans), mapped, self.roles, self.policies)
-        graphs = root_runs(s for spans in traces for s in spans)
+        graphs = root_runs((s for spans in traces for s in spans), self.input_key)
         with self._write_lock:
             _write_runs(self._recorder, runs, mapped, graphs)
         with self._report_lock:

@@ -15,8 +15,10 @@ away. `redact` (str -> str) sees every text before the disk does (messages, tool
 graph records, feedback labels and comments); a call it changed loses its token ids, which
 would decode to the text it removed (the warm start renders its redacted messages instead).
 When it raises (anything, `sys.exit` too), nothing of that call or record is written.
-`read_runs(DIR)` gives (Trajectory, [feedback]) per run (and reads `feedback.jsonl`, where
-earlier builds kept it).
+Feedback written on a folder, not posted (`mas-trainer feedback`: a file of it, or a reward
+function's scores), says what gave it (`RecordedFeedback.by`) and is taken whole or not at all
+(`Recorder.feedback_all`). `read_runs(DIR)` gives (Trajectory, [feedback]) per run (and reads
+`feedback.jsonl`, where earlier builds kept it).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictFloat, model_validator
 from mas_trainer.errors import UserError
 from mas_trainer.trace.schema import LLMCall, NodeCall, Trajectory
 
-__all__ = ["Feedback", "GraphRun", "Recorder", "read_runs", "run_files", "load_redactor", "write_synced", "RUN_ID"]
+__all__ = ["Feedback", "RecordedFeedback", "GraphRun", "Recorder", "read_runs", "run_files", "load_redactor", "write_synced", "RUN_ID"]
 
 log = logging.getLogger(__name__)
 RUN_ID = re.compile(r"[0-9a-f]{32}")
@@ -63,6 +65,14 @@ class Feedback(BaseModel):
         if self.score is None and self.label is None:
             raise ValueError("give a score or a label")
         return self
+
+
+class RecordedFeedback(Feedback):
+    """Feedback as kept: `by` says what gave it when it was not posted (`mas-trainer feedback`: a
+    file's line, a reward function and its level), for whoever audits a score. POST bodies are
+    `Feedback`, which refuses `by`: a client cannot pass its feedback off as a reward's."""
+
+    by: str | None = Field(default=None, max_length=300)
 
 
 class GraphRun(BaseModel):
@@ -335,26 +345,49 @@ class Recorder:
     def feedback(self, fb: Feedback) -> tuple[Literal["unknown", "run_limit", "full", "redaction"], str] | None:
         """Persist feedback on a held run; why it is refused (a kind and a sentence), or None.
         Bounded per run and in all, and refused past that: it never deletes a run to fit."""
-        data = fb.model_dump(mode="json", exclude_none=True, exclude={"run_id"})
-        if not self._redacted(data, tuple(k for k in ("label", "comment") if k in data), f"run {fb.run_id}: feedback"):
-            return "redaction", "the server's redaction hook failed on it; it is not recorded"
-        record = {"run_id": fb.run_id, "feedback": data}
-        size = len(json.dumps(record, separators=(",", ":"))) + 2  # its line, and a newline ending a torn one
-        bound = (f"at most {FEEDBACK_PER_RUN} feedback entries and {FEEDBACK_RUN_BYTES // 1024} KiB of them "
-                 "are kept per run")
+        refused = self.feedback_all([fb])
+        return None if refused is None else refused[1:]
+
+    def feedback_all(self, entries: list[Feedback]) -> tuple[int, Literal["unknown", "run_limit", "full", "redaction"],
+                                                               str] | None:
+        """Persist every entry, or none: (the index of the first refused, its kind, why) when one
+        is refused, each judged as `feedback` judges one, with the entries before it counted."""
+        records: list[dict[str, Any]] = []
+        for i, fb in enumerate(entries):
+            data = fb.model_dump(mode="json", exclude_none=True, exclude={"run_id"})
+            if not self._redacted(data, tuple(k for k in ("label", "comment") if k in data), f"run {fb.run_id}: feedback"):
+                return i, "redaction", "the server's redaction hook failed on it; it is not recorded"
+            records.append({"run_id": fb.run_id, "feedback": data})
         with self._lock:
-            why = self._unknown(fb.run_id, fb.turn)
-            if why is not None:
-                return "unknown", why
-            entries, used = self._feedback.get(fb.run_id, (0, 0))
-            if entries >= FEEDBACK_PER_RUN or used + size > FEEDBACK_RUN_BYTES:
-                return "run_limit", (f"run {fb.run_id} has {entries} feedback entries ({used} bytes): {bound}; "
-                                     "this one is not recorded")
-            if self._feedback_total + size > self.feedback_bytes:
-                return "full", (f"the server keeps at most {self.feedback_bytes / 2**20:.3g} MiB of feedback in all "
-                                f"(1/{FEEDBACK_SHARE} of --record-max-mb) and is there: more is refused until older "
-                                "runs rotate away (a larger --record-max-mb keeps more)")
-            self._count_feedback(fb.run_id, self._append(record))
+            added: dict[str, list[int]] = {}  # run id -> [entries, bytes] of this batch
+            total = self._feedback_total
+            for i, record in enumerate(records):
+                size = len(json.dumps(record, separators=(",", ":"))) + 2  # its line, and a newline ending a torn one
+                refused = self._refused(entries[i], size, added.get(entries[i].run_id, [0, 0]), total)
+                if refused is not None:
+                    return (i, *refused)
+                given = added.setdefault(entries[i].run_id, [0, 0])
+                given[0], given[1], total = given[0] + 1, given[1] + size, total + size
+            for fb, record in zip(entries, records):
+                self._count_feedback(fb.run_id, self._append(record))
+        return None
+
+    def _refused(self, fb: Feedback, size: int, batch: list[int],
+                 total: int) -> tuple[Literal["unknown", "run_limit", "full"], str] | None:
+        """Why one entry of `size` bytes is refused (the lock held), `batch` [entries, bytes] of
+        its run already taken in this batch, `total` all feedback kept with them."""
+        why = self._unknown(fb.run_id, fb.turn)
+        if why is not None:
+            return "unknown", why
+        entries, used = self._feedback.get(fb.run_id, (0, 0))
+        entries, used = entries + batch[0], used + batch[1]
+        if entries >= FEEDBACK_PER_RUN or used + size > FEEDBACK_RUN_BYTES:
+            bound = f"at most {FEEDBACK_PER_RUN} feedback entries and {FEEDBACK_RUN_BYTES // 1024} KiB of them are kept per run"
+            return "run_limit", f"run {fb.run_id} has {entries} feedback entries ({used} bytes): {bound}; this one is not recorded"
+        if total + size > self.feedback_bytes:
+            return "full", (f"the server keeps at most {self.feedback_bytes / 2**20:.3g} MiB of feedback in all "
+                            f"(1/{FEEDBACK_SHARE} of --record-max-mb) and is there: more is refused until older "
+                            "runs rotate away (a larger --record-max-mb keeps more)")
         return None
 
 
@@ -386,7 +419,7 @@ def read_runs(folder: str | Path) -> Iterator[tuple[Trajectory, list[dict[str, A
                     graphs.setdefault(run_id, GraphRun.model_validate({**_known(GraphRun, rec["graph"]), "run_id": run_id}))
                     continue
                 if "feedback" in rec:
-                    given = Feedback.model_validate({**_known(Feedback, rec["feedback"]), "run_id": run_id})
+                    given = RecordedFeedback.model_validate({**_known(RecordedFeedback, rec["feedback"]), "run_id": run_id})
                     feedback.setdefault(run_id, []).append(given.model_dump(mode="json", exclude_none=True))
                     continue
                 call = LLMCall.model_validate(_known(LLMCall, rec["call"]))
