@@ -162,6 +162,15 @@ class ResolvedSpec:
             pols[FROZEN_POLICY] = PolicySpec(FROZEN_POLICY, base, trainable=False)
         return pols
 
+    def describe_policies(self) -> str:
+        """``lead=tiny, crew=tiny``: the policies and their base models, the frozen policy only
+        where a node is served by it (it also answers calls that name no node, which is no news)."""
+        parts = [f"{name}={p.base_model}" for name, p in self.policies.items() if name != FROZEN_POLICY]
+        frozen = [n for n in self.nodes if self.route(n).policy == FROZEN_POLICY]
+        if frozen:
+            parts.append(f"{FROZEN_POLICY}={self.policies[FROZEN_POLICY].base_model} ({', '.join(frozen)})")
+        return ", ".join(parts) or "(none)"
+
     @cached_property
     def roles(self) -> list[str]:
         """The roles the app's nodes play (what role_rewards and turn_rewards are keyed by), in node order."""

@@ -139,3 +139,12 @@ def test_reward_keys_must_be_roles_of_the_app():
     TrainSpec.build(roles, role_rewards={"planner": _fn, "research:summarize": _fn}, turn_rewards={"coder": _fn}).resolve(NODES)
     TrainSpec.build({"math_expert": "m"}, default_policy="m", role_rewards={"supervisor:agent": _fn}).resolve(XRAY)
     TrainSpec.build(roles, role_rewards=_fn, turn_rewards=_fn).resolve(NODES)
+
+
+def test_the_frozen_policy_is_listed_only_where_a_node_is_served_by_it():
+    """Every node trained: `frozen` only answers calls that name no node, and is not listed."""
+    all_trained = TrainSpec.build({n: "p" for n in ("planner", "coder", "reflector", "research")}, {"p": "tiny"}).resolve(NODES)
+    assert FROZEN_POLICY in all_trained.policies  # still there for calls that name no node
+    assert all_trained.describe_policies() == "p=tiny"
+    some_frozen = TrainSpec.build({"planner": "p"}, {"p": "tiny"}, frozen=["coder"]).resolve(NODES)
+    assert some_frozen.describe_policies() == "p=tiny, frozen=tiny (coder, reflector, research, research:search_query, research:summarize)"
