@@ -196,7 +196,7 @@ def score_with_reward(folder: str | Path, reward: str | Callable[..., Any]) -> S
     entries: list[RecordedFeedback] = []
     for traj, feedback in read_runs(path):
         scored.runs_read += 1
-        if traj.status != "ok":  # its calls are never SFT data, and fit does not score a failed rollout either
+        if traj.status != "ok":  # its calls are never SFT data; fit gives a failed rollout reward.on_failure, not the reward
             scored.not_ok += 1
             continue
         if any(str(fb.get("by") or "").startswith(REWARD_BY) for fb in feedback):
