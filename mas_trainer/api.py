@@ -106,14 +106,19 @@ def fit(app: Any, data: str | Path | Iterable[dict[str, Any]], *, output: str | 
 
 
 def evaluate(app: Any, data: str | Path | Iterable[dict[str, Any]], *, run: str | Path | None = None,
-             **options: Any) -> dict[str, Any]:
+             compare: str | None = None, **options: Any) -> dict[str, Any]:
     """Mean reward of `app` on `data`, overall and per role, with the trained policies of `run`
     (else the base models); `options` as `mas-trainer eval`'s (n, seed, max_tokens, temperature,
-    max_in_flight, timeout_s, model)."""
-    from mas_trainer.loop.evaluate import evaluate as run_evaluate
+    max_in_flight, timeout_s, model). `compare="base"` (`eval --compare base`) measures `run`'s
+    trained policies and their base models on the same tasks with the same seeds and returns
+    both, each task's rewards and the paired difference with its spread
+    (`mas_trainer.loop.evaluate.compare`)."""
+    from mas_trainer.loop.evaluate import compare as run_compare, evaluate as run_evaluate
 
     quiet_libraries()  # no third-party progress bars, as from the CLI
-    return run_evaluate(app, load_tasks(data), run_dir=run, **options)
+    if compare is None:
+        return run_evaluate(app, load_tasks(data), run_dir=run, **options)
+    return run_compare(app, load_tasks(data), run_dir=run, against=compare, **options)
 
 
 def export(run: str | Path, out_dir: str | Path, *, adapter: bool | None = None) -> Path:

@@ -157,7 +157,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from mas_trainer.api import evaluate
-    from mas_trainer.loop.evaluate import timeout_warning
+    from mas_trainer.loop.evaluate import comparison_table, timeout_warning
 
     _check_model(args.model)
     if args.max_in_flight is not None and args.max_in_flight < 1:
@@ -165,22 +165,27 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.timeout is not None and not args.timeout > 0:
         raise UsageError(f"--timeout {args.timeout:g}: give the seconds a rollout may run, more than 0")
     tasks = _load_tasks(argparse.Namespace(input=None, data=args.data))
-    result = evaluate(args.app, tasks, run=args.run, model=args.model, n=args.n, seed=args.seed, max_tokens=args.max_tokens,
-                      temperature=args.temperature, max_in_flight=args.max_in_flight, timeout_s=args.timeout)
-    table = Table(title=f"reward on {len(tasks)} tasks x {args.n} ({'trained: ' + args.run if args.run else 'base models'})")
-    table.add_column("")
-    for column in ("mean reward", "rollouts scored", "timed out (not scored)"):
-        table.add_column(column, justify="right")
-    timed_out = result.get("rollouts/timeout", 0)
-    table.add_row("overall", f"{result['reward/mean']:.4f}" if result["reward/mean"] is not None else "-",
-                  str(result["rollouts"] - timed_out), str(timed_out))
-    for key, value in result.items():
-        if key.startswith("reward/role/"):
-            table.add_row(f"role {key.split('/', 2)[2]}", f"{value:.4f}", "", "")
+    result = evaluate(args.app, tasks, run=args.run, compare=args.compare, model=args.model, n=args.n, seed=args.seed,
+                      max_tokens=args.max_tokens, temperature=args.temperature, max_in_flight=args.max_in_flight,
+                      timeout_s=args.timeout)
     console = output_console(stderr=True)
-    console.print(table)
-    warning = timeout_warning(result)
-    if warning:
+    if args.compare:
+        console.print(comparison_table(result, args.run))
+        warnings = [f"{side}: {w}" for side in ("base", "trained") if (w := timeout_warning(result[side]))]
+    else:
+        table = Table(title=f"reward on {len(tasks)} tasks x {args.n} ({'trained: ' + args.run if args.run else 'base models'})")
+        table.add_column("")
+        for column in ("mean reward", "rollouts scored", "timed out (not scored)"):
+            table.add_column(column, justify="right")
+        timed_out = result.get("rollouts/timeout", 0)
+        table.add_row("overall", f"{result['reward/mean']:.4f}" if result["reward/mean"] is not None else "-",
+                      str(result["rollouts"] - timed_out), str(timed_out))
+        for key, value in result.items():
+            if key.startswith("reward/role/"):
+                table.add_row(f"role {key.split('/', 2)[2]}", f"{value:.4f}", "", "")
+        console.print(table)
+        warnings = [w for w in (timeout_warning(result),) if w]
+    for warning in warnings:
         console.print(warning, markup=False, highlight=False, soft_wrap=True)
     text = json.dumps(result, indent=1)
     if args.output:
@@ -409,6 +414,8 @@ def _parser() -> argparse.ArgumentParser:
                                                                     "rollout.max_in_flight, else runtime.max_batch_size)")
     p.add_argument("--timeout", type=float, default=None, help="seconds a rollout may run; longer ones are counted as timed "
                                                                 "out, not scored (default: the run's rollout.timeout_s, else 300)")
+    p.add_argument("--compare", default=None, metavar="base", help="also run --run's base models on the same tasks with the "
+                   "same seeds: both sides' mean rewards, the paired difference and its spread over the tasks (docs/training.md)")
     p.add_argument("--output", default=None, help="also write the JSON here")
     p.set_defaults(func=cmd_eval)
 

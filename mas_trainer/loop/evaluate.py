@@ -13,6 +13,13 @@ run at once as an engine decodes together (`runtime.max_batch_size`). When every
 there is no reward to report: `evaluate` raises `EveryRolloutFailed`, one line naming the first
 failure's cause (`mas-trainer eval` exits 2).
 
+`compare` (`eval --compare base`) sets a run's trained policies against their base models on
+the same tasks, one side's engines after the other's, each rollout with the same id and so
+each call with the same sampling seed on both sides: it pairs each task's
+rewards and reports the mean difference with its spread over the tasks (`paired_figures`).
+Both sides, like `evaluate`, give every rollout an id of its own (`eval-tTASK-rK`), not a random
+one, so the same `seed` samples the same rollouts again.
+
 `score_rollouts` scores a batch as `fit` does (group rewards such as an LLM judge first, then
 `assign_rewards` on each rollout, then the judges' verdicts in the audit trail); `eval` and
 `mas-trainer trace` use it.
@@ -20,20 +27,29 @@ failure's cause (`mas-trainer eval` exits 2).
 
 from __future__ import annotations
 
-from collections import Counter
+import statistics
+from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mas_trainer.config import RewardConfig, load_config
 from mas_trainer.errors import UserError
-from mas_trainer.rewards import RewardError, RewardSpec, annotate_groups, assign_rewards, check_allocator, score_groups
+from mas_trainer.rewards import (RewardError, RewardSpec, annotate_groups, assign_rewards, check_allocator, is_dropped,
+                                 score_groups)
+from mas_trainer.rewards.allocators import rollout_reward
 from mas_trainer.run.rundir import run_config, trained_policies
 from mas_trainer.loop.backends import policy_backends, shared_policies
 from mas_trainer.loop.session import Session
 from mas_trainer.loop.trainer import summarize
 from mas_trainer.trace.schema import Trajectory
 
-__all__ = ["evaluate", "timeout_warning", "score_rollouts", "EveryRolloutFailed", "every_rollout_failed"]
+if TYPE_CHECKING:
+    from rich.table import Table
+
+__all__ = ["BASE", "evaluate", "compare", "task_rewards", "paired_figures", "comparison_table", "timeout_warning",
+           "score_rollouts", "EveryRolloutFailed", "every_rollout_failed"]
+
+BASE = "base"  # what `compare` sets a run's trained policies against: the base models they were trained from
 
 
 class EveryRolloutFailed(UserError):
@@ -86,6 +102,44 @@ def evaluate(app_ref: Any, tasks: list[dict], *, run_dir: str | Path | None = No
     `rollout.*`, `rollout.val_temperature`), or `fit`'s defaults without a run; `max_in_flight`
     defaults to `runtime.max_batch_size`. Timed-out rollouts are counted, not scored."""
     trained = trained_policies(run_dir) if run_dir is not None else {}
+    return _measure(app_ref, tasks, run_dir, trained, model=model, n=n, seed=seed, max_tokens=max_tokens,
+                    max_in_flight=max_in_flight, temperature=temperature, timeout_s=timeout_s)[1]
+
+
+def compare(app_ref: Any, tasks: list[dict], *, run_dir: str | Path | None, against: str = BASE, **options: Any) -> dict[str, Any]:
+    """The run's trained policies against their base models (`against="base"`, the one target
+    so far) on the same tasks: each side as `evaluate` measures it, with the same `options` (as
+    `evaluate`'s), rollout ids and sampling seed, so that a call seeing the same prompt on both
+    sides is sampled with the same seed. Each side has a session of its own (the gateway takes
+    a rollout id once), whose engines are closed before the other side's start.
+
+    Returns each side's `evaluate` figures (``base``, ``trained``); ``paired``: for the overall
+    reward and each role's, over the tasks scored on both sides, the mean task reward of either
+    side, their difference (trained - base), its standard error and a 95% paired bootstrap
+    interval (`paired_figures`); and ``per_task``, each task's rewards they are computed from."""
+    if against != BASE:
+        raise UserError(f"compare={against!r} is not a comparison target: compare a run's trained policies with "
+                        f"{BASE!r} (the base models they were trained from)")
+    if run_dir is None:
+        raise UserError(f"compare={against!r} needs a run (eval --run RUN_DIR): the trained policies to compare with their "
+                        "base models")
+    trained = trained_policies(run_dir)
+    base_trajs, base = _measure(app_ref, tasks, run_dir, {}, **options)
+    trained_trajs, result = _measure(app_ref, tasks, run_dir, trained, **options)
+    n = options.get("n", 1)
+    per_task = [{"task": i, "rollout_ids": [t.rollout_id for t in trained_trajs[i * n:(i + 1) * n]], "base": b, "trained": t}
+                for i, (b, t) in enumerate(zip(task_rewards(base_trajs, n), task_rewards(trained_trajs, n), strict=True))]
+    seed = options.get("seed", 0)
+    return {"tasks": len(tasks), "n": n, "seed": seed, "base": base, "trained": result,
+            "paired": paired_figures(per_task, seed=seed), "per_task": per_task}
+
+
+def _measure(app_ref: Any, tasks: list[dict], run_dir: str | Path | None, checkpoints: dict[str, Path], *,
+             model: str | None = None, n: int = 1, seed: int = 0, max_tokens: int | None = None,
+             max_in_flight: int | None = None, temperature: float | None = None,
+             timeout_s: float | None = None) -> tuple[list[Trajectory], dict[str, Any]]:
+    """The app on `tasks` with the policies in `checkpoints` (the others on their base models),
+    in a session of its own: its trajectories, scored, and their figures (`evaluate`'s)."""
     cfg = run_config(run_dir) if run_dir is not None else load_config()
     ro = cfg.rollout
     # a run's base models are built as fit built them (the seed decides `tiny`'s weights)
@@ -94,22 +148,93 @@ def evaluate(app_ref: Any, tasks: list[dict], *, run_dir: str | Path | None = No
                  timeout_s=_given(timeout_s, ro.timeout_s), default_max_tokens=_given(max_tokens, ro.max_tokens),
                  engine_settings=cfg.runtime, seed=model_seed) as session:
         app = session.load_app(app_ref, start_engines=False, recursion_limit=ro.recursion_limit)
-        # adapters of a shared base (learner.shared_base) are measured as fit ran them: one base, each its adapter
-        for name, backend in policy_backends(app.spec.policies, cfg.runtime, seed=model_seed, checkpoints=trained,
-                                             shared=shared_policies(cfg, trained)).items():
-            session.attach(name, backend)
         r = cfg.reward
         check_allocator(r.allocator, r.options)  # one the app registers exists only now
+        # adapters of a shared base (learner.shared_base) are measured as fit ran them: one base, each its adapter
+        for name, backend in policy_backends(app.spec.policies, cfg.runtime, seed=model_seed, checkpoints=checkpoints,
+                                             shared=shared_policies(cfg, checkpoints)).items():
+            session.attach(name, backend)
         session.reseed(seed, temperature=_given(temperature, ro.val_temperature))
-        trajs = session.run(tasks, n=n)
+        # ids of their own, not random ones: a call's seed derives from its rollout's id, so the same
+        # seed samples the same rollouts again, and both sides of a comparison alike
+        trajs = session.complete(session.rollouts(tasks, n=n, ids=_rollout_ids(len(tasks), n)))
         failed = every_rollout_failed(trajs, "no reward to report")
         if failed is not None:
             raise failed
-        spec = RewardSpec.of(app.spec.declared)
-        cost, _ = score_rollouts(spec, trajs, r)
+        cost, _ = score_rollouts(RewardSpec.of(app.spec.declared), trajs, r)
         settings = {"max_in_flight": session.max_in_flight, "timeout_s": session.timeout_s}
-    used = {p: str(trained.get(p, pol.base_model)) for p, pol in app.spec.policies.items()}
-    return {"policies": used, **settings, **summarize(trajs, timeouts_apart=True), **cost}
+    used = {p: str(checkpoints.get(p, pol.base_model)) for p, pol in app.spec.policies.items()}
+    return trajs, {"policies": used, **settings, **summarize(trajs, timeouts_apart=True), **cost}
+
+
+def _rollout_ids(n_tasks: int, n: int) -> list[str]:
+    return [f"eval-t{i:05d}-r{k}" for i in range(n_tasks) for k in range(n)]
+
+
+def task_rewards(trajs: list[Trajectory], n: int) -> list[dict[str, float]]:
+    """Each task's rewards (its `n` rollouts, task-major, as `Session.rollouts` returns them),
+    counted as `summarize` counts a batch's: ``reward/mean``, the mean of its scored rollouts'
+    rewards (timed-out and dropped ones left out), and ``reward/role/ROLE``, the mean of that
+    role's turn rewards; a task with none has no such key."""
+    out = []
+    for i in range(0, len(trajs), n):
+        finished = [t for t in trajs[i:i + n] if t.status != "timeout"]
+        found = (rollout_reward(t.rewards.trajectory, t.rewards.turns.values(), is_dropped(t)) for t in finished)
+        rewards = [r for r in found if r is not None]
+        by_role: dict[str, list[float]] = defaultdict(list)
+        for t in finished:
+            for c in t.llm_calls:
+                if c.id in t.rewards.turns:
+                    by_role[c.role].append(t.rewards.turns[c.id])
+        row = {"reward/mean": statistics.fmean(rewards)} if rewards else {}
+        row.update({f"reward/role/{role}": statistics.fmean(v) for role, v in sorted(by_role.items())})
+        out.append(row)
+    return out
+
+
+def paired_figures(per_task: list[dict[str, Any]], *, seed: int = 0, resamples: int = 10_000) -> dict[str, dict[str, Any]]:
+    """For each figure of `task_rewards` (``reward/mean``, ``reward/role/ROLE``), over the
+    tasks that have it on both sides: ``base`` and ``trained``, the mean of the tasks' values,
+    ``difference`` (trained - base, the mean of the tasks' differences), ``std_error`` (the
+    differences' sample standard deviation over the square root of ``tasks``) and ``ci95``,
+    the 2.5th and 97.5th percentiles of the mean difference over `resamples` draws of as many
+    tasks with replacement (a paired bootstrap, seeded by `seed`). Spread needs 2 tasks: with
+    one, ``std_error`` and ``ci95`` are None."""
+    import numpy as np
+
+    keys = sorted({k for row in per_task for side in ("base", "trained") for k in row[side]},
+                  key=lambda k: (k != "reward/mean", k))
+    out: dict[str, dict[str, Any]] = {}
+    for key in keys:
+        pairs = [(row["base"][key], row["trained"][key]) for row in per_task if key in row["base"] and key in row["trained"]]
+        if not pairs:
+            continue
+        base, trained = (np.array(side, dtype=float) for side in zip(*pairs, strict=True))
+        diff = trained - base
+        figures: dict[str, Any] = {"base": float(base.mean()), "trained": float(trained.mean()),
+                                   "difference": float(diff.mean()), "std_error": None, "ci95": None, "tasks": len(pairs)}
+        if len(pairs) > 1:
+            figures["std_error"] = float(diff.std(ddof=1) / np.sqrt(len(pairs)))
+            draws = np.random.default_rng(seed).integers(0, len(pairs), size=(resamples, len(pairs)))
+            figures["ci95"] = [float(x) for x in np.percentile(diff[draws].mean(axis=1), [2.5, 97.5])]
+        out[key] = figures
+    return out
+
+
+def comparison_table(result: dict[str, Any], run_dir: str | Path) -> Table:
+    """`compare`'s figures as `mas-trainer eval --compare` prints them."""
+    from rich.table import Table
+
+    table = Table(title=f"reward on {result['tasks']} tasks x {result['n']}: trained ({run_dir}) vs base, the same tasks and "
+                        "seeds")
+    table.add_column("")
+    for column in ("base", "trained", "trained - base", "std. error", "95% interval", "tasks"):
+        table.add_column(column, justify="right")
+    for key, f in result["paired"].items():
+        name = "overall" if key == "reward/mean" else f"role {key.split('/', 2)[2]}"
+        spread = ("-", "-") if f["std_error"] is None else (f"{f['std_error']:.4f}", "[{:+.4f}, {:+.4f}]".format(*f["ci95"]))
+        table.add_row(name, f"{f['base']:.4f}", f"{f['trained']:.4f}", f"{f['difference']:+.4f}", *spread, str(f["tasks"]))
+    return table
 
 
 def timeout_warning(result: dict[str, Any]) -> str | None:
