@@ -159,9 +159,10 @@ class TraceResult:
 def trace(app: Any, data: str | Path | Iterable[dict[str, Any]], *, n: int = 1, model: str | None = None,
           output: str | Path | None = None, rewards: bool = True, max_in_flight: int | None = None,
           timeout_s: float | None = 300.0, max_tokens: int = 256, otel_exporter: str | None = None,
-          console: Console | None = None) -> TraceResult:
+          recursion_limit: int | None = None, console: Console | None = None) -> TraceResult:
     """Run `app` on `data` (`n` rollouts a task) without training and score the rollouts with
     its rewards as `fit` would (with fit's default reward settings; `rewards=False` skips them).
+    `recursion_limit` (`trace --recursion-limit`) replaces the app's own (None: it stands).
     Writes one trajectory a line to `output` when given; prints the app and the gateway to
     `console` when given."""
     import time
@@ -175,10 +176,11 @@ def trace(app: Any, data: str | Path | Iterable[dict[str, Any]], *, n: int = 1, 
     tasks = load_tasks(data)
     with Session(model=model, max_in_flight=max_in_flight, timeout_s=timeout_s, otel_exporter=otel_exporter,
                  default_max_tokens=max_tokens) as session:
-        loaded = session.load_app(app)
+        loaded = session.load_app(app, recursion_limit=recursion_limit, recursion_limit_from="--recursion-limit")
         if console is not None:
             pols = ", ".join(f"{name}={p.base_model}" for name, p in loaded.spec.policies.items())
-            console.print(f"[bold]{app if isinstance(app, str) else 'app'}[/]: {len(loaded.spec.nodes)} nodes; policies {pols}")
+            console.print(f"[bold]{app if isinstance(app, str) else 'app'}[/]: {len(loaded.spec.nodes)} nodes; policies {pols}; "
+                          f"recursion limit {loaded.describe_recursion_limit()}")
             console.print(f"gateway {session.describe_gateway()}", markup=False, soft_wrap=True)
         start = time.perf_counter()
         trajs = session.run(tasks, n=n)

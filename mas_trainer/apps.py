@@ -90,6 +90,10 @@ class AppRunner(Protocol):
 
     async def run(self, task: dict[str, Any], rollout_id: str, *, timeout_s: float | None = None) -> RunResult: ...
 
+    def describe_recursion_limit(self) -> str:
+        """The steps a rollout may take and whose limit that is, e.g. "9999 (the app's)"."""
+        ...
+
 
 class AppForks(Protocol):
     """What forking rollouts needs of an adapter (loop/forking.py): `check` refuses an app or
@@ -103,11 +107,14 @@ class AppForks(Protocol):
     def continuations(self, starts: dict[str, dict[str, Any]]) -> AppRunner: ...
 
 
-def app_runner(obj: Any, *, base_model: str | None = None, recursion_limit: int = 50) -> AppRunner:
-    """The runner of an app object (a LangGraph graph, builder or function returning one), its spec checked."""
+def app_runner(obj: Any, *, base_model: str | None = None, recursion_limit: int | None = None,
+               recursion_limit_from: str = "recursion_limit") -> AppRunner:
+    """The runner of an app object (a LangGraph graph, builder or function returning one), its spec checked.
+    `recursion_limit`: the user's, named `recursion_limit_from` where the verbs say which applies; None
+    keeps the app's own (else its framework's default)."""
     from mas_trainer.adapters.langgraph import LangGraphApp
 
-    return LangGraphApp(obj, base_model=base_model, recursion_limit=recursion_limit)
+    return LangGraphApp(obj, base_model=base_model, recursion_limit=recursion_limit, recursion_limit_from=recursion_limit_from)
 
 
 def forks_of(app: object) -> AppForks:

@@ -50,12 +50,13 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
     if args.concurrency is not None and args.concurrency < 1:
         raise UsageError(f"--concurrency {args.concurrency}: run at least 1 rollout at once")
+    _check_recursion_limit(args.recursion_limit)
     tasks = _load_tasks(args)
     _check_model(args.model)
     console = output_console()
     result = trace(args.app, tasks, n=args.n, model=args.model, output=args.output, rewards=args.rewards,
                    max_in_flight=args.concurrency, timeout_s=args.timeout, max_tokens=args.max_tokens,
-                   otel_exporter=args.otel, console=console)
+                   otel_exporter=args.otel, recursion_limit=args.recursion_limit, console=console)
     trajs = result.trajectories
     print_trajectories(trajs, console)
     if not args.rewards:
@@ -152,6 +153,14 @@ def _interrupted_fit(output: str, *, forced: bool) -> int:
     os._exit(130)
 
 
+def _check_recursion_limit(limit: int | None) -> None:
+    from mas_trainer.config import MAX_RECURSION
+
+    if limit is not None and not 1 <= limit <= MAX_RECURSION:
+        raise UsageError(f"--recursion-limit {limit}: give the LangGraph supersteps a rollout may take, 1 to {MAX_RECURSION} "
+                         "(default: the app's own limit)")
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from mas_trainer.run.progress import output_console
     from rich.table import Table
@@ -164,10 +173,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-in-flight {args.max_in_flight}: run at least 1 rollout at once")
     if args.timeout is not None and not args.timeout > 0:
         raise UsageError(f"--timeout {args.timeout:g}: give the seconds a rollout may run, more than 0")
+    _check_recursion_limit(args.recursion_limit)
     tasks = _load_tasks(argparse.Namespace(input=None, data=args.data))
     result = evaluate(args.app, tasks, run=args.run, compare=args.compare, model=args.model, n=args.n, seed=args.seed,
                       max_tokens=args.max_tokens, temperature=args.temperature, max_in_flight=args.max_in_flight,
-                      timeout_s=args.timeout)
+                      timeout_s=args.timeout, recursion_limit=args.recursion_limit)
     console = output_console(stderr=True)
     if args.compare:
         console.print(comparison_table(result, args.run))
@@ -370,6 +380,8 @@ def _parser() -> argparse.ArgumentParser:
                                                                    "max batch size, so the tool's own load does not "
                                                                    "time rollouts out)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a rollout is stopped (status timeout)")
+    p.add_argument("--recursion-limit", type=int, default=None, help="LangGraph supersteps a rollout may take (default: "
+                                                                       "the app's own limit, else LangGraph's)")
     p.add_argument("--max-tokens", type=int, default=256, help="max_tokens for requests that set none")
     p.add_argument("--otel", choices=["none", "console", "otlp"], default=None, help="also export spans (otlp: OTEL_EXPORTER_OTLP_* env)")
     p.add_argument("--rewards", action=argparse.BooleanOptionalAction, default=True,
@@ -414,6 +426,8 @@ def _parser() -> argparse.ArgumentParser:
                                                                     "rollout.max_in_flight, else runtime.max_batch_size)")
     p.add_argument("--timeout", type=float, default=None, help="seconds a rollout may run; longer ones are counted as timed "
                                                                 "out, not scored (default: the run's rollout.timeout_s, else 300)")
+    p.add_argument("--recursion-limit", type=int, default=None, help="LangGraph supersteps a rollout may take (default: "
+                                                                       "the run's rollout.recursion_limit, else the app's own)")
     p.add_argument("--compare", default=None, metavar="base", help="also run --run's base models on the same tasks with the "
                    "same seeds: both sides' mean rewards, the paired difference and its spread over the tasks (docs/training.md)")
     p.add_argument("--output", default=None, help="also write the JSON here")

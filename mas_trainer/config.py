@@ -115,9 +115,10 @@ class RolloutConfig(_Strict):
     max_tokens: Annotated[int, at_most(MAX_TOKENS, "tokens one reply may decode: each is a forward pass of the model, for "
                                        "every call of every rollout")] = Field(
         64, ge=1, description=f"max_tokens of requests that set none (at most {MAX_TOKENS}; a reply also stops at the model's context)")
-    recursion_limit: Annotated[int, at_most(MAX_RECURSION, "LangGraph supersteps per rollout: each can run its nodes' LLM "
-                                            "calls again")] = Field(
-        50, ge=1, description=f"LangGraph recursion limit per rollout (at most {MAX_RECURSION})")
+    recursion_limit: Annotated[int | None, at_most(MAX_RECURSION, "LangGraph supersteps per rollout: each can run its nodes' "
+                                                   "LLM calls again")] = Field(
+        None, ge=1, description="LangGraph recursion limit per rollout, replacing the app's own (default: the app's, bound "
+        f"with graph.with_config(recursion_limit=N) as create_agent and deepagents do, else LangGraph's; at most {MAX_RECURSION})")
     temperature: float | None = Field(
         None, ge=0, le=2, description="temperature of every LLM call in training rollouts (default: the app's own; the learner trains the raw, temperature-1 policy)")
     temperature_schedule: dict[int, float] = Field(

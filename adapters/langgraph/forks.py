@@ -116,6 +116,9 @@ class Continuations:
     def __init__(self, app: LangGraphApp, starts: dict[str, dict[str, Any]]) -> None:
         self.app, self.spec, self.starts = app, app.spec, starts
 
+    def describe_recursion_limit(self) -> str:
+        return self.app.describe_recursion_limit()  # a continuation runs as its rollout did
+
     async def run(self, task: dict[str, Any], rollout_id: str, *, timeout_s: float | None = None) -> RunResult:
         # input None + a checkpoint_id: LangGraph's fork; a thread given in the task is not dropped by the runner
         return await self.app.run({"input": None, "config": {"configurable": self.starts[rollout_id]}}, rollout_id,

@@ -8,6 +8,7 @@ import logging
 import uuid
 from typing import Any
 
+from langgraph._internal._config import ensure_config
 from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.errors import GraphRecursionError
 from langgraph.pregel import Pregel
@@ -22,16 +23,20 @@ __all__ = ["LangGraphApp"]
 
 log = logging.getLogger(__name__)
 
+RAISE_RECURSION_LIMIT = "rollout.recursion_limit=N (fit) or --recursion-limit N (trace, eval)"
+
 
 class LangGraphApp:
     """The controller's view of a LangGraph app (the `AppRunner` protocol)."""
 
     framework = "langgraph"
 
-    def __init__(self, obj: Any, *, base_model: str | None = None, recursion_limit: int = 50) -> None:
+    def __init__(self, obj: Any, *, base_model: str | None = None, recursion_limit: int | None = None,
+                 recursion_limit_from: str = "recursion_limit") -> None:
         self.graph: Pregel
         self.graph, self.spec = resolve(obj, base_model)
-        self.recursion_limit = recursion_limit
+        # None: the app's own limit stands; else the user's, named by the setting it came from
+        self.recursion_limit, self.recursion_limit_from = recursion_limit, recursion_limit_from
         self._input_keys = _input_keys(self.graph)
         # rollout id -> thread id of the rollouts whose threads are kept for forking (forks.py), else None
         self.kept_threads: dict[str, str] | None = None
@@ -49,6 +54,22 @@ class LangGraphApp:
                 raise UserError(f"task {json.dumps(task, default=str)[:80]} has no 'messages', which the graph's input "
                                 f"({builder.input_schema.__name__}) requires: give each task its conversation, e.g. "
                                 '{"messages": [{"role": "user", "content": "..."}]}, or the whole graph input as "input"')
+
+    def effective_recursion_limit(self) -> tuple[int, str]:
+        """The recursion limit each rollout runs with and whose it is: the user's when set, else the
+        one the app bound (``graph.with_config(recursion_limit=N)``, as langchain's create_agent and
+        deepagents do), else LangGraph's default. A limit passed at invocation replaces the bound
+        one, so the runner passes one only when the user set it."""
+        if self.recursion_limit is not None:
+            return self.recursion_limit, self.recursion_limit_from
+        bound = (self.graph.config or {}).get("recursion_limit")
+        limit = ensure_config(self.graph.config)["recursion_limit"]  # merged as Pregel merges it
+        return limit, ("the app's" if bound is not None and bound == limit else "LangGraph's default")
+
+    def describe_recursion_limit(self) -> str:
+        """E.g. "9999 (the app's)", for the verbs' start lines."""
+        limit, source = self.effective_recursion_limit()
+        return f"{limit} ({source})"
 
     def graph_input(self, task: dict[str, Any]) -> Any:
         """A task's `input` field if it has one, else its fields that the graph's input schema names."""
@@ -76,19 +97,20 @@ class LangGraphApp:
     async def run(self, task: dict[str, Any], rollout_id: str, *, timeout_s: float | None = None) -> RunResult:
         tracer = GraphTracer(rollout_id, self.spec)
         configurable, own_thread = self.configurable(task, rollout_id)
-        config = {
+        config: dict[str, Any] = {
             "callbacks": [tracer],
             "metadata": {"mas_trainer_rollout_id": rollout_id},
-            "recursion_limit": self.recursion_limit,
             "configurable": configurable,
         }
+        if self.recursion_limit is not None:
+            config["recursion_limit"] = self.recursion_limit
         status, error, final = "ok", None, None
         try:
             final = await asyncio.wait_for(self.graph.ainvoke(self.graph_input(task), config), timeout_s)
         except asyncio.TimeoutError:
             status, error = "timeout", f"rollout exceeded {timeout_s} s"
         except GraphRecursionError as exc:
-            status, error = "error", f"GraphRecursionError: {exc}".splitlines()[0]
+            status, error = "error", self._recursion_error(exc)
         except Exception as exc:  # the app's own failure is data, not a crash of the caller
             status, error = "error", f"{type(exc).__name__}: {exc}".splitlines()[0]
         if final is None and status != "ok":
@@ -99,6 +121,15 @@ class LangGraphApp:
             await _drop_thread(self.graph, configurable["thread_id"])
         nodes, tools = tracer.finish(status, error)
         return RunResult(status, error, final, nodes, tools, tracer.trace_id, answered=list(tracer.answered))
+
+    def _recursion_error(self, exc: GraphRecursionError) -> str:
+        """One line naming the limit hit, whose it is and how to raise it (LangGraph's own text asks
+        for a config key the user cannot reach); a subgraph's own limit keeps LangGraph's text."""
+        limit, source = self.effective_recursion_limit()
+        if f"limit of {limit} " not in str(exc):
+            return f"GraphRecursionError: {exc}".splitlines()[0]
+        return (f"GraphRecursionError: recursion limit {limit} ({source}) reached: the app did not finish within "
+                f"{limit} supersteps; raise it with {RAISE_RECURSION_LIMIT}")
 
 
 def _input_keys(graph: Pregel) -> set[str] | None:

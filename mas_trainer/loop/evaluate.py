@@ -94,16 +94,18 @@ def score_rollouts(spec: RewardSpec, trajs: list[Trajectory], reward: RewardConf
 
 def evaluate(app_ref: Any, tasks: list[dict], *, run_dir: str | Path | None = None, model: str | None = None,
              n: int = 1, seed: int = 0, max_tokens: int | None = None, max_in_flight: int | None = None,
-             temperature: float | None = None, timeout_s: float | None = None) -> dict[str, Any]:
+             temperature: float | None = None, timeout_s: float | None = None,
+             recursion_limit: int | None = None) -> dict[str, Any]:
     """Mean reward of the app on `tasks`, overall and per role, with the run's trained
     policies (`run_dir`) or the base models. `seed` seeds the sampling; `temperature`
     replaces the one every LLM call asks for (0: greedy). Left as None, `model`,
-    `max_tokens`, `max_in_flight`, `timeout_s` and `temperature` are the run's (`model`,
+    `max_tokens`, `max_in_flight`, `timeout_s`, `recursion_limit` and `temperature` are the run's (`model`,
     `rollout.*`, `rollout.val_temperature`), or `fit`'s defaults without a run; `max_in_flight`
-    defaults to `runtime.max_batch_size`. Timed-out rollouts are counted, not scored."""
+    defaults to `runtime.max_batch_size`, `recursion_limit` to the app's own. Timed-out rollouts are counted, not scored."""
     trained = trained_policies(run_dir) if run_dir is not None else {}
     return _measure(app_ref, tasks, run_dir, trained, model=model, n=n, seed=seed, max_tokens=max_tokens,
-                    max_in_flight=max_in_flight, temperature=temperature, timeout_s=timeout_s)[1]
+                    max_in_flight=max_in_flight, temperature=temperature, timeout_s=timeout_s,
+                    recursion_limit=recursion_limit)[1]
 
 
 def compare(app_ref: Any, tasks: list[dict], *, run_dir: str | Path | None, against: str = BASE, **options: Any) -> dict[str, Any]:
@@ -137,7 +139,7 @@ def compare(app_ref: Any, tasks: list[dict], *, run_dir: str | Path | None, agai
 def _measure(app_ref: Any, tasks: list[dict], run_dir: str | Path | None, checkpoints: dict[str, Path], *,
              model: str | None = None, n: int = 1, seed: int = 0, max_tokens: int | None = None,
              max_in_flight: int | None = None, temperature: float | None = None,
-             timeout_s: float | None = None) -> tuple[list[Trajectory], dict[str, Any]]:
+             timeout_s: float | None = None, recursion_limit: int | None = None) -> tuple[list[Trajectory], dict[str, Any]]:
     """The app on `tasks` with the policies in `checkpoints` (the others on their base models),
     in a session of its own: its trajectories, scored, and their figures (`evaluate`'s)."""
     cfg = run_config(run_dir) if run_dir is not None else load_config()
@@ -147,7 +149,8 @@ def _measure(app_ref: Any, tasks: list[dict], run_dir: str | Path | None, checkp
     with Session(model=_given(model, cfg.model), max_in_flight=_given(max_in_flight, ro.max_in_flight),
                  timeout_s=_given(timeout_s, ro.timeout_s), default_max_tokens=_given(max_tokens, ro.max_tokens),
                  engine_settings=cfg.runtime, seed=model_seed) as session:
-        app = session.load_app(app_ref, start_engines=False, recursion_limit=ro.recursion_limit)
+        app = session.load_app(app_ref, start_engines=False, recursion_limit=_given(recursion_limit, ro.recursion_limit),
+                               recursion_limit_from="--recursion-limit" if recursion_limit is not None else "rollout.recursion_limit")
         r = cfg.reward
         check_allocator(r.allocator, r.options)  # one the app registers exists only now
         # adapters of a shared base (learner.shared_base) are measured as fit ran them: one base, each its adapter
@@ -162,7 +165,8 @@ def _measure(app_ref: Any, tasks: list[dict], run_dir: str | Path | None, checkp
         if failed is not None:
             raise failed
         cost, _ = score_rollouts(RewardSpec.of(app.spec.declared), trajs, r)
-        settings = {"max_in_flight": session.max_in_flight, "timeout_s": session.timeout_s}
+        settings = {"max_in_flight": session.max_in_flight, "timeout_s": session.timeout_s,
+                    "recursion_limit": app.describe_recursion_limit()}
     used = {p: str(checkpoints.get(p, pol.base_model)) for p, pol in app.spec.policies.items()}
     return trajs, {"policies": used, **settings, **summarize(trajs, timeouts_apart=True), **cost}
 

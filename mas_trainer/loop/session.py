@@ -217,13 +217,15 @@ class Session:
             else:
                 os.environ[key] = value
 
-    def load_app(self, ref_or_obj: Any, *, start_engines: bool = True, recursion_limit: int = 50,
+    def load_app(self, ref_or_obj: Any, *, start_engines: bool = True, recursion_limit: int | None = None,
+                 recursion_limit_from: str = "recursion_limit",
                  checkpoints: Mapping[str, str | Path] | None = None) -> AppRunner:
         """Import the app (after the gateway is up), then start one engine per policy, on
         the weights in `checkpoints` (policy -> folder) where given (or leave that to the
-        caller, who attaches backends with `attach`)."""
+        caller, who attaches backends with `attach`). `recursion_limit`: the user's (named
+        `recursion_limit_from` in what the verbs print), else None, the app's own."""
         obj = load_object(ref_or_obj) if isinstance(ref_or_obj, str) else ref_or_obj
-        app = app_runner(obj, base_model=self.model, recursion_limit=recursion_limit)
+        app = app_runner(obj, base_model=self.model, recursion_limit=recursion_limit, recursion_limit_from=recursion_limit_from)
         if start_engines:
             backends = policy_backends(app.spec.policies, self.engine_settings, seed=self.seed, checkpoints=checkpoints,
                                        factory=self.backend_factory)

@@ -452,7 +452,9 @@ class _Fit:
 
         c = self.cfg
         self.say(f"loading the app {self.app_ref if isinstance(self.app_ref, str) else type(self.app_ref).__name__}")
-        app = session.load_app(self.app_ref, start_engines=False, recursion_limit=c.rollout.recursion_limit)
+        app = session.load_app(self.app_ref, start_engines=False, recursion_limit=c.rollout.recursion_limit,
+                               recursion_limit_from="rollout.recursion_limit")
+        self.say(f"rollouts run with recursion limit {app.describe_recursion_limit()}")
         check_allocator(c.reward.allocator, c.reward.options)  # one the app registers exists only now
         spec = app.spec
         check_policy_names(c, spec.policies)  # policies.NAME.* overrides name the app's policies (known only now)
