@@ -1,4 +1,4 @@
-"""OpenAI chat-completion wire types the gateway accepts, validated with pydantic.
+"""OpenAI chat-completion and Responses API wire types the gateway accepts, validated with pydantic.
 
 Unknown fields are accepted and ignored (clients send many); every known field is typed
 down to its leaves (`response_format.json_schema.schema`, `tool_choice.function.name`,
@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, Mapping, Sequence, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 from mas_trainer.engines.grammar import MAX_SCHEMA_BYTES, MAX_SCHEMA_VALUES, check_schema
 
-__all__ = ["ChatMessage", "ChatRequest", "Refused", "error_body", "describe_errors", "json_schema_of", "bound_schema",
+__all__ = ["ChatMessage", "ChatRequest", "ResponsesRequest", "InputMessage", "FunctionCallItem", "FunctionCallOutputItem",
+           "MAX_MESSAGES", "Refused", "error_body", "token_logprobs", "describe_errors", "json_schema_of", "bound_schema",
            "MAX_DEPTH", "MAX_SCHEMA_BYTES", "MAX_SCHEMA_VALUES"]
 
 # JSON nested deeper than this is refused before validation: real requests (tool schemas
@@ -23,6 +25,8 @@ __all__ = ["ChatMessage", "ChatRequest", "Refused", "error_body", "describe_erro
 MAX_DEPTH = 64
 
 _Name = Annotated[str, Field(min_length=1, max_length=256)]
+# Messages one request may carry (a Responses request's items and instructions count as its messages)
+MAX_MESSAGES = 4096
 
 
 class _Open(BaseModel):
@@ -112,7 +116,7 @@ class _StreamOptions(_Open):
 
 class ChatRequest(_Open):
     model: _Name
-    messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -155,8 +159,114 @@ class ChatRequest(_Open):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+# --- the Responses API (`POST /v1/responses`); gateway/responses.py turns it into a ChatRequest
+
+class InputMessage(_Open):
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[_Part]
+
+
+class FunctionCallItem(_Open):
+    type: Literal["function_call"]
+    call_id: _Name
+    name: _Name
+    arguments: str
+
+
+class FunctionCallOutputItem(_Open):
+    type: Literal["function_call_output"]
+    call_id: _Name
+    output: str | list[_Part]
+
+
+class _ReasoningItem(_Open):
+    type: Literal["reasoning"]
+
+
+def _item_type(item: Any) -> str:
+    # a message may leave out its type (EasyInputMessage)
+    kind = item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", "message")
+    return kind if isinstance(kind, str) else "message"
+
+
+_ITEMS = ("message", "function_call", "function_call_output", "reasoning")
+_Item = Annotated[Union[Annotated[InputMessage, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
+                        Annotated[FunctionCallOutputItem, Tag("function_call_output")], Annotated[_ReasoningItem, Tag("reasoning")]],
+                  Discriminator(_item_type)]
+
+
+class _ResponsesTool(_Open):
+    type: Literal["function"]
+    name: _Name
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class _ResponsesNamedTool(_Open):
+    type: Literal["function"]
+    name: _Name
+
+
+class _TextJsonSchema(_Open):
+    type: Literal["json_schema"]
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class _TextConfig(_Open):
+    format: Annotated[Union[_FormatText, _FormatJsonObject, _TextJsonSchema], Field(discriminator="type")] | None = None
+
+
+class ResponsesRequest(_Open):
+    """What the gateway takes of a Responses API request; the stateful fields are typed only for
+    gateway/responses.py to refuse them by name."""
+
+    model: _Name
+    # instructions, when given, are one more message
+    input: str | Annotated[list[_Item], Field(min_length=1, max_length=MAX_MESSAGES - 1)]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # not OpenAI's, vLLM's: sampled runs reproduce
+    stream: bool = False
+    tools: list[_ResponsesTool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | _ResponsesNamedTool | None = None
+    text: _TextConfig | None = None
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    background: bool | None = None
+    prompt: dict[str, Any] | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _known_items(cls, v: Any) -> Any:
+        # before the union: its own error would list every member's complaint about the one item
+        for i, item in enumerate(v if isinstance(v, list) else []):
+            kind = _item_type(item)
+            if kind == "item_reference":
+                raise PydanticCustomError("item_reference", "item {i} is an item_reference: this gateway keeps no items "
+                                          "(it is stateless); send the item itself", {"i": i})
+            if kind not in _ITEMS:
+                raise PydanticCustomError("item_type", "item {i} has type {kind}: this gateway takes message, function_call, "
+                                          "function_call_output and reasoning items", {"i": i, "kind": repr(kind[:64])})
+        return v
+
+
 def error_body(message: str, *, param: str | None = None, code: str | None = None, kind: str = "invalid_request_error") -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def token_logprobs(token_ids: Sequence[int], logprobs: Sequence[float]) -> list[dict[str, Any]]:
+    """The sampled tokens' log-probs in vLLM's `return_tokens_as_token_ids` spelling: exact, and
+    read without a tokenizer on the client."""
+    return [{"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []} for t, lp in zip(token_ids, logprobs)]
 
 
 class Refused(Exception):

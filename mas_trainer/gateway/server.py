@@ -1,4 +1,4 @@
-"""The OpenAI-compatible front: `/v1/chat/completions` and `/v1/models`.
+"""The OpenAI-compatible front: `/v1/chat/completions`, `/v1/responses` and `/v1/models`.
 
 Each request is routed (graph baggage, else model name) to its policy's engine; the chosen
 tokens, with their log-probs, go back in the response (vLLM-style `token_ids`,
@@ -28,7 +28,8 @@ with `close()` (every call answered or refused with a 503, before the engines cl
 run that ends with calls in flight prints no tracebacks.
 
 Refused requests (4xx, and the 503s above) are logged at INFO on `mas_trainer.gateway.server`.
-`serve --record`'s own endpoints (feedback, graph runs) are in `recording.py`.
+`serve --record`'s own endpoints (feedback, graph runs) are in `recording.py`; the Responses
+API, answered on the chat path, in `responses.py`.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Protocol, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -55,7 +56,8 @@ from mas_trainer.gateway.recording import FEEDBACK, GRAPH_RUN, Endpoint
 from mas_trainer.gateway.flights import Flight, Flights, Stopped
 from mas_trainer.gateway.ledger import Ledger, Replayed
 from mas_trainer.gateway.protocol import (MAX_DEPTH, ChatRequest, Refused, bound_schema, describe_errors, error_body,
-                                          json_schema_of)
+                                          json_schema_of, token_logprobs)
+from mas_trainer.gateway.responses import parse_request as parse_responses
 from mas_trainer.gateway.router import RouteDecision, Router, UnknownModel, UnknownNode
 from mas_trainer.gateway.sampling import RolloutSampling
 from mas_trainer.gateway.transport import GatewayServer, ServerLimits
@@ -131,6 +133,48 @@ class _Call:
         return gen.text, []
 
 
+class _Stream(Protocol):
+    """The server-sent events of one streamed call, delta by delta; its choices as they end."""
+
+    gens: list[Generation | None]
+    parsed: list[tuple[str | None, list[dict]]]
+
+    def events(self, d: Delta) -> str: ...
+
+    def failed(self, message: str, code: str | None) -> str: ...
+
+    def end(self) -> str: ...
+
+
+class _Wire(Protocol):
+    """How an endpoint answers an accepted call: chat completions (`_ChatWire`), or the Responses API
+    (`responses.ResponsesWire`); everything before the answer is one path."""
+
+    def body(self, call: _Call, gens: list[Generation], parsed: list[tuple[str | None, list[dict]]]) -> dict[str, Any]: ...
+
+    def stream(self, call: _Call) -> _Stream: ...
+
+
+class _ChatWire:
+    def body(self, call: _Call, gens: list[Generation], parsed: list[tuple[str | None, list[dict]]]) -> dict[str, Any]:
+        return {
+            "id": f"chatcmpl-{call.call_id}", "object": "chat.completion", "created": int(call.start), "model": call.req.model,
+            "choices": [_choice(i, gen, *parsed[i]) for i, gen in enumerate(gens)],
+            "prompt_token_ids": list(call.prompt_ids),
+            "usage": _usage(call, sum(len(g.token_ids) for g in gens)),
+            "system_fingerprint": f"mas-trainer:{call.decision.policy}",
+            "policy": call.decision.policy,  # which policy answered: `model` echoes what the client asked for
+            **({"run_id": call.run_id} if call.run_id else {}),
+        }
+
+    def stream(self, call: _Call) -> _Chunks:
+        return _Chunks(call)
+
+
+def _chat_request(body: dict[str, Any]) -> tuple[ChatRequest, _Wire]:
+    return ChatRequest.model_validate(body), _ChatWire()
+
+
 class _Chunks:
     """The server-sent events of one streamed call, choice by choice: the role, the text, then the
     tool calls and the finish with the token ids and log-probs."""
@@ -166,6 +210,13 @@ class _Chunks:
             out.append(self.chunk([{"index": i, "delta": {}, "finish_reason": c["finish_reason"], "token_ids": c["token_ids"],
                                     "logprobs": c["logprobs"]}]))
         return "".join(out)
+
+    def failed(self, message: str, code: str | None) -> str:
+        return f"data: {json.dumps(error_body(message, code=code, kind='server_error'))}\n\n"
+
+    def end(self) -> str:
+        usage = _usage(self.call, sum(len(g.token_ids) for g in self.gens if g is not None))
+        return (self.chunk([], usage=usage) if self.call.req.include_usage() else "") + "data: [DONE]\n\n"
 
 
 class Gateway:
@@ -252,7 +303,7 @@ class Gateway:
         except TimeoutError:
             raise Refused(408, f"request body not received within {self.limits.body_timeout_s:g} s", close=True) from None
 
-    def _decode(self, raw: bytes) -> ChatRequest:
+    def _decode(self, raw: bytes, parse: Callable[[dict[str, Any]], tuple[ChatRequest, _Wire]]) -> tuple[ChatRequest, _Wire]:
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
@@ -264,7 +315,7 @@ class Gateway:
         if not isinstance(body, dict):
             raise Refused(400, "request body must be a JSON object")
         try:
-            return ChatRequest.model_validate(body)
+            return parse(body)
         except ValidationError as exc:
             raise Refused.invalid(exc) from None
 
@@ -311,19 +362,11 @@ class Gateway:
                                      prompt_ids=prompt_ids, call_id=call_id)
         return _Call(req, decision, backend, messages, tools, prompt_ids, params, call_id, time.time())
 
-    async def _complete(self, call: _Call) -> dict[str, Any]:
+    async def _complete(self, call: _Call, wire: _Wire) -> dict[str, Any]:
         gens = await call.backend.engine.generate(call.prompt_ids, call.params, turn_id=call.turn_id)
         parsed = [call.content(gen) for gen in gens]
         await self._keep(call, gens, parsed)
-        return {
-            "id": f"chatcmpl-{call.call_id}", "object": "chat.completion", "created": int(call.start), "model": call.req.model,
-            "choices": [_choice(i, gen, *parsed[i]) for i, gen in enumerate(gens)],
-            "prompt_token_ids": list(call.prompt_ids),
-            "usage": _usage(call, sum(len(g.token_ids) for g in gens)),
-            "system_fingerprint": f"mas-trainer:{call.decision.policy}",
-            "policy": call.decision.policy,  # which policy answered: `model` echoes what the client asked for
-            **({"run_id": call.run_id} if call.run_id else {}),
-        }
+        return wire.body(call, gens, parsed)
 
     async def _keep(self, call: _Call, gens: list[Generation], parsed: list[tuple[str | None, list[dict]]]) -> None:
         """A rollout call's choices go to the ledger; with serve --record, a served call's go on
@@ -339,8 +382,8 @@ class Gateway:
         elif recorder is not None and run_id is not None:
             await asyncio.to_thread(_record, recorder, run_id, calls)
 
-    async def _sse(self, call: _Call, first: Delta, deltas: AsyncGenerator[Delta, None], flight: Flight) -> AsyncIterator[str]:
-        chunks = _Chunks(call)
+    async def _sse(self, call: _Call, first: Delta, deltas: AsyncGenerator[Delta, None], flight: Flight,
+                   chunks: _Stream) -> AsyncIterator[str]:
         try:
             yield chunks.events(first)
             while True:
@@ -353,24 +396,22 @@ class Gateway:
             await self._keep(call, done, chunks.parsed)
         except Stopped as exc:  # the rollout ended or the gateway is closing: end the stream
             log.info("stream %s stopped: %s", call.call_id, exc)
-            yield f"data: {json.dumps(error_body(str(exc), code=exc.code, kind='server_error'))}\n\n"
+            yield chunks.failed(str(exc), exc.code)
             return
         except Exception as exc:  # noqa: BLE001 - the status line is sent: the error goes in the stream
             if flight.stopped.done():  # the engine closed under a stopped stream: not a failure
                 log.info("stream %s stopped: %s", call.call_id, flight.reason())
             else:
                 log.warning("stream %s failed: %s", call.call_id, exc)
-            yield f"data: {json.dumps(error_body(str(exc), kind='server_error'))}\n\n"
+            yield chunks.failed(str(exc), None)
             return
         finally:
             flight.done = True
             self._release(call.decision.rollout_id, call.call_id)  # a no-op once filed
             await deltas.aclose()  # on a hang-up too: the engine stops generating now
-        if call.req.include_usage():
-            yield chunks.chunk([], usage=_usage(call, sum(len(g.token_ids) for g in done)))
-        yield "data: [DONE]\n\n"
+        yield chunks.end()
 
-    async def _chat(self, request: Request) -> Response:
+    async def _chat(self, request: Request, parse: Callable[[dict[str, Any]], tuple[ChatRequest, _Wire]] = _chat_request) -> Response:
         if sum(len(k) + len(v) for k, v in request.scope["headers"]) > self.limits.max_header_bytes:
             raise Refused(431, f"request headers over {self.limits.max_header_bytes} bytes", code="headers_too_large")
         ctx = propagate.extract(request.headers)
@@ -396,8 +437,9 @@ class Gateway:
         streaming = False
         try:
             raw = await self._read_body(request, self.limits.max_body_bytes)
-            req = self._decode(raw) if len(raw) <= _INLINE_BODY_BYTES else await asyncio.to_thread(self._decode, raw)
-            response = await _unless_gone(request, flight.until_stopped(self._answer(req, call_id, bag, rollout, flight, trace_id)))
+            req, wire = self._decode(raw, parse) if len(raw) <= _INLINE_BODY_BYTES else await asyncio.to_thread(self._decode, raw, parse)
+            response = await _unless_gone(request, flight.until_stopped(self._answer(req, wire, call_id, bag, rollout, flight,
+                                                                                     trace_id)))
             streaming = isinstance(response, StreamingResponse)  # its flight ends with the stream
             return response
         except Stopped as exc:  # its rollout ended, or the gateway is closing
@@ -427,14 +469,14 @@ class Gateway:
         if rollout_id is not None:
             self.ledger.release(rollout_id, call_id)
 
-    async def _answer(self, req: ChatRequest, call_id: str, bag: dict[str, object], rollout: bool, flight: Flight,
+    async def _answer(self, req: ChatRequest, wire: _Wire, call_id: str, bag: dict[str, object], rollout: bool, flight: Flight,
                       trace_id: str) -> Response:
         call = await self._prepare(req, call_id, bag, rollout)
         headers = {POLICY_HEADER: call.decision.policy}
         if self.recorder is not None and not call.decision.rollout_id:
             call.run_id = headers[RUN_HEADER] = trace_id
         if not req.stream:
-            return JSONResponse(await self._complete(call), headers=headers)
+            return JSONResponse(await self._complete(call, wire), headers=headers)
         deltas = stream_generation(call.backend.engine, call.prompt_ids, call.params, turn_id=call.turn_id)
         try:
             # the first token before the status line: an engine that refuses the request (a
@@ -444,7 +486,7 @@ class Gateway:
             await deltas.aclose()
             raise
         # from here Starlette cancels the stream when the client hangs up
-        return StreamingResponse(self._sse(call, first, deltas, flight), media_type="text/event-stream",
+        return StreamingResponse(self._sse(call, first, deltas, flight, wire.stream(call)), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache", **headers})
 
     # --- HTTP --------------------------------------------------------------------------------
@@ -482,6 +524,10 @@ class Gateway:
         @app.post("/v1/chat/completions")
         async def _chat(request: Request) -> Response:
             return await _answered(self._chat(request))
+
+        @app.post("/v1/responses")
+        async def _responses(request: Request) -> Response:
+            return await _answered(self._chat(request, parse_responses))
 
         @app.post("/v1/feedback")
         async def _feedback(request: Request) -> Response:
@@ -580,13 +626,7 @@ def _choice(i: int, gen: Generation, content: str | None, tool_calls: list[dict]
         "message": message,
         "finish_reason": "tool_calls" if tool_calls else gen.finish_reason,
         "token_ids": list(gen.token_ids),
-        # vLLM's `return_tokens_as_token_ids` spelling: exact, needs no tokenizer on the client
-        "logprobs": {
-            "content": [
-                {"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
-                for t, lp in zip(gen.token_ids, gen.logprobs)
-            ]
-        },
+        "logprobs": {"content": token_logprobs(gen.token_ids, gen.logprobs)},
     }
 
 

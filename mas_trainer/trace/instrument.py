@@ -1,6 +1,8 @@
-"""OpenAI SDK instrumentation: every chat completion carries the caller's graph context.
+"""OpenAI SDK instrumentation: every chat completion and Responses API call carries the caller's
+graph context.
 
-The wrapped `create`/`parse` methods (sync and async) open a GenAI "chat" span under the
+The wrapped `create`/`parse` methods (sync and async) of `chat.completions` and `responses`
+(whose `stream` goes through `create`) open a GenAI "chat" span under the
 current node call and inject W3C `traceparent` + `baggage` (rollout, node, node call, role,
 and the node call's branch: its run-independent identity, which sampling seeds derive from)
 as request headers through OTel's propagators. The gateway routes on that baggage and files
@@ -201,8 +203,10 @@ def _finished(span: trace.Span | None, call: CallContext | None, client: Any, re
         call.on_answer(span_hex(span))
     usage = getattr(result, "usage", None)
     if usage is not None:
-        span.set_attribute(A.GEN_AI_INPUT_TOKENS, getattr(usage, "prompt_tokens", 0) or 0)
-        span.set_attribute(A.GEN_AI_OUTPUT_TOKENS, getattr(usage, "completion_tokens", 0) or 0)
+        # chat completions count prompt/completion tokens, the Responses API input/output tokens
+        span.set_attribute(A.GEN_AI_INPUT_TOKENS, getattr(usage, "prompt_tokens", None) or getattr(usage, "input_tokens", 0) or 0)
+        span.set_attribute(A.GEN_AI_OUTPUT_TOKENS,
+                           getattr(usage, "completion_tokens", None) or getattr(usage, "output_tokens", 0) or 0)
     span.end()
     if call is not None and call.on_result is not None:
         call.on_result(client, result)
@@ -247,14 +251,17 @@ def _wrap_async(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def instrument_openai() -> None:
-    """Wrap chat `create`/`parse` of the installed openai SDK (idempotent)."""
+    """Wrap `create`/`parse` of chat completions and of the Responses API in the installed openai
+    SDK (idempotent)."""
     global _installed
     with _lock:
         if _installed:
             return
-        from openai.resources.chat.completions import completions as mod
+        from openai.resources.chat.completions import completions as chat
+        from openai.resources.responses import responses
 
-        for cls, wrap in ((mod.Completions, _wrap_sync), (mod.AsyncCompletions, _wrap_async)):
+        for cls, wrap in ((chat.Completions, _wrap_sync), (chat.AsyncCompletions, _wrap_async),
+                          (responses.Responses, _wrap_sync), (responses.AsyncResponses, _wrap_async)):
             for name in ("create", "parse"):
                 method = getattr(cls, name, None)
                 if method is not None and not hasattr(method, "__mas_trainer_wrapped__"):
