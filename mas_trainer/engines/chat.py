@@ -14,14 +14,22 @@ import re
 import uuid
 from typing import Any
 
-__all__ = ["HFChatFormat", "parse_tool_calls", "normalize_messages", "tools_system_prompt", "render_tool_call", "new_call_id"]
+__all__ = ["HFChatFormat", "parse_tool_calls", "unparsed_tool_calls", "normalize_messages", "tools_system_prompt",
+           "render_tool_call", "new_call_id"]
 
 _TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+# How a call object starts, as the grammar of a forced call writes it: `{"name": "NAME", "arguments": `
+_CALL_NAME_RE = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)("?)')  # the name, and its closing quote unless cut
+_CALL_ARGUMENTS_RE = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
 
 def new_call_id() -> str:
     """An OpenAI-looking tool call id (`call_` + 24 hex digits)."""
     return "call_" + uuid.uuid4().hex[:24]
+
+
+def _call(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def _as_call(obj: Any) -> dict[str, Any] | None:
@@ -39,7 +47,37 @@ def _as_call(obj: Any) -> dict[str, Any] | None:
         arguments = json.dumps(args, ensure_ascii=False)
     else:
         return None
-    return {"id": new_call_id(), "type": "function", "function": {"name": obj["name"], "arguments": arguments}}
+    return _call(obj["name"], arguments)
+
+
+def _cut_call(text: str, tools: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A call object whose JSON does not parse (cut by max_tokens, or a control character in a
+    string) as an OpenAI tool call whose `arguments` are the raw text the model wrote for them
+    (empty when it was cut before them; a name cut short counts where one tool's name alone
+    starts so). None where text other than the call would be lost."""
+    head = _CALL_NAME_RE.match(text)
+    if head is None:
+        return None
+    try:
+        name = json.loads(f'"{head.group(1)}"')
+    except ValueError:  # cut inside an escape
+        return None
+    names = [t.get("function", t).get("name") for t in tools]
+    if not head.group(2):  # cut inside the name
+        started = [n for n in names if isinstance(n, str) and n.startswith(name)]
+        return _call(started[0], "") if head.end() == len(text) and len(started) == 1 else None
+    if name not in names:
+        return None
+    rest = text[head.end():]
+    arguments = _CALL_ARGUMENTS_RE.match(rest)
+    if arguments is None:  # cut between the name and the arguments
+        return _call(name, "") if ', "arguments": '.startswith(rest) else None
+    rest = rest[arguments.end():]
+    try:  # where the model closed the arguments, leniently: only the call's own "}" may follow
+        end = json.JSONDecoder(strict=False).raw_decode(rest)[1]
+    except ValueError:
+        return _call(name, rest)  # never closed
+    return _call(name, rest[:end]) if rest[end:].strip() in ("", "}") else None
 
 
 def parse_tool_calls(text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str | None, list[dict[str, Any]]]:
@@ -48,8 +86,10 @@ def parse_tool_calls(text: str, tools: list[dict[str, Any]] | None = None) -> tu
     Every well-formed `<tool_call>{...}</tool_call>` becomes a call and leaves the content;
     a tag whose JSON does not parse stays in the content, so nothing the model said is lost.
     With `tools` given, an output that is nothing but a `{"name", "arguments"}` object is a
-    call too (small models often drop the tags). Content is None when it is empty and
-    there are calls, as OpenAI returns it.
+    call too (small models often drop the tags; a forced call's grammar writes exactly that),
+    even one whose JSON does not parse, if it names one of the tools: its `arguments` are then
+    the raw text, as OpenAI hands back arguments that are not valid JSON (`unparsed_tool_calls`
+    counts them). Content is None when it is empty and there are calls, as OpenAI returns it.
     """
     calls: list[dict[str, Any]] = []
 
@@ -64,18 +104,37 @@ def parse_tool_calls(text: str, tools: list[dict[str, Any]] | None = None) -> tu
         return ""
 
     rest = _TOOL_CALL_RE.sub(take, text).strip()
-    if not calls and tools and rest.startswith("{") and rest.endswith("}"):
+    if not calls and tools and rest.startswith("{"):
         try:
             obj = json.loads(rest)
         except ValueError:
             obj = None
         call = _as_call(obj) if isinstance(obj, dict) and ("arguments" in obj or "parameters" in obj) else None
+        if obj is None:
+            call = _cut_call(rest, tools)
         if call is not None:
             calls.append(call)
             rest = ""
     if calls and not rest:
         return None, calls
     return rest, calls
+
+
+def unparsed_tool_calls(output_text: str | None, tool_calls: list[dict[str, Any]], tools: list[dict[str, Any]]) -> int:
+    """How many of one answer's tool calls did not parse: calls whose arguments strict JSON
+    refuses (empty ones too: `parse_tool_calls` leaves them empty only for a call cut before
+    them), and `<tool_call>` tags or a call object left in the text (only where tools were offered)."""
+    bad = 0
+    for call in tool_calls:
+        arguments = call.get("function", call).get("arguments")
+        try:
+            if not isinstance(arguments, dict):  # a trace written by other tools may hold them decoded
+                json.loads(arguments)
+        except (ValueError, TypeError):
+            bad += 1
+    text = (output_text or "").strip()
+    left = text.count("<tool_call>") + bool(text.startswith("{") and _CALL_NAME_RE.match(text))
+    return bad + left * bool(tools)
 
 
 def _text_of(content: Any) -> str:

@@ -22,6 +22,11 @@ object of 2,000 optional properties (53 KB) ~43 s, and a 50-byte schema whose `p
 
 Probe processes start on first need (importing xgrammar imports torch: a few seconds) and
 are kept for the next schema; one is killed only with the compile it runs.
+
+Every output a grammar admits is JSON that strict `json.loads` accepts (`json_schema_grammar`):
+xgrammar (0.2.9 and before, mlc-ai/xgrammar#800) writes a string with minLength/maxLength, which
+the gateway gives every free string, as a run of any character but quote, backslash and line
+breaks, raw tabs and other control characters included; that rule is rewritten without them.
 """
 
 from __future__ import annotations
@@ -30,9 +35,11 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import importlib
 import json
 import logging
 import os
+import re
 import select
 import struct
 import subprocess
@@ -42,7 +49,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["MAX_SCHEMA_BYTES", "MAX_SCHEMA_VALUES", "COMPILE_TIMEOUT_S", "check_schema", "schema_key", "SchemaGrammars"]
+__all__ = ["MAX_SCHEMA_BYTES", "MAX_SCHEMA_VALUES", "COMPILE_TIMEOUT_S", "check_schema", "schema_key", "json_schema_grammar",
+           "SchemaGrammars"]
 
 log = logging.getLogger(__name__)
 
@@ -58,15 +66,61 @@ COMPILE_TIMEOUT_S = 10.0
 # Seconds a probe process may take to start (it imports xgrammar, hence torch).
 _STARTUP_TIMEOUT_S = 120.0
 _HEADER = struct.Struct(">cI")  # message kind, payload length
+# xgrammar prints the rule for one character of a length-bounded string as `NAME ::= (([^\"\\\r\n]))`;
+# matched as a whole line, which no literal or regex inside another rule can be. Its strict form keeps
+# escapes out as before: a repetition of anything but one character class costs ~1 s per token mask
+# here (0.01 ms for a class), and a `pattern` doing the same ~45 ms.
+_LOOSE_CHARACTER = re.compile(r'^(\S+) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.MULTILINE)
+_STRICT_CHARACTER = r' ::= (([^\0-\x1f\"\\]))'
+# Regex parser of the standard library, to find the control characters a `pattern` names.
+_sre: Any = importlib.import_module("re._parser")
 
 
 def schema_key(schema: dict[str, Any]) -> str:
-    """The schema's cache key, which is also the JSON handed to xgrammar."""
-    return json.dumps(schema, sort_keys=True)
+    """The schema's cache key, which is also the JSON handed to xgrammar. Keys keep their order:
+    xgrammar writes properties in the schema's order (a forced call's name before its arguments,
+    an app's reasoning before its answer)."""
+    return json.dumps(schema)
+
+
+def json_schema_grammar(key: str) -> str:
+    """The EBNF grammar (xgrammar's, no free-form whitespace) of a JSON schema given as JSON text,
+    whose every output strict `json.loads` accepts: no raw character U+0000-U+001F in a string."""
+    import xgrammar as xgr
+
+    ebnf = str(xgr.Grammar.from_json_schema(key, any_whitespace=False))
+    return _LOOSE_CHARACTER.sub(lambda m: m.group(1) + _STRICT_CHARACTER, ebnf)
+
+
+def _names_control(pattern: str) -> bool:
+    """Whether a regex names a character U+0000-U+001F (`\\t`, `\\x01`, `[\\0-\\x1f]`). Inside a
+    JSON string xgrammar leaves those out of `.`, `\\s` and negated classes, but writes a named one
+    raw, where strict JSON wants it escaped. A pattern Python cannot parse is left to xgrammar."""
+    try:
+        stack = [_sre.parse(pattern)]
+    except (re.error, RecursionError, OverflowError):
+        return False
+    while stack:
+        for op, av in stack.pop():
+            if op is _sre.LITERAL and av < 0x20:
+                return True
+            if op is _sre.IN:
+                items = [(o, a) for o, a in av if o is not _sre.NEGATE]
+                if len(items) == len(av) and any(o is _sre.LITERAL and a < 0x20 or o is _sre.RANGE and a[0] < 0x20
+                                                 for o, a in items):
+                    return True
+                continue
+            for part in av if isinstance(av, (tuple, list)) else (av,):  # groups, repeats, branches
+                if isinstance(part, _sre.SubPattern):
+                    stack.append(part)
+                elif isinstance(part, list):
+                    stack.extend(q for q in part if isinstance(q, _sre.SubPattern))
+    return False
 
 
 def check_schema(schema: Any, *, max_bytes: int = MAX_SCHEMA_BYTES, max_values: int = MAX_SCHEMA_VALUES) -> None:
-    """Raise ValueError (one line, naming the limit) for a schema too large to compile.
+    """Raise ValueError (one line, naming the limit) for a schema too large to compile, or with a
+    `pattern` that names a control character (no grammar can write that JSON, see `_names_control`).
 
     Walks the schema iteratively and stops at the first limit it passes, so a hostile 4 MB
     schema costs no more than a legal one. Sizes are compact-JSON bytes, escapes aside.
@@ -83,6 +137,9 @@ def check_schema(schema: Any, *, max_bytes: int = MAX_SCHEMA_BYTES, max_values: 
                     values += len(v)
                 elif k == "const":
                     values += 1
+                elif k == "pattern" and isinstance(v, str) and len(v) <= max_bytes and _names_control(v):
+                    raise ValueError(f"json_schema pattern {json.dumps(v)} names a control character (U+0000-U+001F), "
+                                     "which a JSON string carries only escaped and the grammar cannot escape; leave it out")
                 if values > max_values:
                     raise ValueError(f"json_schema has over the limit of {max_values} enum/const values; "
                                      "use fewer values or a free-form string")
@@ -437,7 +494,7 @@ class SchemaGrammars:
             return  # nobody to compile it for
         # It compiled within the deadline in the probe, so it takes about as long here.
         try:
-            grammar = self._compiler.compile_json_schema(job.key, any_whitespace=False)
+            grammar = self._compiler.compile_grammar(json_schema_grammar(job.key))
         except Exception as err:  # noqa: BLE001 - as in the probe; not expected once it compiled there
             raise ValueError(f"invalid json_schema: {err}") from None
         with self._lock:
@@ -492,7 +549,7 @@ def _probe_main(parent: int) -> None:
     while True:
         _, key = message()
         try:
-            compiler.compile_json_schema(key.decode(), any_whitespace=False)
+            compiler.compile_grammar(json_schema_grammar(key.decode()))
         except Exception as err:  # noqa: BLE001 - xgrammar raises RuntimeError for bad schemas
             reply(b"E", str(err).encode(errors="replace"))
         else:

@@ -617,6 +617,11 @@ def _usage(call: _Call, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": n, "completion_tokens": completion_tokens, "total_tokens": n + completion_tokens}
 
 
+def _finish_reason(gen: Generation, tool_calls: list[dict]) -> str | None:
+    # a call cut by max_tokens says so, as OpenAI's do: its arguments may be incomplete JSON
+    return "tool_calls" if tool_calls and gen.finish_reason != "length" else gen.finish_reason
+
+
 def _choice(i: int, gen: Generation, content: str | None, tool_calls: list[dict]) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if tool_calls:
@@ -624,7 +629,7 @@ def _choice(i: int, gen: Generation, content: str | None, tool_calls: list[dict]
     return {
         "index": i,
         "message": message,
-        "finish_reason": "tool_calls" if tool_calls else gen.finish_reason,
+        "finish_reason": _finish_reason(gen, tool_calls),
         "token_ids": list(gen.token_ids),
         "logprobs": {"content": token_logprobs(gen.token_ids, gen.logprobs)},
     }
@@ -635,5 +640,5 @@ def _llm_call(call: _Call, i: int, gen: Generation, content: str | None, tool_ca
     return LLMCall(id=choice_id(call.call_id, i), node_id=d.node_call_id, node=d.node, role=d.role, policy=d.policy,
                    trainable=d.trainable, messages=call.messages, output_text=content, tool_calls=tool_calls,
                    tools=list(call.tools or []), prompt_ids=list(call.prompt_ids), response_ids=list(gen.token_ids),
-                   response_logprobs=list(gen.logprobs), finish_reason="tool_calls" if tool_calls else gen.finish_reason,
+                   response_logprobs=list(gen.logprobs), finish_reason=_finish_reason(gen, tool_calls),
                    model=call.req.model, start_time=call.start, end_time=end)

@@ -11,7 +11,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.tree import Tree
 
-from mas_trainer.trace.schema import Trajectory
+from mas_trainer.engines.chat import unparsed_tool_calls
+from mas_trainer.trace.schema import LLMCall, Trajectory
 
 __all__ = ["print_trajectories", "reward_table"]
 
@@ -21,6 +22,16 @@ _STATUS = {"ok": "green", "error": "red", "timeout": "yellow", "cancelled": "yel
 def _short(text: str | None, width: int = 60) -> str:
     text = (text or "").replace("\n", " ")
     return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _unparsed(c: LLMCall) -> int:
+    return unparsed_tool_calls(c.output_text, c.tool_calls, c.tools)
+
+
+def _unparsed_note(c: LLMCall) -> str:
+    n = _unparsed(c)
+    cut = " (cut by max_tokens)" if c.finish_reason == "length" else ""
+    return f" [red]{n} tool call{'s' * (n > 1)} did not parse{cut}[/]" if n else ""
 
 
 def trajectory_tree(t: Trajectory) -> Tree:
@@ -46,12 +57,12 @@ def trajectory_tree(t: Trajectory) -> Tree:
             tag = "" if c.trainable else " (frozen)"
             branch.add(
                 f"[magenta]llm[/] {c.role} → [cyan]{c.policy}[/]{tag}: {len(c.prompt_ids)}+{len(c.response_ids)} tok,"
-                f" {c.finish_reason}, {_short(c.output_text or str(c.tool_calls))!r}"
+                f" {c.finish_reason}, {_short(c.output_text or str(c.tool_calls))!r}{_unparsed_note(c)}"
             )
         for tc in tools.pop(node.id, []):
             branch.add(f"[blue]tool[/] {tc.name} {tc.status}: {_short(str(tc.output))!r}")
     for c in [c for cs in calls.values() for c in cs]:  # calls made outside any node
-        root.add(f"[magenta]llm[/] {c.role} → [cyan]{c.policy}[/] (no node): {_short(c.output_text)!r}")
+        root.add(f"[magenta]llm[/] {c.role} → [cyan]{c.policy}[/] (no node): {_short(c.output_text)!r}{_unparsed_note(c)}")
     return root
 
 
@@ -80,6 +91,11 @@ def print_trajectories(trajs: list[Trajectory], console: Console | None = None, 
     console.print(role_table(trajs))
     by_status = Counter(t.status for t in trajs)
     console.print("rollouts: " + ", ".join(f"{k} {v}" for k, v in sorted(by_status.items())))
+    unparsed = [c for t in trajs for c in t.llm_calls if _unparsed(c)]
+    if unparsed:  # the app got them with arguments that are not JSON, or as text: it may have gone on without them
+        cut = sum(c.finish_reason == "length" for c in unparsed)
+        console.print(f"[red]tool calls that did not parse: {sum(map(_unparsed, unparsed))}[/] in {len(unparsed)} LLM calls"
+                      + (f", {cut} of them cut by max_tokens (raise the app's max_tokens)" if cut else ""))
 
 
 def _num(value: float | None) -> str:

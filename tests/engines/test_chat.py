@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from mas_trainer.engines.chat import HFChatFormat, normalize_messages, parse_tool_calls
+from mas_trainer.engines.chat import HFChatFormat, normalize_messages, parse_tool_calls, unparsed_tool_calls
 
 TOOLS = [
     {
@@ -125,6 +125,39 @@ def test_parse_bare_json_call_only_with_tools():
     assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
     assert parse_tool_calls(bare) == (bare, [])
     assert parse_tool_calls('{"name": "Bob", "age": 3}', TOOLS) == ('{"name": "Bob", "age": 3}', [])
+
+
+def test_a_call_object_that_does_not_parse_is_a_call_with_its_raw_arguments():
+    """What a forced call's grammar writes, cut by max_tokens (or holding a raw control character):
+    the app gets the tool call with the arguments as written, never the call as plain text."""
+    def parsed(text: str) -> tuple[str | None, list]:
+        content, calls = parse_tool_calls(text, TOOLS)
+        return content, [c["function"] for c in calls]
+
+    weather = {"name": "get_weather"}
+    assert parsed('{"name": "get_weather", "arguments": {"city": "Par') == (None, [{**weather, "arguments": '{"city": "Par'}])
+    assert parsed('{"name": "get_weather", "arguments": {"city": "a\tb"}}') == (None, [{**weather, "arguments": '{"city": "a\tb"}'}])
+    assert parsed('{"name": "get_weather", "arguments": {"city": "Oslo"}') == (None, [{**weather, "arguments": '{"city": "Oslo"}'}])
+    for before_arguments in ('{"name": "get_weather", "argu', '{"name": "get_weather"', '{"name": "get_w'):
+        assert parsed(before_arguments) == (None, [{**weather, "arguments": ""}])
+    # text that is not one call object of one of the tools stays text
+    for text in ('{"name": "other", "arguments": {"x": 1', '{"name": "get_weather", "arguments": {}} and more',
+                 '{"name": "get_weather"} and more', '{"name": "Bob", "age": 3'):
+        assert parsed(text) == (text, [])
+
+
+def test_unparsed_tool_calls_are_counted():
+    def count(text: str, tools=TOOLS) -> int:
+        return unparsed_tool_calls(*parse_tool_calls(text, tools), tools or [])
+
+    assert count('{"name": "get_weather", "arguments": {"city": "Oslo"}}') == 0
+    assert count('<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>') == 0
+    assert count('{"name": "get_weather", "arguments": {"city": "Par') == 1
+    assert count('{"name": "get_weather", "arguments": {"city": "a\tb"}}') == 1
+    assert count('{"name": "get_w') == 1  # cut before the arguments: none written
+    assert count('Oops <tool_call>{"name": "f", "arguments": {</tool_call> and <tool_call>{') == 2
+    assert count('{"name": "other", "arguments": {"x": 1') == 1  # a call object left as text
+    assert count("plain answer") == count("a <tool_call> in prose, no tools offered", None) == 0
 
 
 def test_hf_format_parse_is_the_shared_parser(fmt):
