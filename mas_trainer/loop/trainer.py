@@ -26,9 +26,9 @@ from rich.console import Console
 
 from mas_trainer.apps import forks_of
 from mas_trainer.config import ConfigError, FitConfig, check_policy_names, check_trackers
+from mas_trainer.engines.chat import unparsed_tool_calls
 from mas_trainer.engines.models import check_model
 from mas_trainer.errors import UserError
-from mas_trainer.engines.chat import unparsed_tool_calls
 from mas_trainer.gateway import PolicyBackend
 from mas_trainer.rewards import RewardSpec, annotate_groups, assign_rewards, check_allocator, is_dropped, score_groups
 from mas_trainer.rewards.allocators import needs_forks, rollout_reward
@@ -94,11 +94,11 @@ def summarize(trajs: list[Trajectory], *, timeouts_apart: bool = False) -> dict[
     row.update({f"rollouts/{k}": v for k, v in sorted(status.items())})
     row["rollouts/dropped"] = sum(is_dropped(t) for t in trajs)
     row["tokens/response"] = sum(len(c.response_ids) for t in trajs for c in t.llm_calls)
+    # calls the app got with arguments that are not JSON (cut by max_tokens), or left as text
+    row["tool_calls/unparsed"] = sum(unparsed_tool_calls(c.output_text, c.tool_calls, c.tools) for t in trajs for c in t.llm_calls)
     if timeouts_apart:
         row["rollouts/timeout"] = status["timeout"]
         trajs = [t for t in trajs if t.status != "timeout"]
-    # calls the app got with arguments that are not JSON (cut by max_tokens), or left as text
-    row["tool_calls/unparsed"] = sum(unparsed_tool_calls(c.output_text, c.tool_calls, c.tools) for t in trajs for c in t.llm_calls)
     found = (rollout_reward(t.rewards.trajectory, t.rewards.turns.values(), is_dropped(t)) for t in trajs)
     rewards = [r for r in found if r is not None]
     row["reward/mean"] = statistics.fmean(rewards) if rewards else None
