@@ -5,20 +5,33 @@ inside subgraphs, as LangGraph's ``get_graph(xray=True)`` names them) and this m
 for every node call, which role it plays and which policy serves it. A node that holds a
 subgraph (an agent made by `create_agent`, `create_supervisor`, `create_swarm`, ...) is a node
 too: naming it maps every node inside it that is not named itself.
+
+Agents are named too: an adapter lists each agent found inside another agent's node as a
+node entry whose last segment is ``@<agent name>`` (``tools:@researcher``, a sub-agent run by
+the main agent's ``tools`` node), and the app's own agent as ``@<name>``; a node call made
+inside a sub-agent has that segment in its path (``tools:@researcher:model``). A key may name
+an agent by its bare name. A sub-agent is a role of its own: it never inherits the mapping of
+the node or agent it runs in, and an agent nothing maps is refused at resolution (where the
+adapter found it) rather than frozen without a word.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, Callable, Iterable, Mapping
 
 from mas_trainer.errors import UserError, did_you_mean
 
-__all__ = ["FROZEN_POLICY", "PolicySpec", "TrainSpec", "ResolvedSpec", "SpecError", "Route", "qualified_nodes"]
+__all__ = ["FROZEN_POLICY", "AGENT_MARK", "PolicySpec", "TrainSpec", "ResolvedSpec", "SpecError", "Route", "qualified_nodes"]
 
 # Policy that serves nodes nobody asked to train: the base model, never updated.
 FROZEN_POLICY = "frozen"
+# Marks a path segment that is an agent, not a node: never the start of a LangGraph node's name in
+# the apps this serves, and kept through the run directory's node list (app.json) as any node is.
+AGENT_MARK = "@"
+_NAMED_LOCK = threading.Lock()
 
 
 class SpecError(UserError):
@@ -37,6 +50,7 @@ class Route:
     role: str
     policy: str
     trainable: bool
+    unmapped: bool = False  # frozen only because nothing maps it (no key, no default_policy)
 
 
 @dataclass(frozen=True)
@@ -108,6 +122,7 @@ class TrainSpec:
         """Check every name against the graph's nodes; raise SpecError listing the valid ones."""
         nodes = qualified_nodes(node_names)
         resolved = ResolvedSpec(self, tuple(nodes), {key: _match(key, nodes) for key in [*self.roles, *self.frozen, *self.role_names]})
+        resolved.check_agents_mapped()
         for what, rewards in (("role_rewards", self.role_rewards), ("turn_rewards", self.turn_rewards)):
             if isinstance(rewards, Mapping):
                 resolved.check_reward_roles(what, rewards)
@@ -137,13 +152,27 @@ def qualified_nodes(names: Iterable[str]) -> list[str]:
 def _match(key: str, nodes: list[str]) -> str:
     if key in nodes:
         return key
-    # a bare child name is accepted when exactly one node (at any depth) has it
-    hits = [n for n in nodes if n.rsplit(":", 1)[-1] == key]
+    plain = [n for n in nodes if not _is_agent(n)]
+    agents = [n for n in nodes if _is_agent(n)]
+    # a bare child name is accepted when exactly one node (at any depth) has it; else one agent
+    hits = [n for n in plain if n.rsplit(":", 1)[-1] == key] or [n for n in agents if n.rsplit(":", 1)[-1] == AGENT_MARK + key]
     if len(hits) == 1:
         return hits[0]
     if len(hits) > 1:
         raise SpecError(f"node name {key!r} is ambiguous ({', '.join(hits)}); use the qualified name")
-    raise SpecError(f"unknown node {key!r}; {did_you_mean(key, nodes)}valid nodes: {', '.join(nodes) or '(none)'}")
+    if not agents:
+        raise SpecError(f"unknown node {key!r}; {did_you_mean(key, nodes)}valid nodes: {', '.join(nodes) or '(none)'}")
+    names = [_agent_name(a) for a in agents]
+    raise SpecError(f"unknown agent or node {key!r}; {did_you_mean(key, [*names, *plain])}valid agents: {', '.join(names)}; "
+                    f"valid nodes: {', '.join(plain) or '(none)'}")
+
+
+def _is_agent(path: str) -> bool:
+    return path.rsplit(":", 1)[-1].startswith(AGENT_MARK)
+
+
+def _agent_name(path: str) -> str:
+    return path.rsplit(":", 1)[-1][len(AGENT_MARK):]
 
 
 @dataclass(frozen=True)
@@ -237,13 +266,60 @@ class ResolvedSpec:
         for depth in range(len(parts), 0, -1):
             q = ":".join(parts[:depth])
             key = by_node.get(q)
-            if key is None:
-                continue
-            role = self._role_names.get(q, key)
-            if key in self.declared.frozen:
-                return Route(role, FROZEN_POLICY, False)
-            if key in self.declared.roles:
-                return Route(role, self.declared.roles[key], True)
+            if key is not None and (key in self.declared.roles or key in self.declared.frozen):
+                return self._keyed(q, key)
+            if parts[depth - 1].startswith(AGENT_MARK):  # a sub-agent is a role of its own: nothing above it maps it
+                return self._unmapped(node_path, parts[depth - 1][len(AGENT_MARK):])
+        root = next((n for n in self.nodes if ":" not in n and n.startswith(AGENT_MARK)), None)
+        key = by_node.get(root) if root is not None else None
+        if root is not None and key is not None and (key in self.declared.roles or key in self.declared.frozen):
+            return self._keyed(root, key)  # the app's own agent, named by its name
+        return self._unmapped(node_path, None)
+
+    def _keyed(self, node: str, key: str) -> Route:
+        role = self._role_names.get(node, key)
+        if key in self.declared.frozen:
+            return Route(role, FROZEN_POLICY, False)
+        return Route(role, self.declared.roles[key], True)
+
+    def _unmapped(self, node_path: str, agent: str | None) -> Route:
+        role = agent if agent is not None else node_path
         if self.declared.default_policy is not None:
-            return Route(node_path, self.declared.default_policy, True)
-        return Route(node_path, FROZEN_POLICY, False)
+            return Route(role, self.declared.default_policy, True)
+        return Route(role, FROZEN_POLICY, False, unmapped=True)
+
+    def first_time_unmapped(self, node_path: str) -> bool:
+        """True the first time it is asked about `node_path`: a node nothing maps is named once, not once a call."""
+        with _NAMED_LOCK:
+            if node_path in self._named_unmapped:
+                return False
+            self._named_unmapped.add(node_path)
+            return True
+
+    @cached_property
+    def _named_unmapped(self) -> set[str]:
+        return set()
+
+    @property
+    def agents(self) -> list[str]:
+        """The agents found in the app (the app's own first), by name."""
+        return [_agent_name(n) for n in self.nodes if _is_agent(n)]
+
+    def check_agents_mapped(self) -> None:
+        """An agent makes LLM calls: one that nothing maps (no key for it or for a node inside it,
+        no default_policy) would be served frozen without a word, so it is refused, in one line."""
+        if self.declared.default_policy is not None:
+            return
+        keyed = {self.qualified[k] for k in [*self.declared.roles, *self.declared.frozen]}
+        missing = []
+        for entry in (n for n in self.nodes if _is_agent(n)):
+            if ":" in entry:
+                covered = any(k == entry or k.startswith(entry + ":") for k in keyed)
+            else:  # the app's own agent: a key for it or for one of its nodes outside every sub-agent
+                covered = any(not any(seg.startswith(AGENT_MARK) for seg in k.split(":")) or k == entry for k in keyed)
+            if not covered:
+                missing.append(_agent_name(entry))
+        if missing:
+            raise SpecError(f"agent(s) {', '.join(missing)} make LLM calls nothing maps: map each in roles= (by its name), "
+                            f"list it in frozen= to serve it the base model untrained, or set default_policy=; "
+                            f"the app's agents: {', '.join(self.agents)}")

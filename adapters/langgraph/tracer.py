@@ -10,10 +10,18 @@ call's *branch*: what identifies it in every run of the rollout (task ids and ch
 namespaces hash the checkpoint id, a fresh uuid each run; superstep and task path do not: a
 `Send` task's path holds its index among the step's sends, in the order the graph wrote them,
 not the order the branches ran). The gateway derives sampling seeds from it (`branch_segment`).
+
+Agents: a node call whose runs carry an `lc_agent_name` other than the enclosing node call's
+is a sub-agent's (deepagents runs each sub-agent inside the main agent's `tools` node), and
+its path gains the agent's segment: ``tools:@researcher:model``, not ``tools:model``, so the
+policy map tells the sub-agents apart. `lc_agent_name` is the identity LangChain itself gives
+an agent (`create_agent(name=...)` binds it; deepagents binds each sub-agent's name) and the
+one LangGraph's own stream transformer takes for a sub-agent boundary; no newer field exists.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,7 +34,7 @@ from langgraph.types import Command
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, StatusCode
 
-from mas_trainer.spec import ResolvedSpec
+from mas_trainer.spec import AGENT_MARK, ResolvedSpec
 from mas_trainer.trace import attributes as A
 from mas_trainer.trace.instrument import CallContext, register_resolver, span_hex
 from mas_trainer.trace.otel import get_tracer
@@ -37,6 +45,8 @@ from .serving import install as install_serving_runs
 
 __all__ = ["GraphTracer", "node_path", "branch_segment"]
 
+log = logging.getLogger(__name__)
+
 # Exceptions LangGraph uses for control flow, not failures.
 _CONTROL_FLOW = {"GraphInterrupt", "NodeInterrupt", "ParentCommand", "GraphBubbleUp"}
 
@@ -44,6 +54,15 @@ _CONTROL_FLOW = {"GraphInterrupt", "NodeInterrupt", "ParentCommand", "GraphBubbl
 def node_path(checkpoint_ns: str) -> str:
     """``outer:<task id>|inner:<task id>`` -> ``outer:inner`` (the xray name of the node)."""
     return ":".join(seg.rsplit(":", 1)[0] for seg in checkpoint_ns.split("|") if seg)
+
+
+def agent_path(enclosing: str, enclosing_agent: str | None, agent: str | None, node: str) -> str:
+    """The path of a node call in `enclosing` (a path) made by `agent`: a sub-agent's own segment
+    comes between where an agent runs another inside one of its nodes (deepagents' `task` tool),
+    not where an agent is a node of a graph (a supervisor's, a swarm's: the node names it)."""
+    if agent and enclosing_agent and agent != enclosing_agent and agent not in (node, enclosing.rsplit(":", 1)[-1]):
+        return f"{enclosing}:{AGENT_MARK}{agent}:{node}"
+    return f"{enclosing}:{node}"
 
 
 def branch_segment(node: str, metadata: Mapping[str, Any], attempt: int = 1) -> str:
@@ -69,6 +88,8 @@ class _NodeRun:
     ns: str
     ctx: Any = field(default=None)
     branch: str = ""
+    agent: str | None = None  # the `lc_agent_name` its runs carry
+    unmapped: bool = False  # served frozen only because nothing maps it
 
 
 class GraphTracer(BaseCallbackHandler):
@@ -122,6 +143,10 @@ class GraphTracer(BaseCallbackHandler):
         if node is None:
             return None
         name = node.record.name
+        if node.unmapped and self.spec.first_time_unmapped(name):
+            agent = f" (agent {node.agent!r})" if node.agent else ""
+            log.warning("LLM calls of node %r%s are served by the frozen base model because nothing maps them: map it in "
+                        "roles=, list it in frozen=, or set default_policy=", name, agent)
         return CallContext(self.rollout_id, name, node.record.id, node.role, node.ctx, branch=node.branch,
                            on_answer=lambda call_id: self.answered.append((call_id, name)))
 
@@ -143,11 +168,14 @@ class GraphTracer(BaseCallbackHandler):
             self._opened_by[run_id] = opened
 
     def _open_node(self, ns: str, md: dict, enclosing: _NodeRun | None) -> _NodeRun:
-        path = node_path(ns)
+        agent = md.get("lc_agent_name")
+        agent = str(agent) if agent else None
+        node_name = str(md.get("langgraph_node"))
+        path = agent_path(enclosing.record.name, enclosing.agent, agent, node_name) if enclosing else node_path(ns)
         attempt = self._attempts.get(ns, 0) + 1
         self._attempts[ns] = attempt
         route = self.spec.route(path)
-        own = branch_segment(str(md.get("langgraph_node")), md, attempt)
+        own = branch_segment(node_name, md, attempt)
         branch = f"{enclosing.branch}|{own}" if enclosing else own
         parent_ctx = enclosing.ctx if enclosing else self._root_ctx
         span = get_tracer().start_span(
@@ -179,7 +207,7 @@ class GraphTracer(BaseCallbackHandler):
         if enclosing:
             span.set_attribute(A.PARENT_NODE_CALL_ID, enclosing.record.id)
         span.set_attribute(A.NODE_CALL_ID, record.id)
-        node = _NodeRun(record, span, route.role, ns, trace.set_span_in_context(span), branch)
+        node = _NodeRun(record, span, route.role, ns, trace.set_span_in_context(span), branch, agent, route.unmapped)
         self._nodes.append(node)
         return node
 
@@ -324,12 +352,22 @@ def _resolve_from_langchain_context() -> CallContext | None:
         # Outside a rollout (the app run as usual against `mas-trainer serve`): name the node,
         # so the server can route the call to the policy that node was trained as, under the
         # trace of the graph invocation, so a recording server keeps the invocation as one run.
-        path = node_path(ns)
+        path = _serving_path(ns, (config.get("metadata") or {}).get("lc_agent_name"))
         runs = next((h for h in handlers if isinstance(h, ServingRuns)), None)
         found = runs.parent_of(getattr(manager, "parent_run_id", None)) if runs is not None else None
         parent, on_result = found if found is not None else (None, None)
         return CallContext(rollout_id="", node=path, node_call_id="", role=path, parent=parent, on_result=on_result)
     return None
+
+
+def _serving_path(ns: str, agent: object) -> str:
+    """A node call's path outside a rollout, from the call's own namespace and agent only (no
+    enclosing node call is known): a sub-agent one level down, as deepagents runs them, gets its
+    segment as in a rollout; deeper nesting (a sub-agent's sub-agent) is routed by what encloses it."""
+    segments = [seg.rsplit(":", 1)[0] for seg in ns.split("|") if seg]
+    if len(segments) >= 2 and agent and str(agent) not in segments:
+        return ":".join([*segments[:-1], f"{AGENT_MARK}{agent}", segments[-1]])
+    return ":".join(segments)
 
 
 _serving_propagation = False

@@ -8,15 +8,16 @@ before. A function returning a graph is wrapped so that what it returns is marke
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable, Iterable, Mapping
 
 from langgraph.graph import StateGraph
 from langgraph.pregel import Pregel
 
 from mas_trainer.rewards.levels import check_arity
-from mas_trainer.spec import ResolvedSpec, SpecError, TrainSpec, qualified_nodes
+from mas_trainer.spec import AGENT_MARK, ResolvedSpec, SpecError, TrainSpec, qualified_nodes
 
-__all__ = ["trainable", "spec_of", "as_graph", "node_names", "no_fork_of"]
+__all__ = ["trainable", "spec_of", "as_graph", "node_names", "agent_entries", "no_fork_of"]
 
 SPEC_ATTR = "__mas_trainer_spec__"
 NO_FORK_ATTR = "__mas_trainer_no_fork__"
@@ -30,6 +31,48 @@ def node_names(graph: Pregel) -> list[str]:
     the nodes inside it: xray shows only those, but the outer name is what users map.
     """
     return qualified_nodes(graph.get_graph(xray=True).nodes)
+
+
+def agent_entries(graph: Pregel) -> list[str]:
+    """The agents a policy map may name, as spec.py lists them: the graph's own (``@lead``,
+    where `create_agent(name=...)` or deepagents named it) and each sub-agent its `task` tool
+    runs (``tools:@researcher``, and that one's own sub-agents below it). Sub-agents run by other
+    means are not found here: their calls still carry their segment at run time."""
+    own = _agent_name(graph)
+    return ([AGENT_MARK + own] if own else []) + _subagents(graph, "")
+
+
+def _agent_name(runnable: Any) -> str | None:
+    name = ((getattr(runnable, "config", None) or {}).get("metadata") or {}).get("lc_agent_name")
+    return str(name) if name else None
+
+
+def _subagents(graph: Pregel, prefix: str) -> list[str]:
+    found: list[str] = []
+    for node, task_node in graph.nodes.items():
+        tools = getattr(task_node.bound, "tools_by_name", None) or {}  # a ToolNode
+        for tool in tools.values():
+            for name, runnable in _task_tool_agents(tool).items():
+                if spec_of(runnable) is not None or spec_of(getattr(runnable, "bound", None)) is not None:
+                    raise SpecError(f"sub-agent {name!r} carries a @trainable of its own, which the app's would ignore: "
+                                    f"drop it and map the sub-agent in the app's trainable (roles={{{name!r}: ...}})")
+                path = f"{prefix}{node}:{AGENT_MARK}{name}"
+                found.append(path)
+                inner = runnable if isinstance(runnable, Pregel) else getattr(runnable, "bound", None)
+                if isinstance(inner, Pregel):
+                    found += _subagents(inner, path + ":")
+    return found
+
+
+def _task_tool_agents(tool: Any) -> dict[str, Any]:
+    """deepagents' `task` tool's sub-agents by name. deepagents keeps them nowhere public (the
+    `SubAgentMiddleware` that built the tool is not reachable from the compiled graph), only in
+    the tool function's closure; a version that moves them leaves the check to run time."""
+    func = getattr(tool, "func", None)
+    if getattr(tool, "name", None) != "task" or not inspect.isfunction(func):
+        return {}
+    graphs = inspect.getclosurevars(func).nonlocals.get("subagent_graphs")
+    return dict(graphs) if isinstance(graphs, dict) else {}
 
 
 def trainable(
@@ -85,8 +128,9 @@ def _marker(spec: TrainSpec, unforkable: frozenset[str]) -> Callable[[Any], Any]
 
     def mark(obj: Any) -> Any:
         if isinstance(obj, (StateGraph, Pregel)):
-            names = node_names(obj.compile() if isinstance(obj, StateGraph) else obj)
-            spec.resolve(names)
+            graph = obj.compile() if isinstance(obj, StateGraph) else obj
+            names = node_names(graph)
+            spec.resolve([*names, *agent_entries(graph)])
             unknown_nodes = sorted(unforkable - set(names))
             if unknown_nodes:
                 raise SpecError(f"no_fork names unknown node(s) {', '.join(map(repr, unknown_nodes))}; "
@@ -147,7 +191,7 @@ def resolve(obj: Any, base_model: str | None = None) -> tuple[Pregel, ResolvedSp
         spec = TrainSpec.one_policy_per_graph(base_model or "default")
     elif base_model:
         spec = spec.with_base_model(base_model)
-    return graph, spec.resolve(node_names(graph))
+    return graph, spec.resolve([*node_names(graph), *agent_entries(graph)])
 
 
 _KEYWORDS = ("roles", "policies", "reward", "role_rewards", "turn_rewards", "frozen", "role_names", "default_policy",
