@@ -20,6 +20,10 @@ object of 2,000 optional properties (53 KB) ~43 s, and a 50-byte schema whose `p
   before, and requests without one, are served while compiles run. Callers of one schema
   share one compile.
 
+An engine that compiles grammars itself (vLLM) takes `text=True`: its callers get the EBNF
+text of a schema whose probe finished (`json_schema_grammar`), which its own compiler then
+compiles in about the probe's time; nothing is compiled in this process.
+
 Probe processes start on first need (importing xgrammar imports torch: a few seconds) and
 are kept for the next schema; one is killed only with the compile it runs.
 
@@ -266,9 +270,11 @@ class SchemaGrammars:
     threads of its own (see the module docstring)."""
 
     def __init__(self, tokenizer_info: Callable[[], Any], *, max_grammars: int = 64, timeout_s: float = COMPILE_TIMEOUT_S,
-                 workers: int = 2, compiler_threads: int = 2) -> None:
-        """`tokenizer_info` builds the xgrammar TokenizerInfo (called once, on first need)."""
+                 workers: int = 2, compiler_threads: int = 2, text: bool = False) -> None:
+        """`tokenizer_info` builds the xgrammar TokenizerInfo (called once, on first need); `text`:
+        callers get the grammar's EBNF text, probed, instead of a compiled grammar."""
         self.max_grammars = max_grammars
+        self.text = text
         self.timeout_s = timeout_s
         self.workers = workers
         self.compiler_threads = compiler_threads
@@ -417,9 +423,10 @@ class SchemaGrammars:
                 import xgrammar as xgr
 
                 info = self._make_info()
-                # xgrammar's own cache stays off: this class bounds what is kept (that cache had no
-                # bound), and with it on an 8,000-value enum compiled in 19 s instead of 3 s
-                self._compiler = xgr.GrammarCompiler(info, max_threads=self.compiler_threads, cache_enabled=False)
+                if not self.text:
+                    # xgrammar's own cache stays off: this class bounds what is kept (that cache had no
+                    # bound), and with it on an 8,000-value enum compiled in 19 s instead of 3 s
+                    self._compiler = xgr.GrammarCompiler(info, max_threads=self.compiler_threads, cache_enabled=False)
                 self._init = f"{self.compiler_threads}\n".encode() + info.serialize_json().encode()
             return self._init
 
@@ -492,9 +499,9 @@ class SchemaGrammars:
         log.debug("json_schema probed in %.3f s", time.monotonic() - start)
         if job.abandoned or self._closed:
             return  # nobody to compile it for
-        # It compiled within the deadline in the probe, so it takes about as long here.
+        # It compiled within the deadline in the probe, so it takes about as long here (or in the engine).
         try:
-            grammar = self._compiler.compile_grammar(json_schema_grammar(job.key))
+            grammar = json_schema_grammar(job.key) if self.text else self._compiler.compile_grammar(json_schema_grammar(job.key))
         except Exception as err:  # noqa: BLE001 - as in the probe; not expected once it compiled there
             raise ValueError(f"invalid json_schema: {err}") from None
         with self._lock:

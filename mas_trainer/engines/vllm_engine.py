@@ -36,6 +36,15 @@ vLLM 0.24.0 has the same names (`LoRARequest(lora_name, lora_int_id, lora_path, 
 adapter (`max_loras=1`, id and name 123, on every request) and syncs it with `remove_lora(123)`
 then `add_lora(TensorLoRARequest(...))`, its own subclass carrying the tensors that its patch of
 vLLM's `_load_adapter` reads instead of a folder; it never uses `load_inplace`.
+
+Structured output (a JSON schema: `response_format`, forced tool calls) reaches vLLM as the
+grammar the embedded engine uses (`engines/grammar.py`'s `json_schema_grammar`, EBNF text),
+never as the schema: vLLM would compile that with xgrammar's own rule for length-bounded strings,
+which admits raw control characters that strict `json.loads` refuses, and with free whitespace
+between tokens (an engine-wide setting: a request's `disable_any_whitespace` is ignored), where
+a model can write whitespace until max_tokens. The text comes from the embedded engine's
+`SchemaGrammars`, off the event loop and only once the schema compiled in a killable probe
+within `grammar_timeout_s`, so a hostile schema never reaches vLLM's compiler threads.
 """
 
 from __future__ import annotations
@@ -53,6 +62,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from mas_trainer.engines.base import EngineUnavailable, FinishReason, Generation, SamplingParams, cut_at_stop
+from mas_trainer.engines.grammar import COMPILE_TIMEOUT_S, SchemaGrammars
 from mas_trainer.errors import RunStopped, UserError, did_you_mean
 
 __all__ = ["VllmEngine", "VllmEngineFailed", "VllmSettings", "vllm_env", "checkpoint_names", "CPU_HEAD_SIZES"]
@@ -125,7 +135,8 @@ class VllmEngine:
     """`Engine` over vLLM's `LLMEngine` in this process (see the module docstring)."""
 
     def __init__(self, model_dir: str | Path, *, model_name: str, settings: VllmSettings | None = None,
-                 tokenizer: Any = None, adapters: Sequence[str] = (), max_lora_rank: int = 16) -> None:
+                 tokenizer: Any = None, adapters: Sequence[str] = (), max_lora_rank: int = 16,
+                 grammar_timeout_s: float = COMPILE_TIMEOUT_S) -> None:
         settings = settings or VllmSettings()
         self.model_name, self.settings, self.model_dir = model_name, settings, str(model_dir)
         _check_head_size(self.model_dir, settings.device)
@@ -158,6 +169,7 @@ class VllmEngine:
         self.stats: dict[str, float] = {"requests": 0, "tokens": 0, "busy_s": 0.0, "weight_loads": 0, "load_s": 0.0,
                                         "adapter_loads": 0, "adapter_load_s": 0.0}
         self.failure: BaseException | None = None
+        self._grammars = SchemaGrammars(self._tokenizer_info, timeout_s=grammar_timeout_s, text=True)
         self._cond = threading.Condition()
         self._adds: collections.deque[tuple[str, list[int], Any, Any, _Call]] = collections.deque()
         self._aborts: list[str] = []
@@ -186,13 +198,14 @@ class VllmEngine:
         if room < 1:
             raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in the context of {self.max_context} "
                              "(runtime.replica.max_model_len)")
+        grammar = await self._grammars.compile(params.json_schema) if params.json_schema is not None else None
         loop = asyncio.get_running_loop()
         calls: list[tuple[str, _Call]] = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
             call = _Call(loop.create_future(), loop, tuple(params.stop))
             calls.append((uuid.uuid4().hex, call))
-            self._submit(calls[-1][0], prompt, self._sampling(params, seed, min(params.max_tokens, room)), lora, call)
+            self._submit(calls[-1][0], prompt, self._sampling(params, seed, min(params.max_tokens, room), grammar), lora, call)
         try:
             return list(await asyncio.gather(*(c.future for _, c in calls)))
         except BaseException:
@@ -276,7 +289,8 @@ class VllmEngine:
         return self._control(lambda: fn(self))
 
     def close(self) -> None:
-        """Stop the worker; requests still waiting or running fail."""
+        """Stop the worker and the grammar probes; requests still waiting or running fail."""
+        self._grammars.close()
         with self._cond:
             self._closed = True
             self._cond.notify_all()
@@ -291,14 +305,22 @@ class VllmEngine:
 
     # ---------------------------------------------------------------- internals
 
-    def _sampling(self, params: SamplingParams, seed: int | None, max_tokens: int) -> Any:
+    def _tokenizer_info(self) -> Any:
+        """xgrammar's view of the tokenizer, as vLLM's xgrammar backend builds it (the probes time
+        the compile vLLM will do)."""
+        import xgrammar as xgr
+
+        return xgr.TokenizerInfo.from_huggingface(self._engine.get_tokenizer(), vocab_size=self._engine.model_config.get_vocab_size())
+
+    def _sampling(self, params: SamplingParams, seed: int | None, max_tokens: int, grammar: str | None = None) -> Any:
+        """vLLM's sampling parameters; `grammar` is the EBNF text of `params.json_schema`."""
         from vllm.sampling_params import RequestOutputKind, SamplingParams as VllmSampling
 
         structured = None
-        if params.json_schema is not None:
+        if grammar is not None:
             from vllm.sampling_params import StructuredOutputsParams
 
-            structured = StructuredOutputsParams(json=params.json_schema)
+            structured = StructuredOutputsParams(grammar=grammar)
         return VllmSampling(temperature=params.temperature, top_p=params.top_p, max_tokens=max_tokens, seed=seed,
                             stop=list(params.stop) or None, include_stop_str_in_output=False, ignore_eos=params.ignore_eos,
                             logprobs=0, structured_outputs=structured, output_kind=RequestOutputKind.FINAL_ONLY)
