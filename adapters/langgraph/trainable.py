@@ -53,9 +53,6 @@ def _subagents(graph: Pregel, prefix: str) -> list[str]:
         tools = getattr(task_node.bound, "tools_by_name", None) or {}  # a ToolNode
         for tool in tools.values():
             for name, runnable in _task_tool_agents(tool).items():
-                if spec_of(runnable) is not None or spec_of(getattr(runnable, "bound", None)) is not None:
-                    raise SpecError(f"sub-agent {name!r} carries a @trainable of its own, which the app's would ignore: "
-                                    f"drop it and map the sub-agent in the app's trainable (roles={{{name!r}: ...}})")
                 path = f"{prefix}{node}:{AGENT_MARK}{name}"
                 found.append(path)
                 inner = runnable if isinstance(runnable, Pregel) else getattr(runnable, "bound", None)
@@ -92,8 +89,9 @@ def trainable(
 ) -> Any:
     """Mark a LangGraph app as trainable.
 
-    roles: node -> policy name (nodes in subgraphs: ``"parent:child"`` or the bare child
-    name when unique). policies: policy name -> base model (``"default"`` is the bundled
+    roles: node or agent -> policy name (nodes in subgraphs: ``"parent:child"`` or the bare
+    child name when unique; an agent by its `create_agent(name=...)` / deep agent sub-agent
+    name, see docs/agents.md). policies: policy name -> base model (``"default"`` is the bundled
     model, or a local path / HF id; default: every policy in `roles` on ``"default"``).
     reward: trajectory-level reward ``(task, final_state, trajectory) -> float | None``.
     role_rewards / turn_rewards: one callable, or role -> callable, called as
@@ -101,7 +99,8 @@ def trainable(
     "not applicable". An allocator (config ``reward.allocator``) mixes the three levels.
     frozen: nodes served by the base model and never trained. role_names: node -> role,
     to group several nodes into one logical agent. default_policy: the policy of LLM
-    calls made by nodes not listed (default: frozen). no_fork: nodes with outside side effects
+    calls made by nodes not listed (default: frozen, each such node named once at its first call; an agent
+    nothing maps is refused). no_fork: nodes with outside side effects
     (an email sent, a database written) that must not run again in a forked continuation:
     counterfactual credit then refuses the app. Works as ``@trainable(...)`` or
     ``trainable(graph, ...)`` on a `StateGraph`, a compiled graph, or a function returning either.
