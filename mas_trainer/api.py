@@ -60,9 +60,24 @@ class FitResult:
 
     @property
     def policies(self) -> dict[str, Path]:
-        """policy -> its trained Hugging Face folder (what `export` and `serve` load)."""
-        folder = self.output / "checkpoint" / "policies"
-        return {p.name: p for p in sorted(folder.iterdir()) if p.is_dir()} if folder.is_dir() else {}
+        """policy -> its trained Hugging Face folder, what `export`, `serve` and `evaluate` load: the
+        best checkpoint where the run kept one, else the last ({} before the first checkpoint)."""
+        from mas_trainer.config import ConfigError
+        from mas_trainer.run.rundir import trained_checkpoint
+
+        try:
+            return trained_checkpoint(self.output).policies
+        except ConfigError:  # no checkpoint yet
+            return {}
+
+    @property
+    def best(self) -> dict[str, Any] | None:
+        """The best held-out evaluation the last checkpoint committed (step, metric, mode, value,
+        kept: its weights in `output/best/step_N`), None without one."""
+        from mas_trainer.run.rundir import RunDir
+
+        state = RunDir(self.output).load_state()
+        return state["best"] if state else None
 
 
 def fit_config(config: str | Path | Mapping[str, Any] | FitConfig | None = None,
@@ -109,10 +124,10 @@ def evaluate(app: Any, data: str | Path | Iterable[dict[str, Any]], *, run: str 
              compare: str | None = None, **options: Any) -> dict[str, Any]:
     """Mean reward of `app` on `data`, overall and per role, with the trained policies of `run`
     (else the base models); `options` as `mas-trainer eval`'s (n, seed, max_tokens, temperature,
-    max_in_flight, timeout_s, model). `compare="base"` (`eval --compare base`) measures `run`'s
-    trained policies and their base models on the same tasks with the same seeds and returns
-    both, each task's rewards and the paired difference with its spread
-    (`mas_trainer.loop.evaluate.compare`)."""
+    max_in_flight, timeout_s, model; checkpoint: "best" or "last" of `run`). `compare="base"`
+    (`eval --compare base`) measures `run`'s trained policies and their base models on the same
+    tasks with the same seeds and returns both, each task's rewards and the paired difference
+    with its spread (`mas_trainer.loop.evaluate.compare`)."""
     from mas_trainer.loop.evaluate import compare as run_compare, evaluate as run_evaluate
 
     quiet_libraries()  # no third-party progress bars, as from the CLI
@@ -121,15 +136,16 @@ def evaluate(app: Any, data: str | Path | Iterable[dict[str, Any]], *, run: str 
     return run_compare(app, load_tasks(data), run_dir=run, against=compare, **options)
 
 
-def export(run: str | Path, out_dir: str | Path, *, adapter: bool | None = None) -> Path:
+def export(run: str | Path, out_dir: str | Path, *, adapter: bool | None = None, checkpoint: str | None = None) -> Path:
     """One Hugging Face folder per trained policy of `run`, plus `mas-trainer.json`: the
     `export` verb's. `adapter`: None writes a shared base's policies as the base once plus one
     adapter each and other LoRA policies merged; True every LoRA policy as its adapter; False
-    every one merged (docs/shared_base.md)."""
+    every one merged (docs/shared_base.md). `checkpoint`: "best" or "last" (default: the best
+    where the run kept one)."""
     from mas_trainer.production.export import export as run_export
 
     quiet_libraries()  # no third-party progress bars, as from the CLI
-    return run_export(run, out_dir, adapter=adapter)
+    return run_export(run, out_dir, adapter=adapter, checkpoint=checkpoint)
 
 
 @dataclass
@@ -207,19 +223,22 @@ def trace(app: Any, data: str | Path | Iterable[dict[str, Any]], *, n: int = 1, 
 def serve(run: str | Path, *, host: str = "127.0.0.1", port: int = 8000, routes: Mapping[str, str] | None = None,
           api_key: str | None = None, engine: str = "embedded", ready: threading.Event | None = None,
           stop: threading.Event | None = None, record: str | Path | None = None, record_file_mb: float = 64,
-          record_max_mb: float = 1024, redact: str | Callable[[str], str] | None = None, model: str | None = None) -> None:
+          record_max_mb: float = 1024, redact: str | Callable[[str], str] | None = None, model: str | None = None,
+          checkpoint: str | None = None) -> None:
     """Serve the trained policies of `run` (a run directory; or an app, "file.py:attr", on its
     base policies, `model` replacing their base model) behind one OpenAI-compatible endpoint until SIGINT or
     SIGTERM (or until `stop` is set; `ready` is set once it accepts requests). `routes` maps
     a client's model name to a policy; `api_key` is required of every request when given.
     `record`: a folder where each served run is kept (rotated at `record_file_mb`, at most
     `record_max_mb` in all), its texts passed through `redact` (a function or "module:function")
-    first; feedback on those runs is then taken at POST /v1/feedback (docs/serving.md)."""
+    first; feedback on those runs is then taken at POST /v1/feedback (docs/serving.md). `checkpoint`: the
+    run's "best" or "last" (default: the best where the run kept one)."""
     from mas_trainer.serve import serve as run_serve
 
     quiet_libraries()  # no third-party progress bars, as from the CLI
     run_serve(run, host=host, port=port, routes=routes, api_key=api_key, engine=engine, ready=ready, stop=stop,
-              record=record, record_file_mb=record_file_mb, record_max_mb=record_max_mb, redact=redact, model=model)
+              record=record, record_file_mb=record_file_mb, record_max_mb=record_max_mb, redact=redact, model=model,
+              checkpoint=checkpoint)
 
 
 def view(path: str | Path, *, port: int = 8765, html: str | Path | None = None, steps: str | None = None,

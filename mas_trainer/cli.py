@@ -118,10 +118,12 @@ def cmd_fit(args: argparse.Namespace) -> int:
         def mean(row: dict[str, Any]) -> str:
             return "-" if row.get("reward/mean") is None else f"{row['reward/mean']:.3f}"
 
-        console.print(f"held-out reward: step {first['step']} {mean(first)} -> step {last['step']} {mean(last)}",
+        best = f"; best step {last['best/step']}: served, exported and evaluated by default" if "best/step" in last else ""
+        console.print(f"held-out reward: step {first['step']} {mean(first)} -> step {last['step']} {mean(last)}{best}",
                       markup=False, highlight=False, soft_wrap=True)
     trackers = [f"{name}/" for name in cfg.logger if name in ("tensorboard", "wandb")] + (["mlflow.db"] if "mlflow" in cfg.logger else [])
-    console.print(f"run directory: {args.output} (metrics.jsonl, trajectories/, checkpoint/, rewards.png"
+    kept = ", best/" if (Path(args.output) / "best").is_dir() else ""
+    console.print(f"run directory: {args.output} (metrics.jsonl, trajectories/, checkpoint/{kept}, rewards.png"
                   f"{''.join(', ' + t for t in trackers)})", markup=False, highlight=False, soft_wrap=True)
     return 0
 
@@ -175,9 +177,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise UsageError(f"--timeout {args.timeout:g}: give the seconds a rollout may run, more than 0")
     _check_recursion_limit(args.recursion_limit)
     tasks = _load_tasks(argparse.Namespace(input=None, data=args.data))
-    result = evaluate(args.app, tasks, run=args.run, compare=args.compare, model=args.model, n=args.n, seed=args.seed,
-                      max_tokens=args.max_tokens, temperature=args.temperature, max_in_flight=args.max_in_flight,
-                      timeout_s=args.timeout, recursion_limit=args.recursion_limit)
+    if args.checkpoint is not None and args.run is None:
+        raise UsageError(f"--checkpoint {args.checkpoint} chooses among the checkpoints of --run: give --run RUN_DIR")
+    result = evaluate(args.app, tasks, run=args.run, checkpoint=args.checkpoint, compare=args.compare, model=args.model,
+                      n=args.n, seed=args.seed, max_tokens=args.max_tokens, temperature=args.temperature,
+                      max_in_flight=args.max_in_flight, timeout_s=args.timeout, recursion_limit=args.recursion_limit)
     console = output_console(stderr=True)
     if args.compare:
         console.print(comparison_table(result, args.run))
@@ -209,15 +213,17 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     # None: each LoRA policy as it was trained (a shared base's as base + adapters, the others merged)
     adapter = True if args.adapter else False if args.merged else None
-    out = export(args.run_dir, args.out_dir, adapter=adapter)
+    out = export(args.run_dir, args.out_dir, adapter=adapter, checkpoint=args.checkpoint)
     manifest = Path(out) / "mas-trainer.json"
-    bases = json.loads(manifest.read_text()).get("bases", {}) if manifest.is_file() else {}
+    mapping = json.loads(manifest.read_text()) if manifest.is_file() else {}
+    bases = mapping.get("bases", {})
     if bases:
         kind = (f"{', '.join(bases)} (the shared base, written once) and one peft adapter folder per policy trained on it"
                 if len(bases) == 1 else f"the shared bases {', '.join(bases)} once each and one peft adapter folder per policy")
     else:
         kind = "LoRA adapters kept as adapters" if args.adapter else "one Hugging Face folder per policy"
-    print(f"exported to {out}: {kind} and mas-trainer.json (role -> model)")
+    print(f"exported the {mapping.get('checkpoint', 'last')} checkpoint (step {mapping.get('step')}) to {out}: {kind} and "
+          "mas-trainer.json (role -> model)")
     return 0
 
 
@@ -228,7 +234,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     routes = _pairs(args.route, "--route", "MODEL=POLICY (e.g. gpt-4o-mini=planner)")
     serve(args.run_dir, host=args.host, port=args.port, routes=routes, api_key=resolve_api_key(args.api_key, args.api_key_file),
           engine=args.engine, record=args.record, record_file_mb=args.record_file_mb, record_max_mb=args.record_max_mb,
-          redact=args.redact, model=args.model)
+          redact=args.redact, model=args.model, checkpoint=args.checkpoint)
     return 0
 
 
@@ -390,6 +396,10 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_trace)
 
     from mas_trainer.config import describe_keys
+    from mas_trainer.run.rundir import CHECKPOINTS
+
+    checkpoint_help = ("which of the run's checkpoints: best (the best held-out evaluation by best.metric; the default where "
+                       "the run kept one) or last")
 
     p = sub.add_parser(
         "fit", help="train the app's policies with multi-agent RL",
@@ -430,6 +440,7 @@ def _parser() -> argparse.ArgumentParser:
                                                                        "the run's rollout.recursion_limit, else the app's own)")
     p.add_argument("--compare", default=None, metavar="base", help="also run --run's base models on the same tasks with the "
                    "same seeds: both sides' mean rewards, the paired difference and its spread over the tasks (docs/training.md)")
+    p.add_argument("--checkpoint", choices=CHECKPOINTS, default=None, help=checkpoint_help)
     p.add_argument("--output", default=None, help="also write the JSON here")
     p.set_defaults(func=cmd_eval)
 
@@ -450,6 +461,7 @@ def _parser() -> argparse.ArgumentParser:
     how.add_argument("--merged", action="store_true",
                      help="every LoRA policy, a shared base's too, as base + adapter merged into one plain folder "
                           "(transformers' from_pretrained, vllm serve FOLDER), no base folder")
+    p.add_argument("--checkpoint", choices=CHECKPOINTS, default=None, help=checkpoint_help)
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("serve", help="serve a run's trained policies behind one OpenAI-compatible endpoint",
@@ -477,6 +489,7 @@ def _parser() -> argparse.ArgumentParser:
                         "runs can no longer get feedback); feedback is bounded apart, at most a quarter of it")
     p.add_argument("--redact", default=None, metavar="MODULE:FUNCTION",
                    help="a str -> str function applied to every recorded text before it reaches disk")
+    p.add_argument("--checkpoint", choices=CHECKPOINTS, default=None, help=checkpoint_help)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("data", help="datasets from served runs: tasks for fit, held-out tasks, per-role SFT lines",

@@ -25,7 +25,7 @@ from mas_trainer.rewards.config import CounterfactualConfig
 from mas_trainer.replicas.config import ENGINES, ReplicaConfig
 
 __all__ = [
-    "FitConfig", "PolicyConfig", "WarmStartConfig", "RuntimeConfig", "Resources", "load_config", "describe_keys", "check_torch_only", "check_policy_names",
+    "FitConfig", "BestConfig", "PolicyConfig", "WarmStartConfig", "RuntimeConfig", "Resources", "load_config", "describe_keys", "check_torch_only", "check_policy_names",
     "check_trackers", "check_runtime", "resolve_learner", "old_logprobs_mode", "TRACKERS", "ConfigError", "RENAMED",
 ]
 
@@ -199,6 +199,33 @@ class WarmStartConfig(_Strict):
                                     "are then left out)")
 
 
+class BestConfig(_Strict):
+    """Which held-out evaluation's weights are the run's best, and when a run has learned enough
+    (config: `best`; docs/training.md, "The best checkpoint and early stop"). Keeping the best is
+    on (what `serve`, `export` and `eval` should get is the best the run reached, not wherever it
+    drifted to); stopping early is off until asked for (only the user knows what "learned" means)."""
+
+    metric: str = Field("val/reward/mean", description="the held-out metric that ranks evaluations after step 0, as "
+                        "trackers name it: val/reward/mean, val/reward/role/ROLE, any numeric key of the kind val rows")
+    mode: Literal["max", "min"] = Field("max", description="max: higher is better; min: lower is better")
+    keep: bool = Field(True, description="keep the weights of the best evaluation in RUN_DIR/best/step_N/policies/ (a save "
+                       "of the policies per new best); serve, export and eval take them by default (--checkpoint last: the "
+                       "last checkpoint)")
+    patience: int | None = Field(None, ge=1, description="stop early after this many held-out evaluations in a row without "
+                                 "an improvement of more than min_delta over the best (None: never)")
+    min_delta: float = Field(0.0, ge=0, description="with patience: the least change of the metric that counts as an improvement")
+    target: float | None = Field(None, description="stop early once an evaluation reaches this (>= with mode max, <= with "
+                                 "min; None: never)")
+
+    @field_validator("metric")
+    @classmethod
+    def _held_out(cls, v: str) -> str:
+        if not v.startswith("val/") or v == "val/":
+            raise ValueError(f"{v!r} must name a held-out metric as trackers do, val/ then the key of the held-out rows, "
+                             "e.g. val/reward/mean")
+        return v
+
+
 class PolicyConfig(_Strict):
     """Per-policy overrides of the shared learner and advantage settings."""
 
@@ -256,6 +283,7 @@ class FitConfig(_Strict):
     val_fraction: float = Field(0.0, ge=0, lt=1, description="fraction of --data held out when --val-data is not given")
     val_n: Annotated[int, at_most(MAX_N, "rollouts per held-out task: each is a full run of the app, at every evaluation")] = Field(
         1, ge=1, description=f"rollouts per held-out task (at most {MAX_N})")
+    best: BestConfig = Field(default_factory=BestConfig)
     logger: list[Literal[TRACKERS]] = Field(  # type: ignore[valid-type]
         ["console", "tensorboard"], description="trackers that get every metrics row: console (a line per step), tensorboard "
         "(RUN_DIR/tensorboard), mlflow (RUN_DIR/mlflow.db), wandb (offline, RUN_DIR/wandb); e.g. logger=[console,mlflow]")
@@ -404,6 +432,9 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), b
     device = None if rt.device == "auto" else rt.device  # else decided by the run plan, against the machine
     check_runtime(cfg, resolve_learner(cfg, device), device)
     _check_filter_groups(cfg)
+    if cfg.best.min_delta and cfg.best.patience is None:
+        raise ConfigError("best.min_delta sets what counts as an improvement for best.patience, which is off: set "
+                          "best.patience=N (held-out evaluations without one before the run stops), or drop min_delta")
     for name, over in cfg.policies.items():
         if "data" in over.warm_start:  # one file holds every policy's lines
             raise ConfigError(f"policies.{name}.warm_start.data: the warm-start file is shared (each line names its policy); "

@@ -12,7 +12,8 @@ A call naming a node that is not in the run's map is a 404 too.
 The API key (`--api-key`, `--api-key-file`, or $MAS_TRAINER_API_KEY) guards everything but a
 bare liveness probe (`/health` says only `{"status": "ok"}` without it).
 The engines are configured as the run's (`runtime` in its config.yaml), so the policies
-answer as `fit` and `eval --run` measured them.
+answer as `fit` and `eval --run` measured them. The weights are the run's best checkpoint where
+it kept one, else its last (`--checkpoint best|last` asks for one).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from mas_trainer.errors import did_you_mean
 from mas_trainer.gateway import Gateway, GatewayServer, Router
 from mas_trainer.production.record import Recorder, load_redactor
 from mas_trainer.loop.backends import adapters_by_base, policy_backends, shared_base_backends, shared_policies
-from mas_trainer.run.rundir import RunDir, run_config, trained_policies
+from mas_trainer.run.rundir import RunDir, run_config, trained_checkpoint
 
 __all__ = ["build_gateway", "serve", "resolve_api_key", "API_KEY_ENV"]
 
@@ -61,7 +62,8 @@ def resolve_api_key(api_key: str | None = None, api_key_file: str | Path | None 
 
 
 def build_gateway(run_dir: str | Path, *, routes: Mapping[str, str] | None = None, api_key: str | None = None,
-                  max_tokens: int = 256, engine: str = "embedded", model: str | None = None) -> Gateway:
+                  max_tokens: int = 256, engine: str = "embedded", model: str | None = None,
+                  checkpoint: str | None = None) -> Gateway:
     """`run_dir`: a `fit` run directory (its trained policies), or an app `path.py:attr` (its base
     policies, engines configured by the defaults; `model` replaces every policy's base model).
     `engine`: `embedded` (the torch engine,
@@ -69,7 +71,8 @@ def build_gateway(run_dir: str | Path, *, routes: Mapping[str, str] | None = Non
     policy's checkpoint (docs/vllm.md); frozen policies keep the embedded engine.
     Policies a run trained as adapters of a shared base (``learner.shared_base``) share one engine
     on one copy of the base, each answering with its adapter (with `vllm`: vLLM's multi-LoRA in
-    this process), and a frozen policy on that base gets its bare base (embedded engine only)."""
+    this process), and a frozen policy on that base gets its bare base (embedded engine only).
+    `checkpoint`: a run's "best" or "last" (default: the best where the run kept one)."""
     if _is_app_ref(run_dir):
         from mas_trainer.apps import app_runner, load_object
         from mas_trainer.config import load_config
@@ -85,10 +88,14 @@ def build_gateway(run_dir: str | Path, *, routes: Mapping[str, str] | None = Non
         if engine != "embedded":
             raise ConfigError(f"--engine {engine} serves a run's trained checkpoints: serve a run directory, "
                               "or the app's base policies with --engine embedded")
+        if checkpoint is not None:
+            raise ConfigError(f"--checkpoint {checkpoint} chooses among a run's checkpoints: serve a run directory")
     else:
         if model is not None:
             raise ConfigError("--model replaces an app's base model; a run directory serves the models it trained")
-        trained, spec, cfg = trained_policies(run_dir), RunDir(run_dir).app().resolved(), run_config(run_dir)
+        chosen = trained_checkpoint(run_dir, checkpoint)
+        log.info("serving the %s checkpoint of %s, step %d", chosen.which, run_dir, chosen.step)
+        trained, spec, cfg = chosen.policies, RunDir(run_dir).app().resolved(), run_config(run_dir)
     routes = dict(routes or {})
     unknown = sorted(set(routes.values()) - set(spec.policies))
     if unknown:
@@ -145,7 +152,8 @@ def _is_app_ref(source: str | Path) -> bool:
 def serve(run_dir: str | Path, *, host: str = "127.0.0.1", port: int = 8000, routes: Mapping[str, str] | None = None,
           api_key: str | None = None, ready: threading.Event | None = None, stop: threading.Event | None = None,
           engine: str = "embedded", record: str | Path | None = None, record_file_mb: float = 64,
-          record_max_mb: float = 1024, redact: str | Callable[[str], str] | None = None, model: str | None = None) -> None:
+          record_max_mb: float = 1024, redact: str | Callable[[str], str] | None = None, model: str | None = None,
+          checkpoint: str | None = None) -> None:
     """Serve until SIGINT/SIGTERM (or `stop` is set); with `record`, keep each served run there."""
     recorder = None
     if record is not None:  # checked before the engines load
@@ -153,7 +161,7 @@ def serve(run_dir: str | Path, *, host: str = "127.0.0.1", port: int = 8000, rou
         recorder = Recorder(record, file_mb=record_file_mb, max_mb=record_max_mb, redact=hook)
     elif redact is not None:
         raise ConfigError("--redact applies to what --record keeps: give --record DIR too")
-    gateway = build_gateway(run_dir, routes=routes, api_key=api_key, engine=engine, model=model)
+    gateway = build_gateway(run_dir, routes=routes, api_key=api_key, engine=engine, model=model, checkpoint=checkpoint)
     gateway.recorder = recorder
     stop = stop or threading.Event()
     previous: dict[int, Any] = {}  # put back when serving ends: a notebook's or script's Ctrl-C must work again afterwards

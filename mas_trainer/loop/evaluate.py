@@ -94,21 +94,23 @@ def score_rollouts(spec: RewardSpec, trajs: list[Trajectory], reward: RewardConf
 
 def evaluate(app_ref: Any, tasks: list[dict], *, run_dir: str | Path | None = None, model: str | None = None,
              n: int = 1, seed: int = 0, max_tokens: int | None = None, max_in_flight: int | None = None,
-             temperature: float | None = None, timeout_s: float | None = None,
+             temperature: float | None = None, timeout_s: float | None = None, checkpoint: str | None = None,
              recursion_limit: int | None = None) -> dict[str, Any]:
     """Mean reward of the app on `tasks`, overall and per role, with the run's trained
-    policies (`run_dir`) or the base models. `seed` seeds the sampling; `temperature`
+    policies (`run_dir`; `checkpoint` "best" or "last", default the best where the run kept one)
+    or the base models. `seed` seeds the sampling; `temperature`
     replaces the one every LLM call asks for (0: greedy). Left as None, `model`,
     `max_tokens`, `max_in_flight`, `timeout_s`, `recursion_limit` and `temperature` are the run's (`model`,
     `rollout.*`, `rollout.val_temperature`), or `fit`'s defaults without a run; `max_in_flight`
     defaults to `runtime.max_batch_size`, `recursion_limit` to the app's own. Timed-out rollouts are counted, not scored."""
-    trained = trained_policies(run_dir) if run_dir is not None else {}
+    trained = trained_policies(run_dir, checkpoint) if run_dir is not None else {}
     return _measure(app_ref, tasks, run_dir, trained, model=model, n=n, seed=seed, max_tokens=max_tokens,
                     max_in_flight=max_in_flight, temperature=temperature, timeout_s=timeout_s,
                     recursion_limit=recursion_limit)[1]
 
 
-def compare(app_ref: Any, tasks: list[dict], *, run_dir: str | Path | None, against: str = BASE, **options: Any) -> dict[str, Any]:
+def compare(app_ref: Any, tasks: list[dict], *, run_dir: str | Path | None, against: str = BASE, checkpoint: str | None = None,
+            **options: Any) -> dict[str, Any]:
     """The run's trained policies against their base models (`against="base"`, the one target
     so far) on the same tasks: each side as `evaluate` measures it, with the same `options` (as
     `evaluate`'s), rollout ids and sampling seed, so that a call seeing the same prompt on both
@@ -125,7 +127,7 @@ def compare(app_ref: Any, tasks: list[dict], *, run_dir: str | Path | None, agai
     if run_dir is None:
         raise UserError(f"compare={against!r} needs a run (eval --run RUN_DIR): the trained policies to compare with their "
                         "base models")
-    trained = trained_policies(run_dir)
+    trained = trained_policies(run_dir, checkpoint)
     base_trajs, base = _measure(app_ref, tasks, run_dir, {}, **options)
     trained_trajs, result = _measure(app_ref, tasks, run_dir, trained, **options)
     n = options.get("n", 1)

@@ -4,7 +4,9 @@ Each step: draw tasks, run each n times through the gateway (worker groups gener
 keep the tokens), score the trajectories at three levels and allocate one reward per LLM
 call, send each policy's thin records to its worker group, which computes advantages
 (verl) and updates (verl losses) side by side with the others; then write trajectories
-and a metrics row, evaluate and checkpoint on schedule.
+and a metrics row, evaluate and checkpoint on schedule. Each held-out evaluation is ranked
+(`best`, loop/selection.py): a new best keeps its weights, and the run stops early once it has
+learned enough (a target reached, or no improvement for `best.patience` evaluations).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from mas_trainer.rewards import RewardSpec, annotate_groups, assign_rewards, che
 from mas_trainer.rewards.allocators import needs_forks, rollout_reward
 from mas_trainer.run.rundir import RunDir
 from mas_trainer.loop.backends import policy_backends
+from mas_trainer.loop.selection import Selection
 from mas_trainer.loop.session import Session
 from mas_trainer.cluster.plan import RunPlan, resolve_plan
 from mas_trainer.run.progress import FitProgress
@@ -163,6 +166,7 @@ class _Fit:
         self.handles: dict[str, WorkerGroupHandle] = {}
         self.warm_examples: dict[str, list[tuple[list[int], list[int]]]] = {}
         self.warm_started: list[str] = []  # recorded in every checkpoint's state
+        self.selection = Selection(cfg.best)  # the best evaluation and patience, restored from the checkpoint on resume
 
     # --- one step ------------------------------------------------------------------------
     async def rollouts(self, session: Session, tasks: list[dict], n: int, ids: list[str], seed: int,
@@ -313,14 +317,29 @@ class _Fit:
         return {"kind": "val", "step": step, **summarize(trajs, timeouts_apart=True), **self.take_reward_cost(),
                 "time/eval_s": time.perf_counter() - t0}
 
-    async def checkpoint(self, step: int, position: int) -> None:
-        staging = self.rundir.staging()
+    async def save(self, staging: Path) -> None:
         await asyncio.gather(*(
             self.handles[p].save(str(self.rundir.policy_dir(p, staging)), str(self.rundir.learner_dir(p, staging)))
             for p in self.handles
         ))
+
+    async def checkpoint(self, step: int, position: int, best: bool = False) -> None:
+        """Commit a checkpoint of step `step`; `best`: its weights are the new best as well (kept
+        first, as links to the staged files, so the state that names them never comes before them)."""
+        staging = self.rundir.staging()
+        await self.save(staging)
+        if best:
+            self.rundir.best_staging(linked_from=staging)
+            self.rundir.commit_best(step)
         self.rundir.commit({"step": step, "position": position, "seed": self.cfg.seed, "policies": sorted(self.handles),
-                            "warm_start": self.warm_started})
+                            "warm_start": self.warm_started, **self.selection.state()})
+        kept = self.selection.best
+        self.rundir.keep_best(kept["step"] if kept and kept["kept"] else None)  # the bests this state supersedes go
+
+    async def keep_best(self, step: int) -> None:
+        """A new best between checkpoints: its weights in best/step_N now (the next checkpoint names them)."""
+        await self.save(self.rundir.best_staging())
+        self.rundir.commit_best(step)
 
     async def warm_start(self, examples: dict[str, list[tuple[list[int], list[int]]]]) -> dict[str, Any]:
         """The supervised phase, every policy's at once, through the learner that does RL; its
@@ -369,8 +388,12 @@ class _Fit:
         if state is None and self.warm_examples:  # a fresh run only: a checkpoint's weights have it already
             self.record(await self.warm_start(self.warm_examples))
         if state is None:
-            self.record(await self.held_out(session, 0))
+            base = await self.held_out(session, 0)
+            self.record(base)
+            if base is not None:
+                self.selection.observe(base)  # checks best.metric names a held-out key, before any step
         ahead: asyncio.Future | None = None  # rollout.max_staleness=1: the next step's rollouts, running during the update
+        stop: str | None = None  # why the run stops before `steps` (best.target, best.patience)
         try:
             while step < c.steps:
                 step += 1
@@ -390,10 +413,22 @@ class _Fit:
                 if c.rollout.max_staleness:
                     row.update({"time/rollout_wait_s": waited, "rollout/overlapped": float(overlapped)})
                 self.record(row)  # metrics.jsonl, the trackers, the step line and the bar
+                improved, stop = False, None
                 if evaluates:
-                    self.record(await self.held_out(session, step))
-                if saves:
-                    await self.checkpoint(step, position)
+                    held_out = await self.held_out(session, step)
+                    if held_out is not None:
+                        improved = self.selection.observe(held_out) and c.best.keep
+                        stop = self.selection.stop_reason()
+                    self.record(held_out)
+                    if improved and not (saves or stop):
+                        await self.keep_best(step)
+                if saves or stop:  # an early stop commits where it stops
+                    await self.checkpoint(step, position, best=improved)
+                if stop:
+                    break
+            if self.selection.best is not None:  # one line: the best, and why the run ended where it did
+                ended = f"stopped early at step {step} of {c.steps}: {stop}" if stop else f"finished at step {step}"
+                self.console.print(f"{ended}; {self.selection.describe()}", markup=False, highlight=False, soft_wrap=True)
         finally:
             if ahead is not None:  # the run stops: the next step's rollouts are not finished nor recorded
                 ahead.cancel()
@@ -445,6 +480,7 @@ class _Fit:
                 raise ConfigError(f"{run.root}: its checkpoint is at step {state['step']}, past steps={c.steps}, so there is "
                                   f"nothing to train; to train on, pass steps=N with N > {state['step']} (steps counts from the "
                                   "run's start)")
+        self.selection = Selection.restored(c.best, state, str(run.checkpoint / "state.json"))
         return state, start_over
 
     def check_app(self, session: Session, state: dict | None) -> tuple[Any, RunPlan]:
@@ -508,6 +544,8 @@ class _Fit:
         # the records after the checkpoint go before config.yaml is rewritten, so that config.yaml is always the
         # config of the `fit` that wrote whatever lies past the checkpoint (what `check_resume` bounds them by)
         run.truncate_to(state["step"] if state else -1)
+        best = state["best"] if state else None
+        run.keep_best(best["step"] if best and best["kept"] else None)  # bests of the steps that run again go with their rows
         run.create(yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False))
         self.rows = run.metrics()
         self._elapsed_before = next((float(r["time/elapsed_s"]) for r in reversed(self.rows)
@@ -524,6 +562,12 @@ class _Fit:
             self.console.print(f"{self.rundir.root} has finished its {c.steps} steps (checkpoint at step {state['step']}): "
                                f"nothing to train; to train more, run again with --resume and steps=N, N > {c.steps}",
                                markup=False, highlight=False, soft_wrap=True)
+            return [r for r in self.rundir.metrics() if r["step"] <= state["step"]]
+        stopped = self.selection.stop_reason() if state is not None else None
+        if state is not None and stopped:  # stopped early, and this config stops there again: as finished
+            self.console.print(f"{self.rundir.root} stopped early at step {state['step']} of {c.steps} ({stopped}): nothing to "
+                               "train; to train on, run again with --resume and a later best.target or a larger best.patience "
+                               "(or neither)", markup=False, highlight=False, soft_wrap=True)
             return [r for r in self.rundir.metrics() if r["step"] <= state["step"]]
         if state is not None:  # said, not logged: a user who typed --resume sees where it picks up
             self.say(f"resuming {self.rundir.root} from its checkpoint at step {state['step']} of {c.steps} "
@@ -591,6 +635,9 @@ def fit(app_ref: Any, tasks: list[dict], cfg: FitConfig, output: str | Path, *, 
         k = max(1, round(len(tasks) * cfg.val_fraction))
         val_tasks = [tasks[i] for i in sorted(order[:k])]
         tasks = [tasks[i] for i in sorted(order[k:])]
+    if not val_tasks and (cfg.best.patience is not None or cfg.best.target is not None):
+        raise ConfigError("best.patience and best.target stop on held-out evaluations, and this run has none: give "
+                          "--val-data or val_fraction, or drop them")
     run = RunDir(output)
     with run.locked():  # one fit per run directory: a second one must not clear the live run's files
         return _Fit(app_ref, tasks, cfg, run, val_tasks or [], console or Console(), started_at)(resume)

@@ -11,6 +11,10 @@ and each policy's adapter in a folder of its own whose ``base_model_name_or_path
 folder, which is what ``vllm serve OUT/base --enable-lora --lora-modules a=OUT/a b=OUT/b`` loads.
 ``mas-trainer.json`` says which folder is a base, which policies are its adapters and which
 frozen policies it answers as the bare base. ``adapter=False`` writes each merged instead.
+
+The weights are the run's best checkpoint where it kept one, else its last (``checkpoint``
+"best" or "last" asks for one: run/rundir.py, `trained_checkpoint`); ``mas-trainer.json``
+says which, and its step.
 """
 
 from __future__ import annotations
@@ -22,18 +26,19 @@ from pathlib import Path
 from mas_trainer.engines.models import (ADAPTER_CONFIG, adapter_base, is_adapter, load_model, materialize, model_dir_for,
                                         save_merged, save_pretrained)
 from mas_trainer.errors import UserError
-from mas_trainer.run.rundir import RunDir, run_config, trained_policies
+from mas_trainer.run.rundir import RunDir, run_config, trained_checkpoint
 
 __all__ = ["export"]
 
 
-def export(run_dir: str | Path, out_dir: str | Path, *, adapter: bool | None = None) -> Path:
+def export(run_dir: str | Path, out_dir: str | Path, *, adapter: bool | None = None, checkpoint: str | None = None) -> Path:
     """One Hugging Face folder per trained policy plus `mas-trainer.json` (role -> model), into
     `out_dir` (new or empty). `adapter`: None, a shared base's policies as the base once plus their
     adapters and other LoRA policies merged; True, every LoRA policy as its adapter; False, every
-    LoRA policy merged into its base."""
+    LoRA policy merged into its base. `checkpoint`: "best" or "last" (default: the best where kept)."""
     run = RunDir(run_dir)
-    folders = trained_policies(run_dir)
+    trained = trained_checkpoint(run_dir, checkpoint)
+    folders = trained.policies
     app = run.app()
     cfg = run_config(run_dir)
     out = Path(out_dir)
@@ -59,16 +64,14 @@ def export(run_dir: str | Path, out_dir: str | Path, *, adapter: bool | None = N
             _name_base(out / policy / ADAPTER_CONFIG, out / base_of[policy])
         elif policy in adapters:
             _locate_base(out / policy / ADAPTER_CONFIG)
-    state = run.load_state()
-    if state is None:  # trained_policies found one above: deleted since
-        raise UserError(f"{run_dir}: its checkpoint is gone")
     mapping = {
         "roles": app.roles,
         "frozen": app.frozen,
         "policies": {p: {"path": p, "base_model": app.policies[p].base_model if p in app.policies else None,
                          "adapter": p in adapters and (bool(adapter) or p in shared),
                          **({"adapter_of": base_of[p]} if p in shared else {})} for p in folders},
-        "step": state["step"],
+        "step": trained.step,
+        "checkpoint": trained.which,
     }
     if bases:  # which folder is a base, and whom it answers: its adapters, and frozen policies as the bare base
         frozen = {ref: sorted(p for p, pol in app.policies.items() if not pol.trainable and pol.base_model == ref) for ref in bases}

@@ -9,7 +9,8 @@ RUN_DIR/metrics.jsonl             one row per training step (kind "train") and e
 RUN_DIR/trajectories/step_000001.jsonl
 RUN_DIR/checkpoint/policies/NAME/ Hugging Face folder per policy (transformers / vllm serve)
 RUN_DIR/checkpoint/learner/NAME/  the learner's resume state (optimizer, RNG; verl: sharded model too)
-RUN_DIR/checkpoint/state.json     step, data position, seeds, the policies warm-started
+RUN_DIR/checkpoint/state.json     step, data position, seeds, the policies warm-started, the best evaluation and patience
+RUN_DIR/best/step_000015/policies/NAME/  the weights of the best held-out evaluation (`best.keep`), the one state.json names
 RUN_DIR/checkpoints.jsonl         one line per committed checkpoint ({"step": S}), appended after its rename
 RUN_DIR/rewards.png               reward per role over steps
 RUN_DIR/workers.log               what the Ray workers printed (logs, tracebacks), appended by each launch
@@ -20,6 +21,15 @@ A checkpoint is committed by one rename of a complete folder, so a run killed at
 moment resumes from the last complete one; rows and trajectory files written after it
 are removed on resume, then written again by the resumed steps: none lost, none twice.
 A run killed before its first checkpoint has nothing to resume: `start_over` clears it.
+
+The best held-out evaluation's weights are kept the same way, by step: staged in
+`best/.staging`, made durable, renamed to `best/step_N` (`commit_best`); the state that names
+it is committed later, with the next checkpoint (an early stop checkpoints at once), and only
+then do the folders of the bests it supersedes go (`keep_best`). So whatever moment a run is
+killed, the best that committed state.json names is on disk, and a folder it does not name (a
+newer best of steps the resumed run repeats, an older one not yet removed) is removed on resume.
+`trained_checkpoint` is where `serve`, `export`, `eval` and `FitResult` find the weights: the
+best by default where the run kept one, else, or when asked, the last checkpoint.
 
 Resume trusts nothing it reads (`load_state`, `check_resume`, `check_start_over`): state.json
 is validated field by field (`CheckpointState`), then checked against the records beside it
@@ -60,7 +70,8 @@ import shutil
 import struct
 import zipfile
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -69,7 +80,8 @@ from mas_trainer.config import ConfigError, FitConfig, load_config
 from mas_trainer.errors import UserError
 from mas_trainer.spec import FROZEN_POLICY, ResolvedSpec, TrainSpec
 
-__all__ = ["RunDir", "AppRecord", "CheckpointState", "PolicyRecord", "fsync_path", "fsync_tree", "run_config", "trained_policies"]
+__all__ = ["RunDir", "AppRecord", "BestRecord", "CheckpointState", "PolicyRecord", "TrainedCheckpoint", "CHECKPOINTS", "fsync_path",
+           "fsync_tree", "run_config", "trained_checkpoint", "trained_policies"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +89,7 @@ _STEP_FILE = re.compile(r"step_(\d{1,9})(_val|_forks)?")  # a trajectory file's 
 # step_000012_forks (counterfactual credit's continuations of a training step)
 _DEFAULT_SAVE_EVERY, _DEFAULT_STEPS = 10, 20  # FitConfig's defaults, for a config.yaml that leaves them out
 _RESTORE = "restore the run's own checkpoint folder from a backup, or train into a new --output"
+CHECKPOINTS = ("best", "last")  # what `serve`, `export` and `eval` may be asked for (--checkpoint)
 
 
 def fsync_path(path: str | Path) -> None:
@@ -128,6 +141,18 @@ class AppRecord(BaseModel):
         return spec.resolve(self.nodes)
 
 
+class BestRecord(BaseModel):
+    """The best held-out evaluation so far, in `state.json` (loop/selection.py ranks them)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    step: int = Field(ge=1)
+    metric: str
+    mode: Literal["max", "min"]
+    value: float
+    kept: bool  # its weights are in best/step_N (best.keep)
+
+
 class CheckpointState(BaseModel):
     """`checkpoint/state.json` as `fit` commits it. Strict: a wrong type, a missing or unknown
     field refuses the whole state (a checkpoint is only ever written after a step: step >= 1)."""
@@ -139,6 +164,8 @@ class CheckpointState(BaseModel):
     seed: int
     policies: list[str]
     warm_start: list[str] = []  # the policies whose supervised warm start ran before step 1 (never again on resume)
+    best: BestRecord | None = None  # None: no held-out evaluation after step 0 yet (states of runs before it: none kept)
+    stale: int = Field(0, ge=0)  # held-out evaluations since the last improvement of more than best.min_delta
 
     @field_validator("policies")
     @classmethod
@@ -217,6 +244,8 @@ class RunDir:
         self._staging = self.root / ".checkpoint-staging"
         self._old = self.root / ".checkpoint-old"
         self.commits_path = self.root / "checkpoints.jsonl"
+        self.best_root = self.root / "best"
+        self._best_staging = self.best_root / ".staging"
         self._unsynced: set[Path] = set()  # written since the last checkpoint, fsynced by `commit`
 
     @contextlib.contextmanager
@@ -284,14 +313,14 @@ class RunDir:
     def holds_run(self) -> bool:
         """A run went past its start here: it logged a row, wrote trajectories or a checkpoint."""
         return (bool(self.metrics()) or bool(self.trajectory_files()) or self.checkpoint.exists() or self._old.exists()
-                or self.commits_path.exists())
+                or self.commits_path.exists() or self.best_root.exists())
 
     def start_over(self) -> tuple[int, int]:
         """Clear a run that has no complete checkpoint (killed before its first one), so it
         runs again from step 0: its metrics rows, trajectory files and any partial checkpoint
         go. Returns (rows, files) discarded."""
         rows, files = len(self.metrics()), len(self.trajectory_files())
-        for folder in (self._staging, self._old, self.checkpoint):
+        for folder in (self._staging, self._old, self.checkpoint, self.best_root):
             shutil.rmtree(folder, ignore_errors=True)
         self.commits_path.unlink(missing_ok=True)
         self.truncate_to(-1)
@@ -477,12 +506,14 @@ class RunDir:
             raise UserError(f"{path} says step {step}, but {where} holds step {last}, past step {bound} where the run "
                             f"committed its next checkpoint (save_every={save_every}): the checkpoint is older than the run's "
                             f"records and resuming from it would delete committed steps, so nothing was deleted; {_RESTORE}")
+        best = state.get("best")
+        best_dir = self.best_dir(best["step"]) if best and best["kept"] else None
         for policy in state["policies"]:
-            for folder in (self.policy_dir(policy), self.learner_dir(policy)):
+            for folder in (self.policy_dir(policy), self.learner_dir(policy), *([self.policy_dir(policy, best_dir)] if best_dir else [])):
                 if not folder.is_dir():
                     raise UserError(f"{folder} is missing: the checkpoint of step {step} is incomplete, so nothing was "
                                     f"deleted; {_RESTORE}")
-        for dirpath, _dirs, files in os.walk(self.checkpoint):
+        for dirpath, _dirs, files in (*os.walk(self.checkpoint), *(os.walk(best_dir) if best_dir else ())):
             for name in sorted(files):
                 file = Path(dirpath) / name
                 if file.is_symlink():
@@ -528,6 +559,49 @@ class RunDir:
         if new:
             fsync_path(self.root)
         shutil.rmtree(self._old, ignore_errors=True)
+
+    # --- the best held-out evaluation's weights ------------------------------------------------
+    def best_dir(self, step: int) -> Path:
+        return self.best_root / f"step_{step:06d}"
+
+    def best_staging(self, linked_from: Path | None = None) -> Path:
+        """An empty staging folder for the best's weights, or one holding `linked_from/policies`
+        (a staged checkpoint's) as hard links: the same files, not a second copy on disk."""
+        shutil.rmtree(self._best_staging, ignore_errors=True)
+        self.best_root.mkdir(exist_ok=True)
+        if linked_from is None:
+            (self._best_staging / "policies").mkdir(parents=True)
+        else:
+            shutil.copytree(linked_from / "policies", self._best_staging / "policies", copy_function=_link_or_copy)
+        return self._best_staging
+
+    def commit_best(self, step: int) -> Path:
+        """The staged best becomes `best/step_N`: its files on disk first, then one rename, then the
+        folder that holds it. The learner's resume state a policy's save wrote beside the weights goes
+        first: only the weights are the best's."""
+        shutil.rmtree(self._best_staging / "learner", ignore_errors=True)
+        fsync_tree(self._best_staging)
+        target = self.best_dir(step)
+        shutil.rmtree(target, ignore_errors=True)  # a step's own folder from an attempt that did not commit it
+        os.replace(self._best_staging, target)
+        fsync_path(self.best_root)
+        return target
+
+    def keep_best(self, step: int | None) -> None:
+        """Remove every folder under best/ but the one of `step` (the best committed state.json
+        names; None: none): superseded bests, bests of steps a resumed run repeats, a staging."""
+        if not self.best_root.exists():
+            return
+        keep = None if step is None else self.best_dir(step).name
+        for entry in self.best_root.iterdir():
+            if entry.name == keep:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        if step is None:
+            self.best_root.rmdir()
 
     def load_state(self) -> dict[str, Any] | None:
         """The committed checkpoint's state (`CheckpointState` as a dict), None when there is no
@@ -592,9 +666,47 @@ def run_config(run_dir: str | Path) -> FitConfig:
     return load_config(path, upgrade=True)
 
 
-def trained_policies(run_dir: str | Path) -> dict[str, Path]:
-    """policy -> the Hugging Face folder of its weights in the run's last checkpoint."""
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # a file system without hard links
+        shutil.copy2(src, dst)
+
+
+@dataclass(frozen=True)
+class TrainedCheckpoint:
+    """The weights of a run that `serve`, `export`, `eval` and `FitResult.policies` take."""
+
+    which: str  # "best" or "last"
+    step: int
+    policies: dict[str, Path]  # policy -> its Hugging Face folder
+    best: dict[str, Any] | None  # state.json's record of the best evaluation (step, metric, mode, value, kept)
+
+
+def trained_checkpoint(run_dir: str | Path, which: str | None = None) -> TrainedCheckpoint:
+    """The run's best checkpoint where it kept one (`best.keep`, a held-out evaluation after
+    step 0), else its last; `which` "best" or "last" asks for one (a best the run did not keep is
+    refused). Both are what the committed state.json names: the weights `--resume` would trust."""
+    if which is not None and which not in CHECKPOINTS:
+        raise UserError(f"--checkpoint {which!r}: choose best or last")
     run = RunDir(run_dir)
-    if run.load_state() is None:
+    state = run.load_state()
+    if state is None:
         raise ConfigError(f"{run_dir} has no checkpoint; train it with `mas-trainer fit --output {run_dir}` first")
-    return {p.name: p for p in sorted((run.checkpoint / "policies").iterdir()) if p.is_dir()}
+    best = state["best"]
+    kept = best is not None and best["kept"]
+    if which == "best" and not kept:
+        why = "best.keep was off" if best is not None else "it has no held-out evaluation after step 0 (--val-data, val_fraction)"
+        raise ConfigError(f"{run_dir} kept no best checkpoint ({why}); take its last, step {state['step']}, with --checkpoint last")
+    which = "best" if kept and which != "last" else "last"
+    root, step = (run.best_dir(best["step"]), best["step"]) if which == "best" else (run.checkpoint, state["step"])
+    folder = root / "policies"
+    if not folder.is_dir():
+        raise UserError(f"{folder} is missing, though {run.checkpoint / 'state.json'} names it: {_RESTORE}")
+    return TrainedCheckpoint(which, step, {p.name: p for p in sorted(folder.iterdir()) if p.is_dir()}, best)
+
+
+def trained_policies(run_dir: str | Path, which: str | None = None) -> dict[str, Path]:
+    """policy -> the Hugging Face folder of its weights in the run's best checkpoint, else its last
+    (`trained_checkpoint`)."""
+    return trained_checkpoint(run_dir, which).policies

@@ -2,8 +2,9 @@
 
 - kill -9 at chosen and random moments (during rollouts and before the first checkpoint,
   during checkpoint staging, between the commit's two renames, mid-write of a metrics row or
-  a trajectory file, at a random time), each followed by `--resume`: the finished run has the
-  same metrics rows and trajectories as an uninterrupted one, none lost, none twice;
+  a trajectory file, with a best evaluation's weights staged, at a random time), each followed
+  by `--resume`: the finished run has the same metrics rows, trajectories, state (the best and
+  the patience too) and best weights as an uninterrupted one, none lost, none twice;
 - a checkpoint is committed only after what it covers is fsynced;
 - one `fit` per run directory, the lock dies with its holder;
 - killing the driver of a Ray run leaves no Ray process of that run behind.
@@ -38,7 +39,7 @@ FIT = ["fit", f"{APP}:single", "--data", str(DATA),
        # a fresh process may round the first resumed update differently in the last bit
        "learner.bf16=false", "runtime.engine_bf16=false"]
 ENV = {**os.environ, "MKL_CBWR": "COMPATIBLE"}
-POINTS = ("generate", "trajectories", "metrics", "saving", "staged", "renamed")
+POINTS = ("generate", "trajectories", "metrics", "saving", "staged", "renamed", "best")
 
 
 def _crash_at(point: str, count: int) -> None:
@@ -49,6 +50,7 @@ def _crash_at(point: str, count: int) -> None:
     saving        the staged checkpoint has its HF folder but not yet the optimizer state
     staged        the staged checkpoint is complete, not yet committed
     renamed       the old checkpoint is moved aside, the staged one not yet in its place
+    best          a new best evaluation's weights are staged, not yet renamed to best/step_N
     """
     import torch
 
@@ -108,6 +110,8 @@ def _crash_at(point: str, count: int) -> None:
     def _replace(src, dst, *args, **kwargs):
         if Path(src).name == ".checkpoint-staging":
             at("renamed")
+        if Path(src).name == ".staging" and Path(src).parent.name == "best":
+            at("best")
         return replace(src, dst, *args, **kwargs)
 
     local.LocalPolicy.generate = _generate
@@ -237,6 +241,10 @@ def _trajectories(out):
             for p in sorted((out / "trajectories").iterdir())}
 
 
+def _weights(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*.safetensors"))}
+
+
 @pytest.fixture(scope="module")
 def whole(forks, tmp_path_factory):
     """The uninterrupted run every interrupted one must equal."""
@@ -256,7 +264,8 @@ def test_kill_9_anywhere_then_resume_loses_and_repeats_nothing(forks, whole, tmp
         ("generate", 3),   # during step 1's rollouts: the step-0 evaluation row is on disk, no checkpoint
         ("staged", 1),     # resumed (starts over), killed with the step-2 checkpoint staged, uncommitted
         ("renamed", 2),    # starts over again; step 2 committed; killed mid-commit of step 4
-        ("metrics", 2),    # resumes after step 2; killed with half of step 4's row written
+        ("metrics", 2),    # resumes after step 2; killed with half of step 4's row written (step 3's best kept)
+        ("best", 1),       # resumes after step 2 (step 3's best goes with its rows); killed with it staged again
         rnd.choice([("generate", rnd.randint(1, 10)), ("trajectories", rnd.randint(1, 2)), ("saving", 1)]),
     ]
     for i, (point, count) in enumerate(chain):
@@ -268,6 +277,8 @@ def test_kill_9_anywhere_then_resume_loses_and_repeats_nothing(forks, whole, tmp
             assert not (out / "checkpoint").exists() and (out / ".checkpoint-staging" / "policies").exists()
         if i == 2:
             assert not (out / "checkpoint").exists() and json.loads((out / ".checkpoint-old" / "state.json").read_text())["step"] == 2
+        if i == 4:
+            assert sorted(p.name for p in (out / "best").iterdir()) == [".staging"], why
     # then from outside, at a random moment once the resumed run has done a step
     pid, log = forks.start(out, "--resume")
     deadline = time.time() + 300
@@ -290,6 +301,9 @@ def test_kill_9_anywhere_then_resume_loses_and_repeats_nothing(forks, whole, tmp
     assert state == json.loads((whole / "checkpoint" / "state.json").read_text()) and state["step"] == 6
     leftovers = [p.name for p in out.iterdir() if p.name.startswith(".checkpoint")] + list((out / "trajectories").glob("*.tmp"))
     assert not leftovers, why
+    # the best state.json names, its weights as the uninterrupted run kept them, and no other
+    assert state["best"] is not None and [p.name for p in (out / "best").iterdir()] == [f"step_{state['best']['step']:06d}"]
+    assert _weights(out / "best") == _weights(whole / "best") != {}, why
 
 
 def test_ctrl_c_says_what_was_kept_and_resume_loses_and_repeats_nothing(forks, whole, tmp_path):

@@ -92,6 +92,11 @@ def test_a_row_cut_by_a_kill_is_dropped_quietly_and_odd_files_are_left_alone(tmp
     (json.dumps(_state(extra=1)), r"extra: Extra inputs are not permitted"),
     (json.dumps({"step": 2, "position": 4, "seed": 3}), r"policies: Field required"),
     (json.dumps(_state(policies=["../../elsewhere"])), r"policies: Value error, '../../elsewhere' is not a policy folder"),
+    (json.dumps(_state(best={"step": 0, "metric": "val/reward/mean", "mode": "max", "value": 1.0, "kept": True})),
+     r"best.step: Input should be greater than or equal to 1"),
+    (json.dumps(_state(best={"step": 2, "metric": "val/reward/mean", "mode": "max", "value": "high", "kept": True})),
+     r"best.value: Input should be a valid number"),
+    (json.dumps(_state(stale=-1)), r"stale: Input should be greater than or equal to 0"),
 ])
 def test_a_damaged_or_foreign_state_is_refused_in_one_line(tmp_path, text, says):
     run = _run(tmp_path / "run")
@@ -110,7 +115,8 @@ def test_a_checkpoint_without_its_state_is_refused(tmp_path):
 
 
 def test_the_state_written_by_commit_loads(tmp_path):
-    assert _run(tmp_path / "run").load_state() == {**_state(step=2, position=4), "warm_start": []}  # a state of no warm start
+    # a state of no warm start, and of a run before the best was kept: none, no patience spent
+    assert _run(tmp_path / "run").load_state() == {**_state(step=2, position=4), "warm_start": [], "best": None, "stale": 0}
 
 
 # --- the state against the records --------------------------------------------------------
