@@ -1,6 +1,7 @@
 """The Python API is what the CLI verbs call: fit, evaluate and export from a script."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -29,8 +30,10 @@ def test_fit_evaluate_and_export_from_a_script(tmp_path):
     text = console.export_text()
     # it says what it is doing from its first second, before the first step line
     phases = [line for line in text.splitlines() if line.startswith("fit [")]
-    assert [p.split("]: ", 1)[1].split(" ")[0:2] for p in phases] == [["loading", "the"], ["checking", "the"],
-                                                                      ["starting", "the"], ["held-out", "evaluation"]]
+    assert [p.split("]: ", 1)[1].split(" ")[0:2] for p in phases] == [["loading", "the"], ["rollouts", "run"],
+                                                                      ["checking", "the"], ["starting", "the"],
+                                                                      ["held-out", "evaluation"]]
+    assert re.search(r"rollouts run with recursion limit \d+ \(LangGraph's default\)", text)  # the app binds none
     assert text.index(phases[-1]) < text.index("step 1/1")
     scores = mas_trainer.evaluate(APP, TASKS[:2], run=out)
     assert scores["rollouts"] == 2 and scores["policies"]["solo"] == str(run.policies["solo"])
