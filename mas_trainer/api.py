@@ -194,9 +194,8 @@ def trace(app: Any, data: str | Path | Iterable[dict[str, Any]], *, n: int = 1, 
                  default_max_tokens=max_tokens) as session:
         loaded = session.load_app(app, recursion_limit=recursion_limit, recursion_limit_from="--recursion-limit")
         if console is not None:
-            pols = ", ".join(f"{name}={p.base_model}" for name, p in loaded.spec.policies.items())
-            console.print(f"[bold]{app if isinstance(app, str) else 'app'}[/]: {len(loaded.spec.nodes)} nodes; policies {pols}; "
-                          f"recursion limit {loaded.describe_recursion_limit()}")
+            console.print(f"[bold]{app if isinstance(app, str) else 'app'}[/]: {len(loaded.spec.nodes)} nodes; policies "
+                          f"{loaded.spec.describe_policies()}; recursion limit {loaded.describe_recursion_limit()}")
             console.print(f"gateway {session.describe_gateway()}", markup=False, soft_wrap=True)
         start = time.perf_counter()
         trajs = session.run(tasks, n=n)

@@ -31,6 +31,7 @@ from mas_trainer.gateway import Gateway, GatewayServer, Router
 from mas_trainer.production.record import Recorder, load_redactor
 from mas_trainer.loop.backends import adapters_by_base, policy_backends, shared_base_backends, shared_policies
 from mas_trainer.run.rundir import RunDir, run_config, trained_checkpoint
+from mas_trainer.spec import FROZEN_POLICY
 
 __all__ = ["build_gateway", "serve", "resolve_api_key", "API_KEY_ENV"]
 
@@ -182,7 +183,11 @@ def _serve_until(gateway: Any, recorder: Any, stop: threading.Event, host: str, 
                     "(set %s or --api-key-file)", host, API_KEY_ENV)
     with GatewayServer(gateway, host, port) as server:
         kept = f"; recording runs in {recorder.folder}" if recorder is not None else ""
-        print(f"serving {', '.join(sorted(gateway.backends))} at {server.base_url} ({gateway.protection()}{kept})", flush=True)
+        # the fallback is no policy of the app's own: said as what it answers, not listed as one
+        fallback = FROZEN_POLICY if gateway.router.fallback == FROZEN_POLICY and FROZEN_POLICY in gateway.backends else None
+        names = ", ".join(b for b in sorted(gateway.backends) if b != fallback) or "nothing"
+        rest = f"; calls no trained policy takes: {fallback}, the base model" if fallback else ""
+        print(f"serving {names}{rest} at {server.base_url} ({gateway.protection()}{kept})", flush=True)
         if ready is not None:
             ready.set()
         stop.wait()

@@ -162,7 +162,7 @@ def _measure(app_ref: Any, tasks: list[dict], run_dir: str | Path | None, checkp
         session.reseed(seed, temperature=_given(temperature, ro.val_temperature))
         # ids of their own, not random ones: a call's seed derives from its rollout's id, so the same
         # seed samples the same rollouts again, and both sides of a comparison alike
-        trajs = session.complete(session.rollouts(tasks, n=n, ids=_rollout_ids(len(tasks), n)))
+        trajs = session.run(tasks, n=n, ids=_rollout_ids(len(tasks), n))
         failed = every_rollout_failed(trajs, "no reward to report")
         if failed is not None:
             raise failed

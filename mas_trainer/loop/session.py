@@ -268,12 +268,14 @@ class Session:
 
         return await controller.run(tasks, n=n, ids=ids, on_done=done)
 
-    def run(self, tasks: Iterable[dict[str, Any]], *, n: int = 1, on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
-        """Run every task n times and return their trajectories. If the run is interrupted, its
-        rollouts are cancelled and the gateway answers no more calls: the session is over."""
+    def run(self, tasks: Iterable[dict[str, Any]], *, n: int = 1, ids: list[str] | None = None,
+            on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
+        """Run every task n times (`ids`: one rollout id each, task-major) and return their
+        trajectories. If the run is interrupted, its rollouts are cancelled and the gateway
+        answers no more calls: the session is over."""
         before = asyncio.all_tasks(self.loop)
         try:
-            return self.complete(self.rollouts(list(tasks), n=n, on_done=on_done))
+            return self.complete(self.rollouts(list(tasks), n=n, ids=ids, on_done=on_done))
         except BaseException:
             # Interrupted (Ctrl-C, or on_done raised): the session is ending. Stop accepting
             # calls and answer those in flight first (a cancelled rollout waits for the threads
