@@ -176,6 +176,21 @@ def serve(run_dir: str | Path, *, host: str = "127.0.0.1", port: int = 8000, rou
             signal.signal(signum, handler)
 
 
+def _served_policies(gateway: Any) -> str:
+    """``crew, lead``: the frozen policy named only where nodes are served by it (with them),
+    or as what answers calls that name no trained policy where it is the fallback."""
+    spec, names = gateway.router.spec, sorted(gateway.backends)
+    frozen = [n for n in spec.nodes if spec.route(n).policy == FROZEN_POLICY] if spec is not None else None
+    if FROZEN_POLICY not in names or frozen is None:
+        return ", ".join(names) or "nothing"
+    text = ", ".join(n for n in names if n != FROZEN_POLICY) or "nothing"
+    if frozen:
+        text += f", {FROZEN_POLICY} ({', '.join(frozen)})"
+    if gateway.router.fallback == FROZEN_POLICY:
+        text += f"; calls that name no policy: {FROZEN_POLICY}, the base model"
+    return text
+
+
 def _serve_until(gateway: Any, recorder: Any, stop: threading.Event, host: str, port: int, api_key: str | None,
                  ready: threading.Event | None) -> None:
     if api_key is None and host not in ("127.0.0.1", "::1", "localhost"):
@@ -183,11 +198,7 @@ def _serve_until(gateway: Any, recorder: Any, stop: threading.Event, host: str, 
                     "(set %s or --api-key-file)", host, API_KEY_ENV)
     with GatewayServer(gateway, host, port) as server:
         kept = f"; recording runs in {recorder.folder}" if recorder is not None else ""
-        # the fallback is no policy of the app's own: said as what it answers, not listed as one
-        fallback = FROZEN_POLICY if gateway.router.fallback == FROZEN_POLICY and FROZEN_POLICY in gateway.backends else None
-        names = ", ".join(b for b in sorted(gateway.backends) if b != fallback) or "nothing"
-        rest = f"; calls no trained policy takes: {fallback}, the base model" if fallback else ""
-        print(f"serving {names}{rest} at {server.base_url} ({gateway.protection()}{kept})", flush=True)
+        print(f"serving {_served_policies(gateway)} at {server.base_url} ({gateway.protection()}{kept})", flush=True)
         if ready is not None:
             ready.set()
         stop.wait()

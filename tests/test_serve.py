@@ -125,6 +125,8 @@ def test_serve_cli_runs_until_sigterm(trained_run):
     try:
         line = proc.stdout.readline()
         assert f"127.0.0.1:{port}" in line, line + proc.stderr.read()
+        # every node trained: no frozen policy listed
+        assert line.startswith("serving crew, lead at "), line
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         assert client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}],
                                               max_tokens=4).choices[0].message is not None
