@@ -4,7 +4,15 @@
 torch engine are imported when first used.
 """
 
+import os
+import sys
 from typing import Any
+
+# torch's OpenMP (libgomp) reads this once, when torch is imported: waiting pool threads then sleep instead of
+# spinning for a thread another process (or the gateway) holds, which made engines on a loaded CPU 10x slower
+# (docs/engine.md, "Threads"). Too late once torch is in; a value set beforehand is kept.
+if "torch" not in sys.modules:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __all__ = ["trainable", "fit", "evaluate", "export", "fit_config", "FitResult", "__version__"]
 __version__ = "0.1.0"

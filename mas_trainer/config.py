@@ -261,8 +261,9 @@ class RuntimeConfig(_Strict, EngineSettings):
                                        "what could not be placed")
     worker_cpus: float = Field(0.0, ge=0, description="CPUs each worker group actor reserves (0 fits any number on one machine); "
                                "torch learner on Ray only (verl's ranks take their pool's bundles)")
-    torch_threads: int | None = Field(None, ge=1, description="torch threads per worker process (default: on CPU cores / "
-                                      "processes: policies, or verl ranks); runtime.execution=ray only")
+    torch_threads: int | None = Field(None, ge=1, description="torch threads per Ray worker process (default: on CPU cores / "
+                                      "processes: policies, or verl ranks) and per engine in this process (serve, trace, eval, "
+                                      "runtime.execution=local; default: the cores it may use / its engines, docs/engine.md)")
 
     @field_validator("replica")
     @classmethod
@@ -640,10 +641,10 @@ def _check_ignored(cfg: FitConfig, learner: str | None, device: str | None) -> N
                 raise ConfigError(f"runtime.{key} sets the embedded and torch-replica engines; every policy here runs on "
                                   f"vllm ({why}): drop the key")
     if rt.execution == "local":
-        for key in ("worker_cpus", "torch_threads"):
+        for key in ("worker_cpus",):
             if getattr(rt, key) != RuntimeConfig.model_fields[key].default:
                 raise ConfigError(f"runtime.{key} sizes the Ray worker groups; with runtime.execution=local they run in this "
-                                  "process (torch's threads: OMP_NUM_THREADS): drop the key, or use runtime.execution=ray")
+                                  "process: drop the key, or use runtime.execution=ray")
 
 
 def _check_placement(cfg: FitConfig, engines: set[str]) -> None:

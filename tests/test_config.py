@@ -64,7 +64,6 @@ def test_config_models_are_importable_from_their_old_places():
     (["runtime.learner=auto", "runtime.device=cuda", "policies.p.learner.fused_adamw=false"],
      r"policies.p.learner.fused_adamw applies to the torch learner only"),
     (["runtime.execution=local", "runtime.worker_cpus=1"], r"runtime.worker_cpus sizes the Ray worker groups"),
-    (["runtime.execution=local", "runtime.torch_threads=2"], r"runtime.torch_threads sizes the Ray worker groups"),
     (["runtime.learner=verl", "critic.micro_batch_tokens=512"], r"critic.micro_batch_tokens applies to the torch learner only"),
     (["runtime.learner=verl", "policies.p.critic.micro_batch_tokens=512"],
      r"policies.p.critic.micro_batch_tokens applies to the torch learner only"),

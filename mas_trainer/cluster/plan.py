@@ -8,12 +8,12 @@ pydantic models (picklable): the already-validated sections of the `fit` config.
 
 from __future__ import annotations
 
-import os
 from typing import Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from mas_trainer.engines.config import EngineSettings
+from mas_trainer.engines.threads import available_cores, share
 from mas_trainer.policy.contract import WorkerPlan
 from mas_trainer.config import ConfigError, FitConfig, RuntimeConfig, check_runtime, old_logprobs_mode, resolve_learner
 from mas_trainer.replicas.config import first_replica_ranks, replica_count, require_vllm
@@ -27,7 +27,7 @@ class Machine(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     gpus: int = Field(0, ge=0, description="GPUs torch sees here")
-    cpus: int = Field(1, ge=1, description="CPU cores here")
+    cpus: int = Field(1, ge=1, description="CPU cores this process may use here (affinity, cgroup quota)")
 
 
 def probe_machine() -> Machine:
@@ -37,7 +37,7 @@ def probe_machine() -> Machine:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     except ImportError:  # pragma: no cover - the core runs without torch
         gpus = 0
-    return Machine(gpus=gpus, cpus=os.cpu_count() or 1)
+    return Machine(gpus=gpus, cpus=available_cores())
 
 
 def decide_device(device: str, machine: Machine | None = None) -> Literal["cpu", "cuda"]:
@@ -108,10 +108,10 @@ def resolve_plan(cfg: FitConfig, models: Mapping[str, tuple[str, str]], *, machi
     first = first_replica_ranks({p: 0 if w.engine == "embedded" or learner == "torch" else replica_count(w.replica, device, w.resources.world_size)
                                  for p, w in workers.items()})
     for name, w in workers.items():  # torch threads per process: configured, else the cores shared out
-        threads = rt.torch_threads
+        threads = rt.torch_threads  # in this process (execution=local) None: the engines share its cores as they start
         if threads is None and rt.execution == "ray" and (learner == "torch" or device == "cpu"):
-            threads = max(1, machine.cpus // max(1, ranks if learner == "verl" else processes))
-        workers[name] = w.model_copy(update={"torch_threads": threads if rt.execution == "ray" else None,
+            threads = share(machine.cpus, ranks if learner == "verl" else processes)
+        workers[name] = w.model_copy(update={"torch_threads": threads,
                                              "offload_between_phases": shared,
                                              "replica_first_rank": first[name]})
     needed = _gpus_needed(workers, learner, shared, rt.execution) if device == "cuda" else 0.0

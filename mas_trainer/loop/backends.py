@@ -5,7 +5,8 @@ all wire policies to engines with `policy_backends`, configured by the `runtime`
 config (`engine_bf16`, `max_batch_size`, `batch_wait_ms`, `device`): a held-out score that
 `fit` reports is the score `eval --run` measures on the same checkpoint, and what `serve`
 answers with. bf16 autocast and the batch a row shares change the sampled tokens, so two
-verbs with differently configured engines would not agree.
+verbs with differently configured engines would not agree. Each engine computes with
+`runtime.torch_threads` torch threads, else its share of this process's cores (`engines/threads.py`).
 
 Policies a run trained as adapters of one shared base (``learner.shared_base``: their
 checkpoints are peft adapters of one base model) are served as they were trained, by one
@@ -35,12 +36,14 @@ __all__ = ["policy_backends", "torch_backend", "lazy_backend", "shared_base_back
 log = logging.getLogger(__name__)
 
 
-def torch_backend(model: str, *, seed: int = 0, settings: EngineSettings | None = None, device: str = "cpu") -> PolicyBackend:
-    """The embedded engine on `model` (tiny | default | folder), its own copy of the weights."""
+def torch_backend(model: str, *, seed: int = 0, settings: EngineSettings | None = None, device: str = "cpu",
+                  threads: int | None = None) -> PolicyBackend:
+    """The embedded engine on `model` (tiny | default | folder), its own copy of the weights;
+    `threads`: `runtime.torch_threads` (None: its share of this process's cores)."""
     from mas_trainer.engines.chat import HFChatFormat
     from mas_trainer.engines.torch_engine import load_engine
 
-    built = load_engine(model, name=model, seed=seed, settings=settings, device=device)
+    built = load_engine(model, name=model, seed=seed, settings=settings, device=device, threads=threads)
     return PolicyBackend(built, HFChatFormat(built.tokenizer))
 
 
@@ -126,7 +129,7 @@ def policy_backends(
             return factory(model)
         log.info("policy %s: engine on %s (%s, bf16 %s, %d rows a batch)", name, model, device, settings.engine_bf16,
                  settings.max_batch_size)
-        return torch_backend(model, seed=seed, settings=settings, device=device)
+        return torch_backend(model, seed=seed, settings=settings, device=device, threads=runtime.torch_threads)
 
     served, checkpoints = served or {}, checkpoints or {}
     out: dict[str, PolicyBackend] = {}
@@ -194,7 +197,7 @@ def shared_base_backends(adapters: Mapping[str, str | Path], base: str, runtime:
     if engine == "vllm":
         built = _vllm_shared(base, folders, runtime, seed=seed, device=device)
     elif engine == "embedded":
-        built = _torch_shared(base, folders, seed=seed, settings=settings, device=device)
+        built = _torch_shared(base, folders, seed=seed, settings=settings, device=device, threads=runtime.torch_threads)
     else:
         raise ValueError(f"engine {engine!r}: a shared base is served by the embedded engine or vllm")
     users = _Users(built)
@@ -210,7 +213,8 @@ def _adapter_config(folder: Path) -> dict[str, Any]:
     return json.loads((folder / ADAPTER_CONFIG).read_text())
 
 
-def _torch_shared(base: str, folders: Mapping[str, Path], *, seed: int, settings: EngineSettings, device: str) -> Any:
+def _torch_shared(base: str, folders: Mapping[str, Path], *, seed: int, settings: EngineSettings, device: str,
+                  threads: int | None) -> Any:
     from mas_trainer.engines.models import load_model
     from mas_trainer.engines.torch_engine import TorchEngine
     from mas_trainer.learners.lora import add_named_adapter
@@ -220,7 +224,8 @@ def _torch_shared(base: str, folders: Mapping[str, Path], *, seed: int, settings
         lora = _adapter_config(folder)  # the folder's own config decides; these only fill the signature
         model = add_named_adapter(model, key, rank=lora["r"], alpha=lora["lora_alpha"], target_modules=lora["target_modules"],
                                   base_model=base, folder=folder)
-    return TorchEngine(model, tokenizer, model_name=base, settings=settings, device=device, adapters=list(folders))
+    return TorchEngine(model, tokenizer, model_name=base, settings=settings, device=device, adapters=list(folders),
+                       threads=threads)
 
 
 def _vllm_shared(base: str, folders: Mapping[str, Path], runtime: RuntimeConfig, *, seed: int, device: str) -> Any:

@@ -60,7 +60,8 @@ class LocalPolicy:
                                      settings=VllmSettings.of(plan.replica, device=plan.device, seed=plan.seed))
             self._sync = lambda: self.engine.reload(model.state_dict().items())
         else:
-            self.engine = load_engine(weights, name=plan.policy, seed=plan.seed, settings=plan.engine_settings, device=plan.device)
+            self.engine = load_engine(weights, name=plan.policy, seed=plan.seed, settings=plan.engine_settings, device=plan.device,
+                                      threads=plan.torch_threads)
             model, self.tokenizer = self.engine.model, self.engine.tokenizer
             self._sync = lambda: None  # the engine generates with the very module the learner updates
         self.serving = Serving(self.engine, TurnStore(plan.policy, plan.max_staleness))

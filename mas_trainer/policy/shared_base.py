@@ -97,7 +97,7 @@ class SharedBase:
             from mas_trainer.engines.torch_engine import TorchEngine
 
             self.engine = TorchEngine(peft_model, self.tokenizer, model_name=self.name, settings=first.engine_settings,
-                                      device=first.device, adapters=list(self.keys.values()))
+                                      device=first.device, adapters=list(self.keys.values()), threads=first.torch_threads)
         self.adapters: dict[str, LearnerSide] = {}
         for i, (name, plan) in enumerate(plans.items()):
             # one engine: its figures (tokens, busy time) are reported once, under the first policy

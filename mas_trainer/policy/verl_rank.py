@@ -51,7 +51,7 @@ class EngineSink:
         from mas_trainer.engines.torch_engine import load_engine
 
         self.engine = load_engine(learner.model_dir, name=plan.policy, settings=plan.engine_settings,
-                                  device=torch_device(plan.device)) if rank == 0 else None
+                                  device=torch_device(plan.device), threads=plan.torch_threads) if rank == 0 else None
         self.tokenizer = self.engine.tokenizer if self.engine is not None else None
 
     def changed(self, learner: VerlLearner) -> None:

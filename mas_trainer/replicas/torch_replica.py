@@ -84,7 +84,8 @@ class TorchRolloutServer(Worker):
                                      settings=VllmSettings(**opts["vllm"]))
         else:
             self.engine = load_engine(model_config.local_path, name=f"replica-{replica_rank}", device=device,
-                                      settings=EngineSettings.model_validate(opts.get("engine", {})))
+                                      settings=EngineSettings.model_validate(opts.get("engine", {})),
+                                      threads=int(opts["torch_threads"]) if opts.get("torch_threads") else None)
         self.replica_rank = replica_rank
         self.global_steps: int | None = None
         ce = rollout_config.checkpoint_engine
