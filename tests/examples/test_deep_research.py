@@ -18,7 +18,7 @@ from mas_trainer import api
 from mas_trainer.config import load_config
 from mas_trainer.gateway import server
 from mas_trainer.loop.trainer import fit
-from mas_trainer.trace.schema import LLMCall
+from mas_trainer.trace.schema import LLMCall, Trajectory
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = ROOT / "examples" / "langgraph_apps" / "deep_research"
@@ -74,6 +74,8 @@ def test_the_openai_string_form_traces_each_agent_on_its_policy_through_response
     assert [(c.node, c.role) for c in t.llm_calls] == [
         ("model", "lead"), ("tools:@researcher:model", "researcher"), ("tools:@critic:model", "critic"), ("model", "lead")]
     _check_calls([t], responses_requests)
+    # the lead's answer is the Responses API's object, named after the call it records
+    assert t.final_state["messages"][-1]["id"] == f"resp_{t.llm_calls[-1].id}"
     assert set(t.rewards.roles) == {"lead", "researcher", "critic"}
 
 
@@ -85,8 +87,6 @@ def test_fit_trains_one_step_with_every_agent_on_its_policy(app, responses_reque
     assert {train[f"policy/{p}/turns"] for p in ("lead", "research", "critic")} == {8, 4}  # 2 lead turns, 1 each sub-agent
     assert {"reward/role/lead", "reward/role/researcher", "reward/role/critic"} <= set(train)
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoint" / "policies").iterdir()) == ["critic", "lead", "research"]
-    from mas_trainer.trace.schema import Trajectory
-
     written = [Trajectory.model_validate_json(line)
                for line in (tmp_path / "run" / "trajectories" / "step_000001.jsonl").read_text().splitlines()]
     assert len(written) == 4
