@@ -8,6 +8,8 @@ For each seed S: `mas-trainer fit examples/langgraph_apps/deep_research/app.py:g
 `heldout.jsonl`: the trained policies (lead, research, critic) and their base models on the same
 held-out tasks with the same sampling seed. Nothing forces delegation here (that is the tests'
 middleware): the lead earns the answer only by handing the question to the researcher itself.
+The bundled SmolLM2-135M (`--model default`) never does (0 reward on base, docs/agents.md), so
+GRPO gets no signal from it: pass a base model that makes tool calls (`--model PATH`).
 Prints per seed the held-out reward of base and trained, the paired difference and its standard
 error, and each agent's role reward; writes OUT/deep_research.json (every eval's JSON).
 KEY=VALUE after `--` are passed to fit as config overrides (they replace the defaults below).
