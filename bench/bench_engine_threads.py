@@ -2,15 +2,16 @@
 one thread and against torch's default (issue 41, point 3).
 
     .venv/bin/python bench/bench_engine_threads.py [--model default|tiny|PATH] [--policies 1] [--concurrency 8] \\
-        [--max-tokens 40] [--reps 3] [--busy 0] [--arms chosen,one,default]
+        [--max-tokens 40] [--reps 3] [--busy 0] [--arms chosen,one,default] [--spin]
 
 An app of `--policies` roles, one policy each, is served by `mas_trainer.serve.build_gateway` (the
 `serve app.py:graph` path: one embedded engine per policy in this process) behind the real HTTP
 server (`GatewayServer`), and asked over HTTP, greedy, for `--max-tokens` tokens: one request alone,
 then `--concurrency` requests to every policy at once. The arms differ only in the engines'
 threads, set by $OMP_NUM_THREADS (which the engines honour, `engines/threads.py`): `chosen` unset
-(each engine's share of the cores this process may use), `one` 1, `default` torch's own default
-(read before any engine starts: a thread per physical core, for each engine). Each arm gets a fresh
+(each engine's share of the cores this process may use: the cores over the policies' engines),
+`one` 1, `default` torch's own default (read before any engine starts: a thread per physical core,
+for each engine). Each arm gets a fresh
 gateway (fresh engines) and a warm-up request per policy; the arms alternate within every
 repetition, so a change in the machine's load hits each of them. `--busy N` runs N processes that
 only spin beside the bench (a loaded machine, reproducibly); the load average is printed anyway.
@@ -109,7 +110,7 @@ def measure(app: str, model: str, policies: list[str], threads: int | None, args
             asyncio.run(ask(url, [(p, PROMPTS[0]) for p in policies], 4))  # loads each lazy engine, warms it up
             backends = [gateway.backends[p].engine for p in policies]  # loaded by the warm-up (a frozen policy's stays unloaded)
             engines = [b.get().engine if hasattr(b, "get") else b for b in backends]
-            used = sorted({e.threads for e in engines})
+            used = sorted({e.threads.n for e in engines})
             load = os.getloadavg()[0]
             single_s, single_tokens = asyncio.run(ask(url, [(policies[0], PROMPTS[1])], args.max_tokens))
             burst = [(p, PROMPTS[i % len(PROMPTS)]) for p in policies for i in range(args.concurrency)]

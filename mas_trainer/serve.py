@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from mas_trainer.config import ConfigError
-from mas_trainer.engines.threads import PROCESS
+from mas_trainer.engines.threads import RUNNING
 from mas_trainer.errors import did_you_mean
 from mas_trainer.gateway import Gateway, GatewayServer, Router
 from mas_trainer.production.record import Recorder, load_redactor
@@ -200,8 +200,8 @@ def _serve_until(gateway: Any, recorder: Any, stop: threading.Event, host: str, 
     with GatewayServer(gateway, host, port) as server:
         kept = f"; recording runs in {recorder.folder}" if recorder is not None else ""
         print(f"serving {_served_policies(gateway)} at {server.base_url} ({gateway.protection()}{kept})", flush=True)
-        if PROCESS.summary():  # where the engines' threads come from (docs/engine.md, "Threads")
-            print(f"engines in this process: {PROCESS.summary()}", flush=True)
+        if RUNNING.summary():  # where the engines' threads come from (docs/engine.md, "Threads")
+            print(f"engines in this process: {RUNNING.summary()}", flush=True)
         if ready is not None:
             ready.set()
         stop.wait()

@@ -13,7 +13,7 @@ from typing import Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field
 
 from mas_trainer.engines.config import EngineSettings
-from mas_trainer.engines.threads import available_cores, share
+from mas_trainer.engines.threads import available_cores, share, threads_from_env
 from mas_trainer.policy.contract import WorkerPlan
 from mas_trainer.config import ConfigError, FitConfig, RuntimeConfig, check_runtime, old_logprobs_mode, resolve_learner
 from mas_trainer.replicas.config import first_replica_ranks, replica_count, require_vllm
@@ -108,8 +108,10 @@ def resolve_plan(cfg: FitConfig, models: Mapping[str, tuple[str, str]], *, machi
     first = first_replica_ranks({p: 0 if w.engine == "embedded" or learner == "torch" else replica_count(w.replica, device, w.resources.world_size)
                                  for p, w in workers.items()})
     for name, w in workers.items():  # torch threads per process: configured, else the cores shared out
-        threads = rt.torch_threads  # in this process (execution=local) None: the engines share its cores as they start
-        if threads is None and rt.execution == "ray" and (learner == "torch" or device == "cpu"):
+        threads = rt.torch_threads
+        if threads is None and rt.execution == "local":  # every policy process in this one: each engine a share
+            threads = threads_from_env() or share(machine.cpus, processes)
+        elif threads is None and (learner == "torch" or device == "cpu"):
             threads = share(machine.cpus, ranks if learner == "verl" else processes)
         workers[name] = w.model_copy(update={"torch_threads": threads,
                                              "offload_between_phases": shared,

@@ -1,20 +1,19 @@
 """How many torch threads an embedded engine computes with: the cores this process may use,
-shared out among the engines running in it.
+shared out among the engines that start in it.
 
 torch's default is one OpenMP thread per physical core of the machine, for every thread that
 runs torch ops. That is wrong twice over for the verbs' engines (`serve`, `trace`, `eval`, the
 Python API, `fit`'s in-process policies): each engine's worker thread brings a pool of its own,
 so three policies served from one process ran three pools of every core; and a process pinned to
-fewer cores (affinity, a container's CPU quota) still got a pool of the machine's. Pools larger
-than the cores left to them collapse: libgomp's waiting threads spin for a descheduled one at every
-parallel region, and one decode step holds dozens (docs/results/engine_threads.md: 8 concurrent
-requests 5x slower than with one thread on 2 loaded cores).
+fewer cores (affinity, a container's CPU quota) still got a pool of the machine's.
 
-So an engine asks here, on its own worker thread, for `runtime.torch_threads` when set, else
-$OMP_NUM_THREADS when set, else `available_cores() // engines` (the engines that share this
-process now: `ProcessShare`), at least one; and asks again whenever an engine starts or closes.
-`fit`'s plan shares a machine's cores among Ray worker processes with the same `share`.
-Importing this module does not import torch.
+So each engine's count is decided once, before it starts, by whoever starts it (`decide`):
+`runtime.torch_threads` when set, else $OMP_NUM_THREADS when set, else `available_cores() //`
+the engines it starts (`loop/backends.py`: one per policy; `fit`'s plan: one per policy process,
+`cluster/plan.py`), at least one. Never from the engines running at the moment: a count that moved
+with them would change a run's floating-point sums (torch's reductions split by thread), so a run
+and its resume from a checkpoint would differ. `RUNNING` lists the running engines' counts for a
+verb's output. Importing this module does not import torch.
 """
 
 from __future__ import annotations
@@ -24,8 +23,9 @@ import math
 import os
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
-__all__ = ["available_cores", "share", "ProcessShare", "PROCESS", "threads_from_env"]
+__all__ = ["available_cores", "share", "Threads", "decide", "threads_from_env", "RUNNING"]
 
 CGROUP = Path("/sys/fs/cgroup")
 
@@ -73,50 +73,43 @@ def threads_from_env() -> int | None:
     return int(value) if value.isdigit() and int(value) > 0 else None
 
 
-class ProcessShare:
-    """The engines running in one process: those built without a fixed thread count share its
-    cores; `version` changes whenever one joins or leaves, so each engine's worker thread knows
-    when to ask `threads()` again. Engines with a fixed count (`runtime.torch_threads`) are only
-    listed, for `summary`."""
+class Threads(NamedTuple):
+    """An engine's torch threads and where the number comes from (for the log and `serve`'s output)."""
 
-    def __init__(self, cores: int | None = None) -> None:
-        self._cores = cores  # None: available_cores(), asked each time (tests pass their own)
+    n: int
+    source: str
+
+
+def decide(torch_threads: int | None, engines: int) -> Threads:
+    """The threads of each of `engines` engines started together in this process."""
+    if torch_threads is not None:
+        return Threads(torch_threads, "runtime.torch_threads")
+    env = threads_from_env()
+    if env is not None:
+        return Threads(env, "$OMP_NUM_THREADS")
+    cores = available_cores()
+    return Threads(share(cores, engines), f"{cores} core(s) this process may use / {engines} engine(s); runtime.torch_threads sets it")
+
+
+class Running:
+    """The engines running in this process, by their `Threads`."""
+
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.engines = 0  # those sharing
-        self.fixed: collections.Counter[int] = collections.Counter()  # fixed thread count -> engines
-        self.version = 0
+        self._engines: collections.Counter[Threads] = collections.Counter()
 
-    def join(self, fixed: int | None = None) -> None:
+    def join(self, threads: Threads) -> None:
         with self._lock:
-            if fixed is None:
-                self.engines += 1
-                self.version += 1
-            else:
-                self.fixed[fixed] += 1
+            self._engines[threads] += 1
 
-    def leave(self, fixed: int | None = None) -> None:
+    def leave(self, threads: Threads) -> None:
         with self._lock:
-            if fixed is None:
-                self.engines = max(0, self.engines - 1)
-                self.version += 1
-            else:
-                self.fixed[fixed] -= 1
-                self.fixed += collections.Counter()  # drops the counts at zero
-
-    def threads(self) -> tuple[int, str]:
-        """Threads for each engine now, and where the number comes from (for the log)."""
-        env = threads_from_env()
-        if env is not None:
-            return env, "$OMP_NUM_THREADS"
-        cores = self._cores or available_cores()
-        engines = max(1, self.engines)
-        return share(cores, engines), f"{cores} core(s) this process may use / {engines} engine(s) in it; runtime.torch_threads sets it"
+            self._engines[threads] -= 1
+            self._engines += collections.Counter()  # drops the counts at zero
 
     def summary(self) -> str:
-        """The running engines' torch threads and where they come from, for a verb's output."""
-        parts = [f"{n} torch thread(s) an engine ({why})" for n, why in [self.threads()] if self.engines]
-        parts += [f"{n} torch thread(s) an engine (runtime.torch_threads)" for n in sorted(self.fixed)]
-        return "; ".join(parts)
+        with self._lock:
+            return "; ".join(f"{n} with {t.n} torch thread(s) ({t.source})" for t, n in sorted(self._engines.items()))
 
 
-PROCESS = ProcessShare()  # this process's engines
+RUNNING = Running()

@@ -30,9 +30,9 @@ Keep a process's torch compute on one thread where possible (e.g. run learner st
 `run_exclusive`): every thread that runs torch ops gets its own OpenMP pool, and with more
 pool threads than cores libgomp stops spinning between parallel regions, which cost ~25%
 of decode speed on the 2-core reference machine (95 instead of 120 tokens/s at batch 8).
-The worker thread sizes its own pool (`threads=`; by default its share of the cores this
-process may use, shared with the process's other engines: `engines/threads.py`), since
-`torch.set_num_threads` on another thread does not reach a thread that already ran torch ops.
+The worker thread sizes its own pool once, as it starts (`threads=`, decided by whoever starts
+the engine: `engines/threads.py`), since `torch.set_num_threads` on another thread does not reach
+a thread that already ran torch ops.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from mas_trainer.engines.base import Delta, FinishReason, Generation, SamplingPa
 from mas_trainer.engines.grammar import COMPILE_TIMEOUT_S, SchemaGrammars
 from mas_trainer.engines.prefix_cache import PrefixCache
 from mas_trainer.engines.streaming import TextStream
-from mas_trainer.engines.threads import PROCESS
+from mas_trainer.engines.threads import RUNNING, Threads, decide
 
 __all__ = ["TorchEngine", "TOP_K_FIRST", "load_engine", "top_p_filter"]
 
@@ -106,14 +106,14 @@ class TorchEngine:
         max_grammars: int = 64,
         grammar_timeout_s: float = COMPILE_TIMEOUT_S,
         adapters: Sequence[str] = (),
-        threads: int | None = None,
+        threads: int | Threads | None = None,
     ) -> None:
         """`settings`: how it batches, caches and computes (`EngineSettings`: the prefix cache is
         `engines/prefix_cache.py`, fast decode `engines/kv.py` and `top_p_filter`); `max_grammars`:
         compiled JSON-schema grammars kept; `grammar_timeout_s`: how long one schema may compile
         before its request fails (`engines/grammar.py`); `adapters`: the LoRA adapters of `model`, a
-        peft model, that requests may name (`generate(..., adapter=)`); `threads`: torch threads of
-        the worker (`runtime.torch_threads`; None: its share of this process's cores, `engines/threads.py`)."""
+        peft model, that requests may name (`generate(..., adapter=)`); `threads`: the worker's torch
+        threads (`engines/threads.py`; None: $OMP_NUM_THREADS, else every core this process may use)."""
         # a bare engine (tests, benchmarks) computes in fp32, so its log-probs match an fp32 forward
         settings = settings or EngineSettings(engine_bf16=False)
         self.model_name, self.settings = model_name, settings
@@ -159,10 +159,10 @@ class TorchEngine:
         self._pos: torch.Tensor | None = None
         self._next: torch.Tensor | None = None
         self._decode_paths(settings)
-        self._fixed_threads = threads
-        self._threads_seen = -1  # the process share's version the worker last sized its pool for
-        self.threads = 0  # torch threads the worker computes with (0 until it starts)
-        PROCESS.join(threads)
+        if not isinstance(threads, Threads):  # None: as if alone in this process; a number: as its builder set it
+            threads = decide(None, 1) if threads is None else Threads(threads, "runtime.torch_threads, or fit's plan")
+        self.threads = threads
+        RUNNING.join(threads)
         self._thread = threading.Thread(target=self._work, name=f"TorchEngine[{model_name}]", daemon=True)
         self._thread.start()
 
@@ -344,7 +344,8 @@ class TorchEngine:
     # ---------------------------------------------------------------- worker loop
 
     def _work(self) -> None:
-        self._size_pool()
+        torch.set_num_threads(self.threads.n)
+        log.info("engine %s: %d torch thread(s) (%s)", self.model_name, *self.threads)
         while True:
             with self._cond:
                 admit = self._wait_for_work()
@@ -353,7 +354,6 @@ class TorchEngine:
                 controls = [] if self._rows or admit else list(self._controls)
                 if controls:
                     self._controls.clear()
-            self._size_pool()  # before the controls too: a learner's step runs here
             if controls and self._prefix is not None:
                 self._prefix.clear()  # the weights may change: no K/V computed with the old ones is reused
             if controls and self._lora is not None:
@@ -373,21 +373,6 @@ class TorchEngine:
                 self._rows, self._cache = [], None
             self.stats["busy_s"] += time.perf_counter() - t0
         self._shutdown()
-
-    def _size_pool(self) -> None:
-        """This thread's torch threads: fixed, else the process's share, asked again whenever an
-        engine of the process starts or closes (cheap: a version compared)."""
-        if self._fixed_threads is not None:
-            threads, why = self._fixed_threads, "runtime.torch_threads"
-        elif PROCESS.version != self._threads_seen:
-            self._threads_seen = PROCESS.version
-            threads, why = PROCESS.threads()
-        else:
-            return
-        if threads != self.threads:
-            torch.set_num_threads(threads)
-            self.threads = threads
-            log.info("engine %s: %d torch thread(s) (%s)", self.model_name, threads, why)
 
     def _wait_for_work(self) -> list[_Row] | None:
         """Under the lock: rows to admit now ([] = just decode), or None to stop."""
@@ -412,7 +397,7 @@ class TorchEngine:
         return admit
 
     def _shutdown(self) -> None:
-        PROCESS.leave(self._fixed_threads)  # sharing engines take its cores at their next step
+        RUNNING.leave(self.threads)
         with self._cond:
             rows = self._rows + list(self._pending)
             controls = list(self._controls)
@@ -751,7 +736,7 @@ def _end_ids(model: Any, tokenizer: Any) -> frozenset[int]:
 
 
 def load_engine(model: str, *, name: str, seed: int = 0, settings: EngineSettings | None = None,
-                device: str | torch.device = "cpu", threads: int | None = None) -> TorchEngine:
+                device: str | torch.device = "cpu", threads: int | Threads | None = None) -> TorchEngine:
     """The embedded engine on `model` (tiny | default | folder | hub id) with its own copy of
     the weights: the one way worker groups, verl's rank 0, rollout replicas and the verbs'
     engines build it, so all of them batch and sample alike. `threads`: `TorchEngine`'s."""

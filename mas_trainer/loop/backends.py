@@ -5,8 +5,9 @@ all wire policies to engines with `policy_backends`, configured by the `runtime`
 config (`engine_bf16`, `max_batch_size`, `batch_wait_ms`, `device`): a held-out score that
 `fit` reports is the score `eval --run` measures on the same checkpoint, and what `serve`
 answers with. bf16 autocast and the batch a row shares change the sampled tokens, so two
-verbs with differently configured engines would not agree. Each engine computes with
-`runtime.torch_threads` torch threads, else its share of this process's cores (`engines/threads.py`).
+verbs with differently configured engines would not agree. The engines started together share
+this process's cores (`engines/threads.py`: one share per engine, fixed before any starts), unless
+`runtime.torch_threads` sets their threads.
 
 Policies a run trained as adapters of one shared base (``learner.shared_base``: their
 checkpoints are peft adapters of one base model) are served as they were trained, by one
@@ -26,6 +27,7 @@ from typing import Any, AsyncIterator, Callable, Collection, Mapping, Sequence
 
 from mas_trainer.config import RuntimeConfig
 from mas_trainer.engines.config import EngineSettings
+from mas_trainer.engines.threads import Threads, decide
 from mas_trainer.gateway import PolicyBackend
 from mas_trainer.cluster.plan import decide_device
 from mas_trainer.spec import PolicySpec
@@ -37,9 +39,9 @@ log = logging.getLogger(__name__)
 
 
 def torch_backend(model: str, *, seed: int = 0, settings: EngineSettings | None = None, device: str = "cpu",
-                  threads: int | None = None) -> PolicyBackend:
+                  threads: Threads | None = None) -> PolicyBackend:
     """The embedded engine on `model` (tiny | default | folder), its own copy of the weights;
-    `threads`: `runtime.torch_threads` (None: its share of this process's cores)."""
+    `threads`: its torch threads (None: as if alone in this process, `engines/threads.py`)."""
     from mas_trainer.engines.chat import HFChatFormat
     from mas_trainer.engines.torch_engine import load_engine
 
@@ -120,25 +122,36 @@ def policy_backends(
     replaces the embedded engine, e.g. with fake engines in tests.
     `shared`: policies whose checkpoints are adapters trained on a shared base (`shared_policies`):
     those of one base share one engine (`shared_base_backends`), and so does every frozen policy on that base.
+    Threads (`runtime.torch_threads`, else `engines/threads.py`): the engines started now share this process's cores
+    with the in-process worker groups in `served` (`runtime.execution=local`); one started on its first call gets the
+    share it would have if every engine had started, so that an unused frozen policy takes nothing from the others.
     """
 
     settings, device = EngineSettings.of(runtime), decide_device(runtime.device)
-
-    def build(name: str, model: str) -> PolicyBackend:
-        if factory is not None:
-            return factory(model)
-        log.info("policy %s: engine on %s (%s, bf16 %s, %d rows a batch)", name, model, device, settings.engine_bf16,
-                 settings.max_batch_size)
-        return torch_backend(model, seed=seed, settings=settings, device=device, threads=runtime.torch_threads)
-
     served, checkpoints = served or {}, checkpoints or {}
-    out: dict[str, PolicyBackend] = {}
+    bases: dict[str, tuple[dict[str, Path], list[str]]] = {}  # base -> (adapter folders, frozen policies on it)
     if factory is None:  # a factory's engines hold no adapters
         adapters = {p: checkpoints[p] for p in shared if p in checkpoints and p not in served}
-        for base, group in adapters_by_base(adapters).items():
-            frozen = [p for p, pol in policies.items()
-                      if not pol.trainable and p not in served and _same_model(pol.base_model, base)]
-            out.update(shared_base_backends(group, base, runtime, seed=seed, frozen=frozen))
+        bases = {base: (group, [p for p, pol in policies.items()
+                                if not pol.trainable and p not in served and _same_model(pol.base_model, base)])
+                 for base, group in adapters_by_base(adapters).items()}
+    on_bases = {p for group, frozen in bases.values() for p in (*group, *frozen)}
+    alone = [p for p in policies if p not in served and p not in on_bases]
+    # both decided now, not as engines come and go: a count that moved with them would change a run's sums (and its resume's)
+    beside = len(served) if runtime.execution == "local" else 0
+    now = decide(runtime.torch_threads, len(bases) + sum(policies[p].trainable for p in alone) + beside)
+    later = decide(runtime.torch_threads, len(bases) + len(alone) + beside)
+
+    def build(name: str, model: str, threads: Threads) -> PolicyBackend:
+        if factory is not None:
+            return factory(model)
+        log.info("policy %s: engine on %s (%s, bf16 %s, %d rows a batch, %d torch thread(s): %s)", name, model, device,
+                 settings.engine_bf16, settings.max_batch_size, *threads)
+        return torch_backend(model, seed=seed, settings=settings, device=device, threads=threads)
+
+    out: dict[str, PolicyBackend] = {}
+    for base, (group, frozen) in bases.items():
+        out.update(shared_base_backends(group, base, runtime, seed=seed, frozen=frozen, threads=now))
     for name, policy in policies.items():
         if name in out:
             continue
@@ -146,9 +159,9 @@ def policy_backends(
         if name in served:
             out[name] = served[name]
         elif policy.trainable:
-            out[name] = build(name, model)
+            out[name] = build(name, model, now)
         else:
-            out[name] = lazy_backend(name, partial(build, name, model))
+            out[name] = lazy_backend(name, partial(build, name, model, later))
     return out
 
 
@@ -181,12 +194,14 @@ def _same_model(a: str, b: str) -> bool:
 
 
 def shared_base_backends(adapters: Mapping[str, str | Path], base: str, runtime: RuntimeConfig, *, seed: int = 0,
-                         frozen: Sequence[str] = (), engine: str = "embedded") -> dict[str, PolicyBackend]:
+                         frozen: Sequence[str] = (), engine: str = "embedded", threads: Threads | None = None
+                         ) -> dict[str, PolicyBackend]:
     """Backends for the policies whose checkpoints (`adapters`: policy -> adapter folder) are LoRA
     adapters of `base`, all on one engine holding one copy of the base and every adapter: the
     embedded engine (`engine="embedded"`, every row its adapter: `engines/adapter_batch.py`) or vLLM's multi-LoRA
     (`"vllm"`, in this process). Each policy's engine is an `AdapterEngine` naming its adapter;
-    the `frozen` policies (on `base` too) get the bare base. The engine closes with its last user."""
+    the `frozen` policies (on `base` too) get the bare base. The engine closes with its last user.
+    `threads`: the embedded engine's (None: `runtime.torch_threads`, else as if alone in this process)."""
     from mas_trainer.engines.chat import HFChatFormat
 
     # peft matches adapter names as substrings of its own prefixes ("lora_"): policy names cannot be them
@@ -197,7 +212,8 @@ def shared_base_backends(adapters: Mapping[str, str | Path], base: str, runtime:
     if engine == "vllm":
         built = _vllm_shared(base, folders, runtime, seed=seed, device=device)
     elif engine == "embedded":
-        built = _torch_shared(base, folders, seed=seed, settings=settings, device=device, threads=runtime.torch_threads)
+        built = _torch_shared(base, folders, seed=seed, settings=settings, device=device,
+                              threads=threads or decide(runtime.torch_threads, 1))
     else:
         raise ValueError(f"engine {engine!r}: a shared base is served by the embedded engine or vllm")
     users = _Users(built)
@@ -214,7 +230,7 @@ def _adapter_config(folder: Path) -> dict[str, Any]:
 
 
 def _torch_shared(base: str, folders: Mapping[str, Path], *, seed: int, settings: EngineSettings, device: str,
-                  threads: int | None) -> Any:
+                  threads: Threads) -> Any:
     from mas_trainer.engines.models import load_model
     from mas_trainer.engines.torch_engine import TorchEngine
     from mas_trainer.learners.lora import add_named_adapter

@@ -32,7 +32,7 @@ def test_auto_is_decided_against_the_machine():
     assert {(w.device, w.torch_threads, w.resources.world_size) for w in gpu.workers.values()} == {("cuda", None, 2)}
     local = _plan("runtime.execution=local", gpus=1)  # worker groups in this process: the torch learner
     assert (local.learner, local.device) == ("torch", "cuda")
-    assert {w.torch_threads for w in local.workers.values()} == {None}
+    assert {w.torch_threads for w in local.workers.values()} == {4}  # in this process: 8 cores over 2 policies' engines
     verl_cpu = _plan("runtime.learner=verl", "runtime.resources.procs_per_node=2", "learner.mini_batch_size=4")
     assert {w.torch_threads for w in verl_cpu.workers.values()} == {2}  # 8 cores over 4 ranks
     assert "torch learner on cpu on Ray" in cpu.summary() and "lead: embedded engine, 1 rank(s), grpo" in cpu.summary()

@@ -1,5 +1,6 @@
-"""The threads an in-process engine computes with: the cores this process may use shared among its
-engines, or `runtime.torch_threads`; never torch's default of every core per engine."""
+"""The threads an in-process engine computes with: the cores this process may use shared among the
+engines started in it, or `runtime.torch_threads`; never torch's default of every core per engine,
+and never a count that moves while a run goes on."""
 
 from __future__ import annotations
 
@@ -13,21 +14,19 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from mas_trainer.config import RuntimeConfig, load_config  # noqa: E402
-from mas_trainer.engines import threads, torch_engine  # noqa: E402
+from mas_trainer.engines import threads  # noqa: E402
+from mas_trainer.engines.threads import RUNNING  # noqa: E402
 from mas_trainer.engines.base import SamplingParams  # noqa: E402
 from mas_trainer.loop.backends import policy_backends  # noqa: E402
 from mas_trainer.spec import PolicySpec  # noqa: E402
 
-CORES = 3  # this process's cores as the tests pretend: shares (1, then 3) other than torch's default on 2 cores
+CORES = 3  # this process's cores as the tests pretend: shares (3, 1) other than torch's default on CI's 2 cores
 
 
 @pytest.fixture
-def share(monkeypatch):
-    """A fresh share of CORES cores for the engines this test starts (engines other tests left open stay out of it)."""
-    fresh = threads.ProcessShare(cores=CORES)
-    monkeypatch.setattr(torch_engine, "PROCESS", fresh)
+def cores(monkeypatch):
+    monkeypatch.setattr(threads, "available_cores", lambda: CORES)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    return fresh
 
 
 def threads_while_generating(engine) -> int:
@@ -42,54 +41,53 @@ def threads_while_generating(engine) -> int:
     return seen[0]
 
 
-def backends(runtime: RuntimeConfig, *names: str) -> dict:
-    """The verbs' engines (serve, trace, eval and the Python API build theirs here): one per trainable policy."""
-    return policy_backends({n: PolicySpec(n, "tiny", trainable=True) for n in names}, runtime)
+def backends(runtime: RuntimeConfig, policies: dict[str, bool]) -> dict:
+    """The verbs' engines (serve, trace, eval and the Python API build theirs here); policies: name -> trainable."""
+    return policy_backends({n: PolicySpec(n, "tiny", trainable=t) for n, t in policies.items()}, runtime)
 
 
-def test_the_verbs_engines_share_the_cores_and_take_them_back_when_one_closes(share):
-    got = backends(RuntimeConfig(), "a", "b")
+def test_the_engines_started_share_the_cores_and_a_frozen_policys_takes_its_share_only_when_it_loads(cores):
+    got = backends(RuntimeConfig(), {"trained": True, "frozen": False})
     try:
-        assert threads_while_generating(got["a"].engine) == threads_while_generating(got["b"].engine) == CORES // 2
-        assert torch.get_num_threads() != CORES // 2  # not this (the test's) thread's count, nor torch's default here
-        got["b"].engine.close()
-        assert threads_while_generating(got["a"].engine) == CORES  # alone now: every core
-        assert share.engines == 1 and share.summary().startswith(f"{CORES} torch thread(s) an engine ({CORES} core(s)")
-    finally:
-        for backend in got.values():
-            backend.engine.close()
-    assert share.engines == 0
-
-
-def test_runtime_torch_threads_fixes_each_engines_threads(share):
-    got = backends(RuntimeConfig(torch_threads=1), "a", "b")
-    try:
-        assert [threads_while_generating(b.engine) for b in got.values()] == [1, 1]
-        assert share.engines == 0 and share.summary() == "1 torch thread(s) an engine (runtime.torch_threads)"  # no share taken
+        trained = got["trained"].engine
+        assert threads_while_generating(trained) == CORES  # the frozen policy's engine has not started
+        frozen = got["frozen"].engine.get().engine  # its first call starts it
+        assert threads_while_generating(frozen) == CORES // 2  # the share of both
+        assert threads_while_generating(trained) == CORES  # unchanged: a run's sums do not depend on when it loaded
     finally:
         for backend in got.values():
             backend.engine.close()
 
 
-def test_omp_num_threads_is_honoured_when_set(share, monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    (backend,) = backends(RuntimeConfig(), "a").values()
+def test_runtime_torch_threads_sets_each_engines_threads(cores):
+    (backend,) = backends(RuntimeConfig(torch_threads=1), {"a": True}).values()
     try:
-        assert threads_while_generating(backend.engine) == 3
+        assert threads_while_generating(backend.engine) == 1  # not its share (3), nor torch's default
+        assert "with 1 torch thread(s) (runtime.torch_threads)" in RUNNING.summary()  # what serve prints
+    finally:
+        backend.engine.close()
+    assert "(runtime.torch_threads)" not in RUNNING.summary()
+
+
+def test_omp_num_threads_is_honoured_when_set(cores, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    (backend,) = backends(RuntimeConfig(), {"a": True}).values()
+    try:
+        assert threads_while_generating(backend.engine) == 1
     finally:
         backend.engine.close()
 
 
-def test_fit_in_process_policies_take_runtime_torch_threads(share):
-    """runtime.execution=local: the trained policy's engine (and the learner on its thread) gets the key."""
+def test_fit_in_process_policies_share_the_cores_by_the_plan(cores):
+    """runtime.execution=local: each trained policy's engine (and the learner on its thread) gets its share."""
     from mas_trainer.cluster.plan import Machine, resolve_plan
     from mas_trainer.policy.local import LocalPolicy
 
-    cfg = load_config(overrides=["runtime.execution=local", "runtime.learner=torch", "runtime.torch_threads=3"])
-    plan = resolve_plan(cfg, {"solo": ("tiny", "tiny")}, machine=Machine(gpus=0, cpus=2))
+    cfg = load_config(overrides=["runtime.execution=local", "runtime.learner=torch"])
+    plan = resolve_plan(cfg, {"solo": ("tiny", "tiny")}, machine=Machine(gpus=0, cpus=CORES))
     group = LocalPolicy(plan.workers["solo"])
     try:
-        assert threads_while_generating(group.engine) == 3
+        assert threads_while_generating(group.engine) == CORES
     finally:
         group.close()
 
