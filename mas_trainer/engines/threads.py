@@ -25,7 +25,7 @@ import threading
 from pathlib import Path
 from typing import NamedTuple
 
-__all__ = ["available_cores", "share", "Threads", "decide", "threads_from_env", "RUNNING"]
+__all__ = ["available_cores", "share", "Threads", "decide", "threads_from_env", "set_torch_threads", "RUNNING"]
 
 CGROUP = Path("/sys/fs/cgroup")
 
@@ -71,6 +71,15 @@ def threads_from_env() -> int | None:
     """$OMP_NUM_THREADS when set to a positive number (what torch itself would use); else None."""
     value = os.environ.get("OMP_NUM_THREADS", "").strip()
     return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def set_torch_threads(n: int) -> None:
+    """This thread's torch (OpenMP) threads, through torch's own setter: once a vLLM engine has
+    run in a process, vLLM's CPU worker has replaced `torch.set_num_threads` there with a no-op
+    that logs a warning (through a handler that may write to a closed stream)."""
+    import torch
+
+    torch._C.set_num_threads(n)
 
 
 class Threads(NamedTuple):

@@ -50,6 +50,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 import torch
 
+from mas_trainer.engines.threads import set_torch_threads
 from mas_trainer.engines.config import EngineSettings
 from mas_trainer.engines.base import Delta, FinishReason, Generation, SamplingParams, cut_at_stop
 from mas_trainer.engines.grammar import COMPILE_TIMEOUT_S, SchemaGrammars
@@ -344,7 +345,7 @@ class TorchEngine:
     # ---------------------------------------------------------------- worker loop
 
     def _work(self) -> None:
-        torch.set_num_threads(self.threads.n)
+        set_torch_threads(self.threads.n)
         log.info("engine %s: %d torch thread(s) (%s)", self.model_name, *self.threads)
         while True:
             with self._cond:

@@ -17,6 +17,7 @@ import os
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
+from mas_trainer.engines.threads import set_torch_threads
 from mas_trainer.engines.base import Generation, SamplingParams
 from mas_trainer.policy.contract import StepResult, WarmStartExample, WorkerPlan
 from mas_trainer.policy.step import policy_step
@@ -36,14 +37,12 @@ class LocalPolicy:
     this: the controller serves them directly."""
 
     def __init__(self, plan: WorkerPlan) -> None:
-        import torch
-
         from mas_trainer.engines.models import adapter_base, is_adapter, load_model
         from mas_trainer.engines.torch_engine import load_engine
         from mas_trainer.learners.torch_learner import TorchLearner
 
         if plan.torch_threads:
-            torch.set_num_threads(plan.torch_threads)
+            set_torch_threads(plan.torch_threads)
         self.policy = plan.policy
         learner = plan.learner
         # resuming a LoRA policy: the base again, and its saved adapter trains on (not merged into a new base)

@@ -22,6 +22,7 @@ import zlib
 from functools import partial
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+from mas_trainer.engines.threads import set_torch_threads
 from mas_trainer.engines.base import Generation, SamplingParams
 from mas_trainer.errors import UserError
 from mas_trainer.policy.contract import StepResult, WarmStartExample, WorkerPlan
@@ -63,7 +64,7 @@ class SharedBase:
             raise ValueError("a shared base needs at least one policy")
         first = next(iter(plans.values()))
         if first.torch_threads:
-            torch.set_num_threads(first.torch_threads)
+            set_torch_threads(first.torch_threads)
         self.name = first.shared_base or "shared"
         # resumed: each policy's model is its saved adapter folder, whose base is the shared one
         base = first.reference or (adapter_base(first.model) if is_adapter(first.model) else first.model)

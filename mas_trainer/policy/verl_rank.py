@@ -19,6 +19,7 @@ import torch
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 
+from mas_trainer.engines.threads import set_torch_threads
 from mas_trainer.engines.base import Generation, SamplingParams
 from mas_trainer.learners.verl_learner import VerlLearner, torch_device
 from mas_trainer.policy.contract import StepResult, WarmStartExample, WorkerPlan
@@ -131,7 +132,7 @@ class PolicyWorker(Worker):
     def __init__(self, plan: WorkerPlan) -> None:
         super().__init__()
         if plan.torch_threads:
-            torch.set_num_threads(plan.torch_threads)
+            set_torch_threads(plan.torch_threads)
         if plan.device == "cpu" and not torch.distributed.is_initialized():
             # verl's own set-up would ask for "cpu:gloo,cpu:gloo", which torch refuses
             torch.distributed.init_process_group("gloo", rank=self.rank, world_size=self.world_size)

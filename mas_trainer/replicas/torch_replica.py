@@ -28,6 +28,7 @@ from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.workers.rollout.replica import RolloutReplica, RolloutReplicaRegistry, TokenOutput
 
+from mas_trainer.engines.threads import set_torch_threads
 from mas_trainer.engines.base import SamplingParams
 
 __all__ = ["TorchRolloutServer", "TorchReplica", "sampling_from_vllm"]
@@ -74,7 +75,7 @@ class TorchRolloutServer(Worker):
 
         opts = dict((rollout_config.custom or {}).get("mas_torch", {}))
         if opts.get("torch_threads"):
-            torch.set_num_threads(int(opts["torch_threads"]))
+            set_torch_threads(int(opts["torch_threads"]))
         device = torch.device("cuda", torch.cuda.current_device()) if opts.get("device") == "cuda" else torch.device("cpu")
         self.engine: Any
         if opts.get("vllm") is not None:

@@ -106,3 +106,17 @@ def test_available_cores_follow_the_affinity_and_the_cgroup_quota(tmp_path, monk
     (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("50000\n")  # v1
     (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
     assert threads.available_cores() == 1
+
+
+def test_the_count_is_set_after_vllm_replaced_torchs_setter(cores, monkeypatch):
+    """Once a vLLM engine ran in a process, vLLM's CPU worker has replaced `torch.set_num_threads`
+    with a no-op that logs (in the suite, through a handler on a closed stream: a traceback in a
+    later test's output). The engine still gets its count, and never calls the replacement."""
+    replaced: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", replaced.append)  # what vLLM's cpu_worker does
+    (backend,) = backends(RuntimeConfig(torch_threads=1), {"a": True}).values()
+    try:
+        assert threads_while_generating(backend.engine) == 1
+    finally:
+        backend.engine.close()
+    assert replaced == []
