@@ -1,4 +1,12 @@
+import os
+
 import pytest
+
+# vLLM's own log handler binds the sys.stdout of the moment vLLM is imported: in pytest, the capture
+# of the test that imported it, closed after that test. Every later vLLM log line (its CPU worker
+# logs each torch.set_num_threads call) then printed a "Logging error" traceback into whichever test
+# was running, and the tests that count tracebacks failed. Its records propagate through logging instead.
+os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 
 from mas_trainer.engines.fake import FakeChatFormat, FakeEngine
 from mas_trainer.gateway import PolicyBackend
