@@ -196,17 +196,14 @@ _Item = Annotated[Union[Annotated[InputMessage, Tag("message")], Annotated[Funct
                   Discriminator(_item_type)]
 
 
-class _ResponsesTool(_Open):
+class _ResponsesTool(_FunctionDef):
+    """The Responses API's function tool: chat's function definition, flat, with its type."""
+
     type: Literal["function"]
-    name: _Name
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
-class _ResponsesNamedTool(_Open):
+class _ResponsesNamedTool(_NamedFunction):
     type: Literal["function"]
-    name: _Name
 
 
 class _TextJsonSchema(_Open):
