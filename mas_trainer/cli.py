@@ -565,15 +565,31 @@ def _parser() -> argparse.ArgumentParser:
 LOG_ENV = "MAS_TRAINER_LOG"
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to `sys.stderr` as it is when a record comes, not as it was when the handler was
+    made: `main` may run again in one process (the Python API, tests) with stderr replaced in
+    between, and a handler holding the old, closed stream printed a traceback for every record."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property  # type: ignore[override]
+    def stream(self):  # noqa: ANN201  (logging's own attribute)
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:  # noqa: ANN001
+        pass
+
+
 def _configure_logging(levels: str) -> None:
     """`MAS_TRAINER_LOG`: a level for all of mas-trainer and/or LOGGER=LEVEL pairs, comma
     separated (`INFO`, `mas_trainer.gateway=DEBUG`); WARNING by default. The handler sits on
     the `mas_trainer` logger only: other libraries' logging is left as it was."""
     top = logging.getLogger("mas_trainer")
-    if not any(getattr(h, "mas_trainer_cli", False) for h in top.handlers):
-        handler = logging.StreamHandler(sys.stderr)
+    if not any(isinstance(h, _StderrHandler) for h in top.handlers):
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        handler.mas_trainer_cli = True  # type: ignore[attr-defined]
         top.addHandler(handler)
     top.setLevel(logging.WARNING)
     for item in filter(None, (part.strip() for part in levels.split(","))):

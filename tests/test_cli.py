@@ -346,3 +346,26 @@ def test_trace_exits_non_zero_when_every_rollout_failed(tmp_path):
     assert [t["status"] for t in trajs] == ["error", "error"]
     assert lines[0] == (f"mas-trainer trace: error: every rollout failed (2 of 2: 2 error); the first, {trajs[0]['rollout_id']}, "
                         f"with: ValueError: bad task 1; the trajectories: {out}")
+
+
+def test_log_records_go_to_stderr_as_it_is_now_after_main_ran_with_another(monkeypatch, tmp_path):
+    """`main` run twice in one process (the Python API, a test suite) with stderr replaced in
+    between: its log records reach the stderr of the moment, never the first one, closed."""
+    import io
+    import logging
+
+    from mas_trainer.cli import main
+
+    monkeypatch.setenv("MAS_TRAINER_LOG", "INFO")
+    first = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    main(["data", str(tmp_path / "missing"), "--out", str(tmp_path / "out")])  # any verb, failing or not, sets up logging first
+    first.close()
+    second = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", second)
+    raised: list[BaseException] = []
+    monkeypatch.setattr(logging, "raiseExceptions", True)
+    monkeypatch.setattr(logging.Handler, "handleError", lambda self, record: raised.append(sys.exc_info()[1]))
+    logging.getLogger("mas_trainer.loop.session").info("gateway up")
+    assert raised == []
+    assert "INFO mas_trainer.loop.session: gateway up" in second.getvalue()

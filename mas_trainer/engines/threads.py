@@ -74,11 +74,17 @@ def threads_from_env() -> int | None:
 
 
 def set_torch_threads(n: int) -> None:
-    """This thread's torch (OpenMP) threads, through torch's own setter: once a vLLM engine has
-    run in a process, vLLM's CPU worker has replaced `torch.set_num_threads` there with a no-op
-    that logs a warning (through a handler that may write to a closed stream)."""
+    """This thread's torch (OpenMP) threads, for good.
+
+    torch sizes a thread's pool lazily, at its first torch op, from the count set last anywhere
+    in the process: a count set before that op was lost as soon as another engine's thread set
+    its own (a vLLM engine then built its attention metadata for one count and ran its kernel on
+    the other's, and stopped: "thread_num 3 vs. 2"). So the lazy sizing is forced first.
+    Through torch's own setter: once a vLLM engine has run in a process, vLLM's CPU worker has
+    replaced `torch.set_num_threads` with a no-op that logs a warning."""
     import torch
 
+    torch.get_num_threads()  # the thread's lazy sizing, done now so it cannot override `n` later
     torch._C.set_num_threads(n)
 
 

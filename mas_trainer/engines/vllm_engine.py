@@ -63,6 +63,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from mas_trainer.engines.base import EngineUnavailable, FinishReason, Generation, SamplingParams, cut_at_stop
 from mas_trainer.engines.grammar import COMPILE_TIMEOUT_S, SchemaGrammars
+from mas_trainer.engines.threads import set_torch_threads
 from mas_trainer.errors import RunStopped, UserError, did_you_mean
 
 __all__ = ["VllmEngine", "VllmEngineFailed", "VllmSettings", "vllm_env", "checkpoint_names", "CPU_HEAD_SIZES"]
@@ -391,13 +392,10 @@ class VllmEngine:
         return err
 
     def _work(self) -> None:
-        import torch
-
         # OpenMP's thread count is per thread: a new thread starts at the machine's cores, and
         # vLLM's CPU attention refuses to run on more threads than its metadata was built for.
         try:
-            # torch's own setter, not `torch.set_num_threads`: vLLM's CPU worker replaces that with a no-op
-            torch._C.set_num_threads(self._threads)
+            set_torch_threads(self._threads)
             while True:
                 with self._cond:
                     while not (self._closed or self._adds or self._aborts or self._controls or self._calls):

@@ -120,3 +120,31 @@ def test_the_count_is_set_after_vllm_replaced_torchs_setter(cores, monkeypatch):
     finally:
         backend.engine.close()
     assert replaced == []
+
+
+def test_a_count_set_holds_when_another_thread_sets_its_own_before_the_first_op():
+    """torch sizes a thread's pool at its first op from the count set last anywhere in the
+    process: an engine's count, set as its thread starts, must survive a neighbour engine
+    setting another before the first one computes anything."""
+    import threading
+
+    mine, theirs = threading.Event(), threading.Event()
+    seen: list[int] = []
+
+    def engine() -> None:
+        threads.set_torch_threads(3)
+        mine.set()
+        theirs.wait(60)
+        seen.append(torch.get_num_threads())
+
+    def neighbour() -> None:
+        mine.wait(60)
+        threads.set_torch_threads(1)
+        theirs.set()
+
+    workers = [threading.Thread(target=engine), threading.Thread(target=neighbour)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    assert seen == [3]
