@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 __all__ = ["MAX_SCHEMA_BYTES", "MAX_SCHEMA_VALUES", "COMPILE_TIMEOUT_S", "check_schema", "schema_key", "json_schema_grammar",
-           "SchemaGrammars"]
+           "tokenizer_info", "SchemaGrammars"]
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,14 @@ def json_schema_grammar(key: str) -> str:
 
     ebnf = str(xgr.Grammar.from_json_schema(key, any_whitespace=False))
     return _LOOSE_CHARACTER.sub(lambda m: m.group(1) + _STRICT_CHARACTER, ebnf)
+
+
+def tokenizer_info(tokenizer: Any, vocab_size: int | None) -> Any:
+    """xgrammar's view of a Hugging Face tokenizer as vLLM's xgrammar backend builds it (`backend_xgrammar.py`;
+    `vocab_size`: the model's, vLLM's `ModelConfig.get_vocab_size()`), so that a probe times the compile vLLM does."""
+    import xgrammar as xgr
+
+    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size or None)
 
 
 def _names_control(pattern: str) -> bool:

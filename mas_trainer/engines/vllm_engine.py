@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from mas_trainer.engines.base import EngineUnavailable, FinishReason, Generation, SamplingParams, cut_at_stop
-from mas_trainer.engines.grammar import COMPILE_TIMEOUT_S, SchemaGrammars
+from mas_trainer.engines.grammar import COMPILE_TIMEOUT_S, SchemaGrammars, tokenizer_info
 from mas_trainer.engines.threads import set_torch_threads
 from mas_trainer.errors import RunStopped, UserError, did_you_mean
 
@@ -307,11 +307,7 @@ class VllmEngine:
     # ---------------------------------------------------------------- internals
 
     def _tokenizer_info(self) -> Any:
-        """xgrammar's view of the tokenizer, as vLLM's xgrammar backend builds it (the probes time
-        the compile vLLM will do)."""
-        import xgrammar as xgr
-
-        return xgr.TokenizerInfo.from_huggingface(self._engine.get_tokenizer(), vocab_size=self._engine.model_config.get_vocab_size())
+        return tokenizer_info(self._engine.get_tokenizer(), self._engine.model_config.get_vocab_size())
 
     def _sampling(self, params: SamplingParams, seed: int | None, max_tokens: int, grammar: str | None = None) -> Any:
         """vLLM's sampling parameters; `grammar` is the EBNF text of `params.json_schema`."""

@@ -10,6 +10,15 @@ there: the log-prob of each sampled token, from the distribution vLLM's `logprob
 names (the fleet starts replicas with `raw_logprobs`: temperature 1, no top-p, as the
 embedded engine reports).
 
+A JSON schema (`response_format`, forced tool calls) reaches verl's vLLM servers (GPUs) as the
+grammar the embedded engines use (`engines/grammar.py`'s `json_schema_grammar`, EBNF text in
+`StructuredOutputsParams(grammar=...)`), never as the schema, which vLLM would compile with
+xgrammar's own rule for length-bounded strings: raw control characters inside a string, which
+strict `json.loads` refuses. The text comes from `SchemaGrammars` here, once the schema compiled
+in a killable probe within its deadline, so a hostile schema fails its request with the
+embedded engine's ValueError and never reaches a replica. The project's own servers (`mas-torch`,
+`mas-vllm`) take the schema (`{"json": schema}`) and compile that grammar themselves.
+
 `n` choices are `n` requests with seeds `seed, seed+1, ...` (verl's server returns one
 sequence a request). A replica that dies or does not answer within `timeout_s` fails the
 call with `ReplicaError` and marks the engine failed: the trainer stops the run there,
@@ -25,6 +34,7 @@ import uuid
 from typing import Any, Callable, Protocol, Sequence
 
 from mas_trainer.engines.base import EngineUnavailable, FinishReason, Generation, SamplingParams, choice_id, cut_at_stop
+from mas_trainer.engines.grammar import SchemaGrammars
 from mas_trainer.errors import RunStopped, where_lost
 
 __all__ = ["ReplicaClient", "ReplicaEngine", "ReplicaError", "vllm_sampling"]
@@ -42,12 +52,9 @@ class ReplicaClient(Protocol):
     async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any]) -> Any: ...
 
 
-def vllm_sampling(params: SamplingParams, index: int, structured: Callable[[dict[str, Any]], Any]) -> dict[str, Any]:
-    """vLLM `SamplingParams` keyword arguments for choice `index` of a request.
-
-    `structured` wraps a JSON schema the way the replica expects it (vLLM:
-    `StructuredOutputsParams(json=schema)`).
-    """
+def vllm_sampling(params: SamplingParams, index: int, structured: Any = None) -> dict[str, Any]:
+    """vLLM `SamplingParams` keyword arguments for choice `index` of a request; `structured`: its
+    `structured_outputs`, what the replica takes for `params.json_schema` (see the module docstring)."""
     out: dict[str, Any] = {
         "temperature": params.temperature,
         "top_p": params.top_p,
@@ -61,8 +68,8 @@ def vllm_sampling(params: SamplingParams, index: int, structured: Callable[[dict
         out["stop"] = list(params.stop)
     if params.seed is not None:
         out["seed"] = params.seed + index
-    if params.json_schema is not None:
-        out["structured_outputs"] = structured(params.json_schema)
+    if structured is not None:
+        out["structured_outputs"] = structured
     return out
 
 
@@ -71,10 +78,13 @@ class ReplicaEngine:
 
     `decode(ids) -> str` and `eos_ids` come from the policy's tokenizer: replicas answer
     ids only (verl starts them without detokenising outputs), the text is decoded here.
+    `grammars` (text=True, built on that tokenizer): the replicas are verl's vLLM servers, sent a
+    schema's strict grammar; without, the project's own servers, sent the schema. The engine
+    closes them.
     """
 
     def __init__(self, client: ReplicaClient, *, model_name: str, decode: Callable[[list[int]], str],
-                 eos_ids: Sequence[int], structured: Callable[[dict[str, Any]], Any] | None = None,
+                 eos_ids: Sequence[int], grammars: SchemaGrammars | None = None,
                  timeout_s: float = 600.0, on_output: Callable[[str, Any], None] | None = None,
                  on_close: Callable[[], None] | None = None, max_model_len: int | None = None) -> None:
         self.client = client
@@ -84,7 +94,7 @@ class ReplicaEngine:
         self.model_name = model_name
         self._decode = decode
         self._eos = set(int(e) for e in eos_ids)
-        self._structured = structured or (lambda schema: {"json": schema})
+        self._grammars = grammars
         self.timeout_s = timeout_s
         self._on_output = on_output  # (request id, TokenOutput): e.g. which weights version answered
         self._on_close = on_close  # serve: the engine owns its replicas; fit: the trainer does
@@ -97,15 +107,26 @@ class ReplicaEngine:
         if self.failure is not None:
             raise self.failure
         rid = turn_id or uuid.uuid4().hex
+        structured = None if params.json_schema is None else await self._structured(params.json_schema)
         t0 = time.perf_counter()
-        outs = await asyncio.gather(*(self._one(choice_id(rid, i), list(prompt_ids), params, i)
+        outs = await asyncio.gather(*(self._one(choice_id(rid, i), list(prompt_ids), params, i, structured)
                                       for i in range(params.n)))
         self.requests += 1
         self.busy_s += time.perf_counter() - t0
         return outs
 
-    async def _one(self, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int) -> Generation:
-        sampling = vllm_sampling(params, index, self._structured)
+    async def _structured(self, schema: dict[str, Any]) -> Any:
+        """A request's `structured_outputs` (see the module docstring); a schema that does not
+        compile within the deadline raises ValueError, for this request only."""
+        if self._grammars is None:
+            return {"json": schema}
+        from vllm.sampling_params import StructuredOutputsParams
+
+        return StructuredOutputsParams(grammar=await self._grammars.compile(schema))
+
+    async def _one(self, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int,
+                   structured: Any) -> Generation:
+        sampling = vllm_sampling(params, index, structured)
         try:
             out = await asyncio.wait_for(
                 self.client.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling), self.timeout_s)
@@ -160,6 +181,8 @@ class ReplicaEngine:
         return err
 
     def close(self) -> None:
+        if self._grammars is not None:
+            self._grammars.close()
         if self._on_close is not None:
             self._on_close()
             self._on_close = None

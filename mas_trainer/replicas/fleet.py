@@ -29,6 +29,7 @@ import types
 from typing import Any, Callable, Coroutine
 
 from mas_trainer.engines.config import EngineSettings
+from mas_trainer.engines.grammar import SchemaGrammars, tokenizer_info
 from mas_trainer.errors import UserError
 from mas_trainer.replicas.config import ReplicaConfig, replica_count, require_vllm
 from mas_trainer.replicas.engine import ReplicaEngine
@@ -112,6 +113,13 @@ def replica_name(kind: str, device: str) -> str:
     return "mas-torch"
 
 
+def model_vocab_size(model_dir: str) -> int | None:
+    """The model's vocabulary as vLLM reads it (`ModelConfig.get_vocab_size`: its text config's `vocab_size`)."""
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(model_dir).get_text_config(), "vocab_size", None)
+
+
 def learner_checkpoint_engine(rcfg: Any, rank: int) -> Any:
     """A learner rank's end of the weight sync, built from the replicas' `RolloutConfig` as
     verl's own worker builds it (`engine_workers.py`, "build checkpoint engine")."""
@@ -146,6 +154,7 @@ class RolloutFleet:
         self.balancer: Any = None
         self.client: Any = None
         self.version = 0
+        self._grammars: list[SchemaGrammars] = []  # the engines' (`engine`): their probes end with the fleet
 
     @property
     def hybrid(self) -> bool:
@@ -216,12 +225,11 @@ class RolloutFleet:
         """The gateway's engine for this policy, decoding with the policy's tokenizer."""
         eos = tokenizer.eos_token_id
         eos_ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
-        structured = None
-        if replica_name(self.kind, self.device) == "vllm":
-            from vllm.sampling_params import StructuredOutputsParams
-
-            structured = lambda schema: StructuredOutputsParams(json=schema)  # noqa: E731
-        return ReplicaEngine(self.client, model_name=self.policy, eos_ids=eos_ids, structured=structured,
+        grammars = None
+        if replica_name(self.kind, self.device) == "vllm":  # verl's vLLM servers: sent the strict grammar, not the schema
+            grammars = SchemaGrammars(lambda: tokenizer_info(tokenizer, model_vocab_size(self.model_dir)), text=True)
+            self._grammars.append(grammars)
+        return ReplicaEngine(self.client, model_name=self.policy, eos_ids=eos_ids, grammars=grammars,
                              decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                              timeout_s=self.cfg.timeout_s, on_output=on_output, on_close=self.close if owned else None,
                              max_model_len=self.cfg.max_model_len)
@@ -274,6 +282,9 @@ class RolloutFleet:
     def close(self) -> None:
         import ray
 
+        for grammars in self._grammars:
+            grammars.close()
+        self._grammars = []
         for r in self.replicas:
             # hybrid replicas' workers are the learner's own ranks: the learner closes those
             for actor in set(r.servers) if self.hybrid else {*r.workers, *r.servers}:

@@ -67,13 +67,14 @@ def run(coro):
 
 def test_sampling_fields_are_vllm_sampling_params():
     p = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=12, stop=("\n",), n=2, seed=5, json_schema={"type": "object"})
-    a, b = vllm_sampling(p, 0, lambda s: ("wrapped", s)), vllm_sampling(p, 1, lambda s: ("wrapped", s))
+    a, b = vllm_sampling(p, 0, "structured"), vllm_sampling(p, 1, "structured")
     assert set(a) <= VLLM_FIELDS
     assert a["temperature"] == 0.7 and a["top_p"] == 0.9 and a["max_tokens"] == 12 and a["stop"] == ["\n"]
     assert a["logprobs"] is True  # verl turns it into logprobs=0: the sampled token's own log-prob
     assert (a["seed"], b["seed"]) == (5, 6)  # distinct, reproducible choices
-    assert a["structured_outputs"] == ("wrapped", {"type": "object"})
-    assert "seed" not in vllm_sampling(SamplingParams(), 0, dict) and "stop" not in vllm_sampling(SamplingParams(), 0, dict)
+    assert a["structured_outputs"] == "structured"
+    plain = vllm_sampling(SamplingParams(), 0)
+    assert "seed" not in plain and "stop" not in plain and "structured_outputs" not in plain
 
 
 def test_tokens_and_logprobs_are_the_replicas_own():
@@ -148,11 +149,15 @@ def test_each_answer_reports_its_weights_version():
 
 
 def test_torch_replica_reads_vllm_fields_and_refuses_others():
+    """The project's own servers (mas-torch, mas-vllm) get the schema itself, and compile the
+    embedded engine's strict grammar from it."""
     pytest.importorskip("torch")
     from mas_trainer.replicas.torch_replica import sampling_from_vllm
 
-    p = sampling_from_vllm(vllm_sampling(SamplingParams(temperature=0.3, max_tokens=9, stop=("x",), seed=4,
-                                                        json_schema={"type": "string"}), 0, lambda s: {"json": s}))
+    server = FakeServer()
+    run(engine(server).generate([1], SamplingParams(temperature=0.3, max_tokens=9, stop=("x",), seed=4,
+                                                    json_schema={"type": "string"})))
+    p = sampling_from_vllm(server.calls[0][2])
     assert (p.temperature, p.max_tokens, p.stop, p.seed, p.json_schema) == (0.3, 9, ("x",), 4, {"type": "string"})
     with pytest.raises(ValueError, match="min_p"):
         sampling_from_vllm({"min_p": 0.1})
