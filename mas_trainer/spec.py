@@ -13,6 +13,11 @@ inside a sub-agent has that segment in its path (``tools:@researcher:model``). A
 an agent by its bare name. A sub-agent is a role of its own: it never inherits the mapping of
 the node or agent it runs in, and an agent nothing maps is refused at resolution (where the
 adapter found it) rather than frozen without a word.
+
+An agent the adapter cannot find before the app runs (one made inside a tool's function) is
+named with its mark (``"@helper"``, or its path ``"tools:@helper"``): such a key is *pending*,
+checked when the agent's calls arrive, and an agent that turns up at run time with nothing
+mapping it fails the call in one line (`unmapped_agent_error`).
 """
 
 from __future__ import annotations
@@ -121,7 +126,11 @@ class TrainSpec:
     def resolve(self, node_names: Iterable[str]) -> "ResolvedSpec":
         """Check every name against the graph's nodes; raise SpecError listing the valid ones."""
         nodes = qualified_nodes(node_names)
-        resolved = ResolvedSpec(self, tuple(nodes), {key: _match(key, nodes) for key in [*self.roles, *self.frozen, *self.role_names]})
+        keys = [*self.roles, *self.frozen, *self.role_names]
+        matched = {key: _match(key, nodes) for key in keys}
+        qualified = {key: node for key, node in matched.items() if node is not None}
+        pending = tuple(dict.fromkeys(key for key, node in matched.items() if node is None))
+        resolved = ResolvedSpec(self, tuple(nodes), qualified, pending)
         resolved.check_agents_mapped()
         for what, rewards in (("role_rewards", self.role_rewards), ("turn_rewards", self.turn_rewards)):
             if isinstance(rewards, Mapping):
@@ -149,22 +158,29 @@ def qualified_nodes(names: Iterable[str]) -> list[str]:
     return list(out)
 
 
-def _match(key: str, nodes: list[str]) -> str:
+def _match(key: str, nodes: list[str]) -> str | None:
+    """The node or agent entry `key` names; None: an agent key (``@helper``, ``tools:@helper``)
+    found nowhere yet, pending until the app runs. Anything else unknown is refused here."""
     if key in nodes:
         return key
     plain = [n for n in nodes if not _is_agent(n)]
     agents = [n for n in nodes if _is_agent(n)]
     # a bare child name is accepted when exactly one node (at any depth) has it; else one agent
-    hits = [n for n in plain if n.rsplit(":", 1)[-1] == key] or [n for n in agents if n.rsplit(":", 1)[-1] == AGENT_MARK + key]
+    mark = key if key.startswith(AGENT_MARK) else AGENT_MARK + key
+    hits = ([] if key.startswith(AGENT_MARK) else [n for n in plain if n.rsplit(":", 1)[-1] == key]) or \
+        [n for n in agents if n.rsplit(":", 1)[-1] == mark]
     if len(hits) == 1:
         return hits[0]
     if len(hits) > 1:
         raise SpecError(f"node name {key!r} is ambiguous ({', '.join(hits)}); use the qualified name")
+    if _is_agent(key):
+        return None
     if not agents:
         raise SpecError(f"unknown node {key!r}; {did_you_mean(key, nodes)}valid nodes: {', '.join(nodes) or '(none)'}")
     names = [_agent_name(a) for a in agents]
     raise SpecError(f"unknown agent or node {key!r}; {did_you_mean(key, [*names, *plain])}valid agents: {', '.join(names)}; "
-                    f"valid nodes: {', '.join(plain) or '(none)'}")
+                    f"valid nodes: {', '.join(plain) or '(none)'}; an agent made only at run time is named with its mark "
+                    f"({AGENT_MARK}{key}) and checked when it runs")
 
 
 def _is_agent(path: str) -> bool:
@@ -182,6 +198,7 @@ class ResolvedSpec:
     declared: TrainSpec  # as the decorator declared it, before the graph's nodes were known
     nodes: tuple[str, ...]
     qualified: Mapping[str, str]  # user's key -> qualified node name
+    pending: tuple[str, ...] = ()  # agent keys (`@helper`) the graph does not show: matched as calls arrive
 
     @property
     def policies(self) -> dict[str, PolicySpec]:
@@ -202,8 +219,9 @@ class ResolvedSpec:
 
     @cached_property
     def roles(self) -> list[str]:
-        """The roles the app's nodes play (what role_rewards and turn_rewards are keyed by), in node order."""
-        return list(dict.fromkeys(self.route(n).role for n in self.nodes))
+        """The roles the app's nodes play (what role_rewards and turn_rewards are keyed by), in node
+        order, then those of the pending agents."""
+        return list(dict.fromkeys([*(self.route(n).role for n in self.nodes), *(self._pending_role(k) for k in self.pending)]))
 
     def check_reward_roles(self, what: str, rewards: Mapping[str, Any]) -> None:
         """A reward keyed by a name that is no role would never run: refuse it, naming the key,
@@ -224,7 +242,8 @@ class ResolvedSpec:
                             f"{did_you_mean(str(key), roles)}the app's roles: {', '.join(roles) or '(none)'}")
 
     def _policy_of_role(self, role: str) -> str:
-        return next(r.policy for r in (self.route(n) for n in self.nodes) if r.role == role)
+        routes = [*(self.route(n) for n in self.nodes), *(self._pending_route(k) for k in self.pending)]
+        return next(r.policy for r in routes if r.role == role)
 
     def _unlisted_inner_node(self, key: Any) -> bool:
         """``outer:inner`` below a node of the graph, not shown by the graph's listing (a subgraph
@@ -254,11 +273,11 @@ class ResolvedSpec:
     def _by_node(self) -> dict[str, str]:
         # a key in roles/frozen wins over the same node named again in role_names
         keys = [*self.declared.role_names, *self.declared.frozen, *self.declared.roles]
-        return {self.qualified[k]: k for k in keys}
+        return {self.qualified[k]: k for k in keys if k in self.qualified}
 
     @cached_property
     def _role_names(self) -> dict[str, str]:
-        return {self.qualified[k]: role for k, role in self.declared.role_names.items()}
+        return {self.qualified[k]: role for k, role in self.declared.role_names.items() if k in self.qualified}
 
     def _route(self, node_path: str) -> Route:
         by_node = self._by_node
@@ -269,6 +288,11 @@ class ResolvedSpec:
             if key is not None and (key in self.declared.roles or key in self.declared.frozen):
                 return self._keyed(q, key)
             if parts[depth - 1].startswith(AGENT_MARK):  # a sub-agent is a role of its own: nothing above it maps it
+                pending = next((k for k in self.pending if k == q or k == parts[depth - 1]), None)
+                if pending is not None and (pending in self.declared.roles or pending in self.declared.frozen):
+                    with _NAMED_LOCK:
+                        self._pending_seen.add(pending)
+                    return self._pending_route(pending)
                 return self._unmapped(node_path, parts[depth - 1][len(AGENT_MARK):])
         root = next((n for n in self.nodes if ":" not in n and n.startswith(AGENT_MARK)), None)
         key = by_node.get(root) if root is not None else None
@@ -281,6 +305,48 @@ class ResolvedSpec:
         if key in self.declared.frozen:
             return Route(role, FROZEN_POLICY, False)
         return Route(role, self.declared.roles[key], True)
+
+    def route_of_key(self, key: str) -> Route:
+        """The route of what a key of the map names (a node, an agent, a pending agent)."""
+        return self.route(self.qualified[key]) if key in self.qualified else self._pending_route(key)
+
+    def _pending_role(self, key: str) -> str:
+        return self.declared.role_names.get(key, _agent_name(key))
+
+    def _pending_route(self, key: str) -> Route:
+        if key in self.declared.frozen:
+            return Route(self._pending_role(key), FROZEN_POLICY, False)
+        if key in self.declared.roles:
+            return Route(self._pending_role(key), self.declared.roles[key], True)
+        return self._unmapped(key, _agent_name(key))  # named in role_names only
+
+    @cached_property
+    def _pending_seen(self) -> set[str]:
+        return set()
+
+    def unseen_pending(self) -> list[str]:
+        """The pending agent keys no call has matched yet."""
+        with _NAMED_LOCK:
+            return [k for k in self.pending if k not in self._pending_seen]
+
+    def describe_names(self) -> str:
+        """``agents: ...; nodes: ...``: what a key may name, for a one-line error."""
+        plain = [n for n in self.nodes if not _is_agent(n)]
+        return f"agents: {', '.join(self.agents) or '(none found)'}; nodes: {', '.join(plain) or '(none)'}"
+
+    def unmapped_agent_error(self, node_path: str) -> SpecError | None:
+        """The one-line error for an LLM call made inside an agent that nothing maps (only an
+        agent the adapter could not find before the app ran gets here); None for any other call."""
+        route = self.route(node_path)
+        agents = [seg[len(AGENT_MARK):] for seg in node_path.split(":") if seg.startswith(AGENT_MARK)]
+        if not route.unmapped or not agents:
+            return None
+        agent = agents[-1]
+        where = node_path[: node_path.rindex(AGENT_MARK + agent) + len(AGENT_MARK + agent)]
+        hint = did_you_mean(AGENT_MARK + agent, self.pending) if self.pending else ""
+        return SpecError(f"agent {agent!r} ({where}), seen only at run time, makes LLM calls nothing maps: map it in roles= as "
+                         f"{AGENT_MARK + agent!r}, list it in frozen= to serve it the base model untrained, or set "
+                         f"default_policy=; {hint}{self.describe_names()}")
 
     def _unmapped(self, node_path: str, agent: str | None) -> Route:
         role = agent if agent is not None else node_path
@@ -310,7 +376,7 @@ class ResolvedSpec:
         no default_policy) would be served frozen without a word, so it is refused, in one line."""
         if self.declared.default_policy is not None:
             return
-        keyed = {self.qualified[k] for k in [*self.declared.roles, *self.declared.frozen]}
+        keyed = {self.qualified[k] for k in [*self.declared.roles, *self.declared.frozen] if k in self.qualified}
         missing = []
         for entry in (n for n in self.nodes if _is_agent(n)):
             if ":" in entry:

@@ -40,6 +40,7 @@ class LangGraphApp:
         self._input_keys = _input_keys(self.graph)
         # rollout id -> thread id of the rollouts whose threads are kept for forking (forks.py), else None
         self.kept_threads: dict[str, str] | None = None
+        self._pending_checked = False
 
     def check_tasks(self, tasks: list[dict[str, Any]]) -> None:
         """Refuse, in one line and before any rollout, a task the graph cannot start from: a
@@ -119,8 +120,22 @@ class LangGraphApp:
             self.kept_threads[rollout_id] = configurable["thread_id"]  # forks.py drops it after the forks ran
         elif own_thread:
             await _drop_thread(self.graph, configurable["thread_id"])
+        if tracer.refused is not None:
+            status, error = "error", str(tracer.refused)
         nodes, tools = tracer.finish(status, error)
+        self._name_unseen_agents()
         return RunResult(status, error, final, nodes, tools, tracer.trace_id, answered=list(tracer.answered))
+
+    def _name_unseen_agents(self) -> None:
+        """After the first rollout, an agent key (`@helper`) that no call has matched is named in
+        one line: a misspelt name, or an agent this task did not need (later ones may)."""
+        if self._pending_checked or not self.spec.pending:
+            return
+        self._pending_checked = True
+        unseen = self.spec.unseen_pending()
+        if unseen:
+            log.warning("agent key(s) %s matched no call in the first rollout (misspelt, or not run for that task); %s",
+                        ", ".join(map(repr, unseen)), self.spec.describe_names())
 
     def _recursion_error(self, exc: GraphRecursionError) -> str:
         """One line naming the limit hit, whose it is and how to raise it (LangGraph's own text asks

@@ -123,6 +123,7 @@ class GraphTracer(BaseCallbackHandler):
         # (call id, node) of every non-streamed LLM call answered in this rollout: the
         # controller fails the rollout when its trajectory lacks one (a call sent past the gateway)
         self.answered: list[tuple[str, str]] = []
+        self.refused: Exception | None = None  # a call from an agent nothing maps (`ResolvedSpec.unmapped_agent_error`)
         self.root = get_tracer().start_span(
             "invoke_agent graph",
             kind=SpanKind.INTERNAL,
@@ -143,6 +144,9 @@ class GraphTracer(BaseCallbackHandler):
         if node is None:
             return None
         name = node.record.name
+        if node.unmapped and (refused := self.spec.unmapped_agent_error(name)) is not None:
+            self.refused = refused  # kept too: an app that catches its tools' errors must not hide it
+            raise refused  # into the app's LLM call: the rollout fails with this line, nothing is served frozen
         if node.unmapped and self.spec.first_time_unmapped(name):
             agent = f" (agent {node.agent!r})" if node.agent else ""
             log.warning("LLM calls of node %r%s are served by the frozen base model because nothing maps them: map it in "

@@ -35,8 +35,9 @@ def node_names(graph: Pregel) -> list[str]:
 
 def agent_entries(graph: Pregel) -> list[str]:
     """The agents a policy map may name, as spec.py lists them: the graph's own (``@lead``,
-    where `create_agent(name=...)` or deepagents named it) and each sub-agent its `task` tool
-    runs (``tools:@researcher``, and that one's own sub-agents below it). Sub-agents run by other
+    where `create_agent(name=...)` or deepagents named it) and each sub-agent one of its tools
+    runs (``tools:@researcher``, and that one's own sub-agents below it): deepagents' `task`
+    tool's, and a named agent a tool's function refers to (LangChain's sub-agents as tools). Sub-agents run by other
     means are not found here: their calls still carry their segment at run time."""
     own = _agent_name(graph)
     return ([AGENT_MARK + own] if own else []) + _subagents(graph, "")
@@ -52,12 +53,39 @@ def _subagents(graph: Pregel, prefix: str) -> list[str]:
     for node, task_node in graph.nodes.items():
         tools = getattr(task_node.bound, "tools_by_name", None) or {}  # a ToolNode
         for tool in tools.values():
-            for name, runnable in _task_tool_agents(tool).items():
+            for name, runnable in _tool_agents(tool).items():
                 path = f"{prefix}{node}:{AGENT_MARK}{name}"
                 found.append(path)
                 inner = runnable if isinstance(runnable, Pregel) else getattr(runnable, "bound", None)
                 if isinstance(inner, Pregel):
+                    _refuse_own_map(inner, f"sub-agent {name!r}", name)
                     found += _subagents(inner, path + ":")
+    return found
+
+
+def _refuse_own_map(inner: Pregel, what: str, key: str) -> None:
+    """A sub-agent or subgraph decorated with a `trainable` of its own: only the app's map
+    routes calls, so that map would be ignored without a word."""
+    if spec_of(inner) is not None:
+        raise SpecError(f"{what} carries a @trainable map of its own, which would be ignored: only the app's map routes "
+                        f"calls; drop the inner trainable(...) and map it in the app's roles= (e.g. {key!r})")
+
+
+def _tool_agents(tool: Any) -> dict[str, Any]:
+    """The named agents a tool may run: deepagents' `task` tool's sub-agents, and any compiled
+    agent with a name that the tool's function refers to (a global or a closure variable)."""
+    found = _task_tool_agents(tool)
+    func = getattr(tool, "func", None) or getattr(tool, "coroutine", None)
+    if not inspect.isfunction(func):
+        return found
+    try:
+        refs = inspect.getclosurevars(func)
+    except (TypeError, ValueError):
+        return found
+    for value in [*refs.nonlocals.values(), *refs.globals.values()]:
+        name = _agent_name(value) if isinstance(value, Pregel) else None
+        if name is not None:
+            found.setdefault(name, value)
     return found
 
 
@@ -130,12 +158,17 @@ def _marker(spec: TrainSpec, unforkable: frozenset[str]) -> Callable[[Any], Any]
             graph = obj.compile() if isinstance(obj, StateGraph) else obj
             names = node_names(graph)
             spec.resolve([*names, *agent_entries(graph)])
+            for path, sub in graph.get_subgraphs(recurse=True):
+                _refuse_own_map(sub, f"subgraph {path!r}", path.replace("|", ":"))
             unknown_nodes = sorted(unforkable - set(names))
             if unknown_nodes:
                 raise SpecError(f"no_fork names unknown node(s) {', '.join(map(repr, unknown_nodes))}; "
                                 f"the graph's nodes are {', '.join(names)}")
             setattr(obj, SPEC_ATTR, spec)
             setattr(obj, NO_FORK_ATTR, unforkable)
+            if isinstance(obj, Pregel) and isinstance(getattr(obj, "builder", None), StateGraph):
+                # copies of the graph (`with_config`, as deepagents makes of a compiled sub-agent) keep the builder, not the mark
+                setattr(obj.builder, SPEC_ATTR, spec)
             return obj
         if callable(obj):
 

@@ -58,7 +58,7 @@ class Router:
         self._role_policy: dict[str, tuple[str, bool]] = {}
         if spec is not None:
             for key in list(spec.declared.roles) + list(spec.declared.frozen):
-                route = spec.route(spec.qualified[key])
+                route = spec.route_of_key(key)
                 self._role_policy[route.role] = (route.policy, route.trainable)
 
     def route(self, bag: Mapping[str, object], model: str, policies: Iterable[str]) -> RouteDecision:
