@@ -3,7 +3,9 @@
 Reads OTLP/JSON export requests (`{"resourceSpans": [...]}`: one per file, or one per line as
 the collector's file exporter writes them), groups spans by trace id (one trace = one run, run id
 = the trace id), turns each LLM span into an `LLMCall` (OpenAI-style messages; no token ids) and
-files it under the LangGraph node its ancestors name. The result is written with the `Recorder`,
+files it under the LangGraph node its ancestors name, by the path a live rollout's tracer gives it
+(``outer:inner``; a sub-agent's ``tools:@researcher:model``) where the spans carry LangGraph's
+checkpoint namespace and LangChain's agent name. The result is written with the `Recorder`,
 so `read_runs(DIR)` reads imported and served runs alike. What cannot be mapped is counted by
 reason in an `ImportReport`, never guessed. docs/serving.md lists the forms read.
 
@@ -28,11 +30,12 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, NamedTuple
 
 from mas_trainer.engines.base import choice_id
 from mas_trainer.errors import UserError
 from mas_trainer.production.record import GraphRun, Recorder
+from mas_trainer.spec import AGENT_MARK
 from mas_trainer.trace.schema import LLMCall
 
 __all__ = ["MAX_FILE_BYTES", "MAX_BODY_BYTES", "MAX_DEPTH", "ImportReport", "Unmapped", "Span", "ListenLimits", "Receiver",
@@ -44,10 +47,11 @@ MAX_FILE_BYTES = 512 * 2**20  # one input file
 MAX_DEPTH = 64  # nesting of an attribute value (AnyValue arrays / kvlists, JSON inside strings)
 EXAMPLES = 3  # examples kept per reason
 LLM_OPERATIONS = {"chat", "text_completion", "generate_content"}
-# Where instrumentations put LangChain's `langgraph_node` metadata (docs/serving.md)
-NODE_KEYS = ("langgraph.node", "langgraph_node", "mas.node", "langsmith.metadata.langgraph_node",
-             "traceloop.association.properties.langgraph_node")
+# Where instrumentations put LangChain's run metadata (docs/serving.md): `langgraph_node`, and beside it
+# `langgraph_checkpoint_ns` (the node call's nesting) and `lc_agent_name` (the agent that runs it)
+META_PREFIXES = ("", "langsmith.metadata.", "traceloop.association.properties.")  # plain, LangSmith, OpenLLMetry
 NODE_JSON_KEYS = ("metadata",)  # OpenInference: the run's metadata as one JSON string
+NODE_KEYS = ("langgraph.node", "mas.node")  # a node's name alone (this project's tracer: its whole path)
 INDEXED_INPUT = ("gen_ai.prompt.", "llm.input_messages.")  # OpenLLMetry, OpenInference
 INDEXED_OUTPUT = ("gen_ai.completion.", "llm.output_messages.")
 EVENT_ROLES = {"gen_ai.system.message": "system", "gen_ai.user.message": "user",
@@ -425,29 +429,75 @@ def _is_llm(span: Span) -> bool:
             or a.get("openinference.span.kind") == "LLM")
 
 
-def _node_name(span: Span) -> str | None:
-    for key in NODE_KEYS:
-        if isinstance(v := span.attrs.get(key), str) and v:
-            return v
+class _Named(NamedTuple):
+    """What a span's metadata says of the node call it runs in."""
+
+    node: str
+    ns: str | None  # LangGraph's checkpoint namespace of the node call (``outer:<task id>|inner:<task id>``)
+    agent: str | None  # `lc_agent_name`: the agent whose graph runs the node
+
+
+def _node_name(span: Span) -> _Named | None:
+    """The node a span names, with its node call's namespace and agent where the metadata has them."""
+    a = span.attrs
+    for prefix in META_PREFIXES:
+        if isinstance(node := a.get(prefix + "langgraph_node"), str) and node:
+            return _named(node, a.get(prefix + "langgraph_checkpoint_ns"), a.get(prefix + "lc_agent_name"))
     for key in NODE_JSON_KEYS:
-        meta = span.attrs.get(key)
+        meta = a.get(key)
         try:
             meta = json.loads(meta) if isinstance(meta, str) else meta
         except (ValueError, RecursionError):
             continue
-        if isinstance(meta, dict) and isinstance(v := meta.get("langgraph_node"), str) and v:
-            return v
+        if isinstance(meta, dict) and isinstance(node := meta.get("langgraph_node"), str) and node:
+            return _named(node, meta.get("langgraph_checkpoint_ns"), meta.get("lc_agent_name"))
+    for key in NODE_KEYS:
+        if isinstance(v := a.get(key), str) and v:
+            return _Named(v, None, None)
     return None
 
 
-def _ancestry(by_id: dict[str, Span]) -> tuple[dict[str, bool], dict[str, tuple[str, str | None] | None]]:
+def _named(node: str, ns: Any, agent: Any) -> _Named:
+    # the namespace only where it is this node's (its last segment `node:<task id>`), as the tracer takes it
+    ns = ns if isinstance(ns, str) and ns.rpartition("|")[2].startswith(f"{node}:") else None
+    return _Named(node, ns, agent if isinstance(agent, str) and agent else None)
+
+
+def _node_path(ns: str) -> str:
+    """``outer:<task id>|inner:<task id>`` -> ``outer:inner`` (what the tracer's `node_path` gives)."""
+    return ":".join(seg.rsplit(":", 1)[0] for seg in ns.split("|") if seg)
+
+
+def _agent_path(enclosing: str, enclosing_agent: str | None, agent: str | None, node: str) -> str:
+    """The path of `node` in the node call `enclosing` (a path), run by `agent`: the rule of the tracer's
+    `agent_path` (a sub-agent's segment where one agent runs another inside its node, not where the
+    agent is the node, as a supervisor's are). A copy: the core may not import the adapter."""
+    if agent and enclosing_agent and agent != enclosing_agent and agent not in (node, enclosing.rsplit(":", 1)[-1]):
+        return f"{enclosing}:{AGENT_MARK}{agent}:{node}"
+    return f"{enclosing}:{node}"
+
+
+def _paths(own: dict[str, _Named]) -> dict[str, str]:
+    """checkpoint namespace of each node call of a trace -> its path, as the tracer builds it: the
+    enclosing node call's path (where that call is in the trace), with the sub-agent's segment where
+    the agent changes; else the namespace's node names. Enclosing calls first (fewer segments)."""
+    paths: dict[str, str] = {}
+    for ns in sorted(own, key=lambda n: n.count("|")):
+        outer, nested, _ = ns.rpartition("|")
+        up = own.get(outer) if nested else None
+        paths[ns] = _agent_path(paths[outer], up.agent, own[ns].agent, own[ns].node) if up is not None else _node_path(ns)
+    return paths
+
+
+def _ancestry(by_id: dict[str, Span]) -> tuple[dict[str, bool], dict[str, tuple[str, str | None, str | None] | None]]:
     """Per span of one trace: whether an ancestor is an LLM span (the same call seen twice), and its
-    (node name, node span id): the nearest span, itself or an ancestor, naming a node; then up while
-    the parent names the same node (LangChain copies a node's metadata onto every run inside it), so
-    the outermost is the node's own span. Only the span itself naming it: the node is known, its
-    execution (node id) is not. Each span is looked at once, parents first, so a trace costs time
-    linear in its spans however deep its chain (walking up from each call was quadratic); a crafted
-    parent cycle is cut where the walk meets it again."""
+    (node path, node span id, agent): the nearest span, itself or an ancestor, naming a node; then up
+    while the parent is in the same node call (the same checkpoint namespace, or without one the same
+    node name: LangChain copies a node's metadata onto every run inside it), so the outermost is the
+    node's own span. Only the span itself naming it: the node is known, its execution (node id) is
+    not. The path nests as the tracer's does (`_paths`). Each span is looked at once, parents first,
+    so a trace costs time linear in its spans however deep its chain (walking up from each call was
+    quadratic); a crafted parent cycle is cut where the walk meets it again."""
     parent: dict[str, Span | None] = {}
     order: list[Span] = []  # parents first
     for start in by_id.values():
@@ -463,30 +513,62 @@ def _ancestry(by_id: dict[str, Span]) -> tuple[dict[str, bool], dict[str, tuple[
             parent[s.span_id], above = above, s
             order.append(s)
     llm_above: dict[str, bool] = {}
-    names: dict[str, str | None] = {}
-    outermost: dict[str, Span] = {}  # a naming span -> the outermost of the run of ancestors naming the same node
+    names: dict[str, _Named | None] = {}
+    outermost: dict[str, Span] = {}  # a naming span -> the outermost of the run of ancestors in the same node call
     nearest: dict[str, Span | None] = {}  # the span itself or its nearest ancestor naming a node
+    own: dict[str, _Named] = {}  # checkpoint namespace -> what the node call's own span says
     for s in order:
         up = parent[s.span_id]
-        names[s.span_id] = name = _node_name(s)
+        names[s.span_id] = named = _node_name(s)
         llm_above[s.span_id] = up is not None and (_is_llm(up) or llm_above[up.span_id])
-        if name is not None:
-            outermost[s.span_id] = outermost[up.span_id] if up is not None and names[up.span_id] == name else s
+        if named is not None:
+            above_named = names[up.span_id] if up is not None else None
+            same = above_named is not None and (above_named.ns or above_named.node) == (named.ns or named.node)
+            outermost[s.span_id] = outermost[up.span_id] if same and up is not None else s
             nearest[s.span_id] = s
+            if named.ns is not None and not same:
+                own.setdefault(named.ns, named)
         else:
             nearest[s.span_id] = nearest[up.span_id] if up is not None else None
-    nodes: dict[str, tuple[str, str | None] | None] = {}
+    paths = _paths(own)
+    nodes: dict[str, tuple[str, str | None, str | None] | None] = {}
     for s in order:
         found = nearest[s.span_id]
         if found is None:
             nodes[s.span_id] = None
             continue
-        top = outermost[found.span_id]
-        nodes[s.span_id] = (names[found.span_id] or "", top.span_id if top is not s else None)
+        top, named = outermost[found.span_id], names[found.span_id] or _Named("", None, None)
+        at = top.span_id if top is not s else None
+        nodes[s.span_id] = (paths[named.ns], at, own[named.ns].agent) if named.ns is not None else (named.node, at, named.agent)
     return llm_above, nodes
 
 
-def _calls(span: Span, node: str, node_id: str | None, roles: dict[str, str], policies: dict[str, str]) -> list[LLMCall]:
+def _role(node: str, agent: str | None, roles: dict[str, str]) -> str:
+    """The role of a call in node `node` (a path) run by `agent`, keyed as `@trainable(roles=...)`
+    keys are: the path, or its node's bare name; else the nearest enclosing node keyed. A sub-agent
+    is a role of its own, never its enclosing node's: its key (its name, ``@name`` or its path),
+    else its name. Outside every sub-agent, a key naming the node call's agent (the app's own
+    agent) maps it. Nothing keyed: the path."""
+    parts = node.split(":")
+    in_agent = any(p.startswith(AGENT_MARK) for p in parts)
+    for depth in range(len(parts), 0, -1):
+        key = ":".join(parts[:depth])
+        if key in roles:
+            return roles[key]
+        if depth == len(parts) and not in_agent and parts[-1] in roles:
+            return roles[parts[-1]]
+        if parts[depth - 1].startswith(AGENT_MARK):
+            name = parts[depth - 1][len(AGENT_MARK):]
+            return _agent_role(name, roles, name)
+    return _agent_role(agent, roles, node) if agent else node
+
+
+def _agent_role(agent: str, roles: dict[str, str], default: str) -> str:
+    return roles.get(agent, roles.get(AGENT_MARK + agent, default))
+
+
+def _calls(span: Span, node: str, node_id: str | None, agent: str | None, roles: dict[str, str],
+           policies: dict[str, str]) -> list[LLMCall]:
     inputs, outputs = _messages(span)
     if not inputs and not outputs:
         raise _Bad("LLM span without messages")
@@ -495,7 +577,7 @@ def _calls(span: Span, node: str, node_id: str | None, roles: dict[str, str], po
                   if isinstance(m, str)), None)
     reasons = _json(a.get("gen_ai.response.finish_reasons"))
     reasons = [r for r in reasons if isinstance(r, str)] if isinstance(reasons, list) else []
-    role = roles.get(node, node)
+    role = _role(node, agent, roles)
     calls = []
     for i, out in enumerate(outputs or [{}]):
         finish = out.pop("finish_reason", None) or (reasons[i] if i < len(reasons) else None)
