@@ -10,14 +10,19 @@ there: the log-prob of each sampled token, from the distribution vLLM's `logprob
 names (the fleet starts replicas with `raw_logprobs`: temperature 1, no top-p, as the
 embedded engine reports).
 
-A JSON schema (`response_format`, forced tool calls) reaches verl's vLLM servers (GPUs) as the
-grammar the embedded engines use (`engines/grammar.py`'s `json_schema_grammar`, EBNF text in
-`StructuredOutputsParams(grammar=...)`), never as the schema, which vLLM would compile with
-xgrammar's own rule for length-bounded strings: raw control characters inside a string, which
-strict `json.loads` refuses. The text comes from `SchemaGrammars` here, once the schema compiled
-in a killable probe within its deadline, so a hostile schema fails its request with the
-embedded engine's ValueError and never reaches a replica. The project's own servers (`mas-torch`,
-`mas-vllm`) take the schema (`{"json": schema}`) and compile that grammar themselves.
+A JSON schema (`response_format`, forced tool calls) is probed here first, on every fleet: a
+schema that does not compile within the embedded engines' deadline (`engines/grammar.py`'s
+`SchemaGrammars`, a killable probe process) fails its request with the embedded engine's one-line
+ValueError (the gateway answers 400) and never reaches a replica. A replica that refused it
+instead would answer with an error, and a replica's error fails the engine: the run, or the server,
+would stop on one request. verl's vLLM servers (GPUs) are then sent the grammar the embedded
+engines use (`json_schema_grammar`, EBNF text in `StructuredOutputsParams(grammar=...)`), never
+the schema, which vLLM would compile with xgrammar's own rule for length-bounded strings: raw
+control characters inside a string, which strict `json.loads` refuses. The project's own servers
+(`mas-torch`, `mas-vllm`) are sent the schema (`{"json": schema}`): their embedded engine compiles
+that same grammar itself, under the same deadline. Should one still refuse a schema the probe
+passed (its compile ran past the deadline there, on a busier CPU), that refusal fails the request
+alone, as here.
 
 `n` choices are `n` requests with seeds `seed, seed+1, ...` (verl's server returns one
 sequence a request). A replica that dies or does not answer within `timeout_s` fails the
@@ -29,9 +34,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Literal, Protocol, Sequence
 
 from mas_trainer.engines.base import EngineUnavailable, FinishReason, Generation, SamplingParams, choice_id, cut_at_stop
 from mas_trainer.engines.grammar import SchemaGrammars
@@ -40,6 +46,10 @@ from mas_trainer.errors import RunStopped, where_lost
 __all__ = ["ReplicaClient", "ReplicaEngine", "ReplicaError", "vllm_sampling"]
 
 log = logging.getLogger(__name__)
+
+# How the embedded engine's refusals of a request's schema begin (`engines/grammar.py`: too large, a
+# control character named, past the deadline, rejected or crashed by xgrammar).
+_SCHEMA_REFUSAL = re.compile(r"(invalid )?json_schema\b")
 
 
 class ReplicaError(RunStopped, EngineUnavailable):
@@ -73,18 +83,29 @@ def vllm_sampling(params: SamplingParams, index: int, structured: Any = None) ->
     return out
 
 
+def _schema_refusal(exc: BaseException) -> str | None:
+    """The embedded engine's refusal of a request's schema, which a replica's error carries (Ray
+    delivers an actor's exception as a `RayTaskError` whose `cause` is the one raised there), else None."""
+    cause = getattr(exc, "cause", None) or exc
+    if isinstance(cause, ValueError) and _SCHEMA_REFUSAL.match(str(cause)):
+        return str(cause)
+    return None
+
+
 class ReplicaEngine:
     """`Engine` over a policy's rollout replicas (see the module docstring).
 
     `decode(ids) -> str` and `eos_ids` come from the policy's tokenizer: replicas answer
     ids only (verl starts them without detokenising outputs), the text is decoded here.
-    `grammars` (text=True, built on that tokenizer): the replicas are verl's vLLM servers, sent a
-    schema's strict grammar; without, the project's own servers, sent the schema. The engine
-    closes them.
+    `grammars` (text=True, built on that tokenizer) probe each schema before a replica sees it;
+    `send`: what the replicas take for it, its strict grammar (verl's vLLM servers) or the schema
+    itself (the project's own servers, which compile it). Without `grammars` the schema goes out
+    unprobed. The engine closes them.
     """
 
     def __init__(self, client: ReplicaClient, *, model_name: str, decode: Callable[[list[int]], str],
                  eos_ids: Sequence[int], grammars: SchemaGrammars | None = None,
+                 send: Literal["grammar", "schema"] = "grammar",
                  timeout_s: float = 600.0, on_output: Callable[[str, Any], None] | None = None,
                  on_close: Callable[[], None] | None = None, max_model_len: int | None = None) -> None:
         self.client = client
@@ -95,6 +116,7 @@ class ReplicaEngine:
         self._decode = decode
         self._eos = set(int(e) for e in eos_ids)
         self._grammars = grammars
+        self._send = send
         self.timeout_s = timeout_s
         self._on_output = on_output  # (request id, TokenOutput): e.g. which weights version answered
         self._on_close = on_close  # serve: the engine owns its replicas; fit: the trainer does
@@ -120,9 +142,12 @@ class ReplicaEngine:
         compile within the deadline raises ValueError, for this request only."""
         if self._grammars is None:
             return {"json": schema}
+        grammar = await self._grammars.compile(schema)
+        if self._send == "schema":
+            return {"json": schema}
         from vllm.sampling_params import StructuredOutputsParams
 
-        return StructuredOutputsParams(grammar=await self._grammars.compile(schema))
+        return StructuredOutputsParams(grammar=grammar)
 
     async def _one(self, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int,
                    structured: Any) -> Generation:
@@ -135,6 +160,9 @@ class ReplicaEngine:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a dead actor, a refused request: the run cannot go on with this policy
+            refusal = _schema_refusal(exc) if params.json_schema is not None else None
+            if refusal is not None:  # the replica is fine; the request's schema is not (module docstring)
+                raise ValueError(refusal) from None
             from ray.exceptions import RayActorError
 
             text, lost = str(exc).strip(), isinstance(exc, RayActorError)

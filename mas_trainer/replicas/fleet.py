@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import time
 import types
-from typing import Any, Callable, Coroutine
+from typing import Any, Callable, Coroutine, Literal
 
 from mas_trainer.engines.config import EngineSettings
 from mas_trainer.engines.grammar import SchemaGrammars, tokenizer_info
@@ -225,11 +225,13 @@ class RolloutFleet:
         """The gateway's engine for this policy, decoding with the policy's tokenizer."""
         eos = tokenizer.eos_token_id
         eos_ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
-        grammars = None
-        if replica_name(self.kind, self.device) == "vllm":  # verl's vLLM servers: sent the strict grammar, not the schema
-            grammars = SchemaGrammars(lambda: tokenizer_info(tokenizer, model_vocab_size(self.model_dir)), text=True)
-            self._grammars.append(grammars)
-        return ReplicaEngine(self.client, model_name=self.policy, eos_ids=eos_ids, grammars=grammars,
+        # every schema is probed here, so that one a replica would refuse fails its request, not the engine;
+        # verl's vLLM servers are sent its strict grammar, the project's own servers the schema, which they
+        # compile themselves (their engine takes a schema, and builds the same grammar from it)
+        grammars = SchemaGrammars(lambda: tokenizer_info(tokenizer, model_vocab_size(self.model_dir)), text=True)
+        self._grammars.append(grammars)
+        send: Literal["grammar", "schema"] = "grammar" if replica_name(self.kind, self.device) == "vllm" else "schema"
+        return ReplicaEngine(self.client, model_name=self.policy, eos_ids=eos_ids, grammars=grammars, send=send,
                              decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                              timeout_s=self.cfg.timeout_s, on_output=on_output, on_close=self.close if owned else None,
                              max_model_len=self.cfg.max_model_len)
