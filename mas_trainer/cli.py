@@ -248,7 +248,7 @@ def _pairs(items: list[str], flag: str, example: str) -> dict[str, str]:
 def cmd_import_traces(args: argparse.Namespace) -> int:
     from mas_trainer.production.otel_import import Receiver, Unmapped, import_traces
 
-    roles = _pairs(args.role, "--role", "NODE=ROLE (e.g. researcher=writer)")
+    roles = _pairs(args.role, "--role", "KEY=ROLE (e.g. researcher=writer)")
     policies = _pairs(args.policy, "--policy", "ROLE=POLICY")
     if bool(args.files) == bool(args.listen):
         raise UsageError("give FILE... or --listen [HOST:]PORT (one of them)")
@@ -519,8 +519,9 @@ def _parser() -> argparse.ArgumentParser:
                                                     "local users in the process list: prefer --api-key-file or $MAS_TRAINER_API_KEY")
     p.add_argument("--api-key-file", default=None, help="with --listen: read the bearer token from the first line of this file")
     p.add_argument("--out", required=True, metavar="DIR", help="record folder to append to (runs already in it are skipped)")
-    p.add_argument("--role", action="append", default=[], metavar="NODE=ROLE", help="the role of a node's calls "
-                                                                                     "(default: the node name; repeatable)")
+    p.add_argument("--role", action="append", default=[], metavar="KEY=ROLE",
+                   help="the role of the calls KEY names: a node's path or name, or an agent's name (default: the node's "
+                        "path, a sub-agent's name; repeatable)")
     p.add_argument("--policy", action="append", default=[], metavar="ROLE=POLICY", help="the policy of a role's calls "
                                                                                          "(default: the role; repeatable)")
     p.add_argument("--strict", action="store_true", help="anything that cannot be imported is an error (exit 1, nothing written)")

@@ -29,7 +29,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 from mas_trainer.errors import UserError, did_you_mean
 
-__all__ = ["FROZEN_POLICY", "AGENT_MARK", "PolicySpec", "TrainSpec", "ResolvedSpec", "SpecError", "Route", "qualified_nodes"]
+__all__ = ["FROZEN_POLICY", "AGENT_MARK", "PolicySpec", "TrainSpec", "ResolvedSpec", "SpecError", "Route", "qualified_nodes",
+           "node_path", "agent_path"]
 
 # Policy that serves nodes nobody asked to train: the base model, never updated.
 FROZEN_POLICY = "frozen"
@@ -136,6 +137,21 @@ class TrainSpec:
             if isinstance(rewards, Mapping):
                 resolved.check_reward_roles(what, rewards)
         return resolved
+
+
+def node_path(checkpoint_ns: str) -> str:
+    """``outer:<task id>|inner:<task id>`` -> ``outer:inner`` (the xray name of the node): a node
+    call's path from LangGraph's checkpoint namespace (live in the tracer, imported in otel_import)."""
+    return ":".join(seg.rsplit(":", 1)[0] for seg in checkpoint_ns.split("|") if seg)
+
+
+def agent_path(enclosing: str, enclosing_agent: str | None, agent: str | None, node: str) -> str:
+    """The path of a node call in `enclosing` (a path) made by `agent`: a sub-agent's own segment
+    comes between where an agent runs another inside one of its nodes (deepagents' `task` tool),
+    not where an agent is a node of a graph (a supervisor's, a swarm's: the node names it)."""
+    if agent and enclosing_agent and agent != enclosing_agent and agent not in (node, enclosing.rsplit(":", 1)[-1]):
+        return f"{enclosing}:{AGENT_MARK}{agent}:{node}"
+    return f"{enclosing}:{node}"
 
 
 _ENDPOINTS = ("__start__", "__end__")

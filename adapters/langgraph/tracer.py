@@ -34,7 +34,7 @@ from langgraph.types import Command
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, StatusCode
 
-from mas_trainer.spec import AGENT_MARK, ResolvedSpec
+from mas_trainer.spec import AGENT_MARK, ResolvedSpec, agent_path, node_path
 from mas_trainer.trace import attributes as A
 from mas_trainer.trace.instrument import CallContext, register_resolver, span_hex
 from mas_trainer.trace.otel import get_tracer
@@ -49,20 +49,6 @@ log = logging.getLogger(__name__)
 
 # Exceptions LangGraph uses for control flow, not failures.
 _CONTROL_FLOW = {"GraphInterrupt", "NodeInterrupt", "ParentCommand", "GraphBubbleUp"}
-
-
-def node_path(checkpoint_ns: str) -> str:
-    """``outer:<task id>|inner:<task id>`` -> ``outer:inner`` (the xray name of the node)."""
-    return ":".join(seg.rsplit(":", 1)[0] for seg in checkpoint_ns.split("|") if seg)
-
-
-def agent_path(enclosing: str, enclosing_agent: str | None, agent: str | None, node: str) -> str:
-    """The path of a node call in `enclosing` (a path) made by `agent`: a sub-agent's own segment
-    comes between where an agent runs another inside one of its nodes (deepagents' `task` tool),
-    not where an agent is a node of a graph (a supervisor's, a swarm's: the node names it)."""
-    if agent and enclosing_agent and agent != enclosing_agent and agent not in (node, enclosing.rsplit(":", 1)[-1]):
-        return f"{enclosing}:{AGENT_MARK}{agent}:{node}"
-    return f"{enclosing}:{node}"
 
 
 def branch_segment(node: str, metadata: Mapping[str, Any], attempt: int = 1) -> str:

@@ -35,7 +35,7 @@ from typing import Any, Iterable, Iterator, NamedTuple
 from mas_trainer.engines.base import choice_id
 from mas_trainer.errors import UserError
 from mas_trainer.production.record import GraphRun, Recorder
-from mas_trainer.spec import AGENT_MARK
+from mas_trainer.spec import AGENT_MARK, agent_path, node_path
 from mas_trainer.trace.schema import LLMCall
 
 __all__ = ["MAX_FILE_BYTES", "MAX_BODY_BYTES", "MAX_DEPTH", "ImportReport", "Unmapped", "Span", "ListenLimits", "Receiver",
@@ -463,20 +463,6 @@ def _named(node: str, ns: Any, agent: Any) -> _Named:
     return _Named(node, ns, agent if isinstance(agent, str) and agent else None)
 
 
-def _node_path(ns: str) -> str:
-    """``outer:<task id>|inner:<task id>`` -> ``outer:inner`` (what the tracer's `node_path` gives)."""
-    return ":".join(seg.rsplit(":", 1)[0] for seg in ns.split("|") if seg)
-
-
-def _agent_path(enclosing: str, enclosing_agent: str | None, agent: str | None, node: str) -> str:
-    """The path of `node` in the node call `enclosing` (a path), run by `agent`: the rule of the tracer's
-    `agent_path` (a sub-agent's segment where one agent runs another inside its node, not where the
-    agent is the node, as a supervisor's are). A copy: the core may not import the adapter."""
-    if agent and enclosing_agent and agent != enclosing_agent and agent not in (node, enclosing.rsplit(":", 1)[-1]):
-        return f"{enclosing}:{AGENT_MARK}{agent}:{node}"
-    return f"{enclosing}:{node}"
-
-
 def _paths(own: dict[str, _Named]) -> dict[str, str]:
     """checkpoint namespace of each node call of a trace -> its path, as the tracer builds it: the
     enclosing node call's path (where that call is in the trace), with the sub-agent's segment where
@@ -485,7 +471,7 @@ def _paths(own: dict[str, _Named]) -> dict[str, str]:
     for ns in sorted(own, key=lambda n: n.count("|")):
         outer, nested, _ = ns.rpartition("|")
         up = own.get(outer) if nested else None
-        paths[ns] = _agent_path(paths[outer], up.agent, own[ns].agent, own[ns].node) if up is not None else _node_path(ns)
+        paths[ns] = agent_path(paths[outer], up.agent, own[ns].agent, own[ns].node) if up is not None else node_path(ns)
     return paths
 
 

@@ -268,7 +268,7 @@ def test_bad_input_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str
         err = capsys.readouterr().err
         assert words in err and err.count("\n") == 1, err
     assert main(["import-traces", str(tmp_path / "other.json"), "--out", str(tmp_path / "rec"), "--role", "x"]) == 2
-    assert "NODE=ROLE" in capsys.readouterr().err
+    assert "KEY=ROLE" in capsys.readouterr().err
     assert main(["import-traces", "--out", str(tmp_path / "rec")]) == 2
     assert main(["import-traces", "--out", str(tmp_path / "rec"), "--listen", "nope"]) == 2
     assert capsys.readouterr().err.count("\n") == 2
