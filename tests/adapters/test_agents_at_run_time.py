@@ -145,3 +145,17 @@ def test_a_subgraph_decorated_with_its_own_map_is_refused():
     outer.add_edge(START, "team")
     with pytest.raises(SpecError, match=r"^subgraph 'team' carries a @trainable map of its own"):
         trainable(outer.compile(), roles={"team": "p"}, policies={"p": "tiny"})
+
+
+def test_an_agent_key_made_at_run_time_survives_the_run_directory_and_routes_in_serve():
+    from mas_trainer.adapters.langgraph.trainable import resolve
+    from mas_trainer.gateway.router import Router
+    from mas_trainer.run.rundir import AppRecord
+    from mas_trainer.trace import attributes as A
+
+    graph = trainable(_lead(ask_new_helper), roles={"lead": "lead", "@helper": "help"}, policies={"lead": "tiny", "help": "tiny"})
+    again = AppRecord.from_spec(resolve(graph)[1]).resolved()  # what serve, export and import rebuild from app.json
+    assert again.pending == ("@helper",)
+    router = Router(again, known_nodes_only=True)
+    for node, policy in (("tools:@helper:model", "help"), ("model", "lead")):
+        assert router.route({A.BAGGAGE_NODE: node}, "x", again.policies).policy == policy
