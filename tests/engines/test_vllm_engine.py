@@ -106,27 +106,6 @@ def test_the_context_bounds_max_tokens_and_a_prompt_too_long_is_refused(engine):
         _run(engine.generate(list(range(100, 230)), GREEDY))
 
 
-def test_an_engine_started_beside_with_another_thread_count_leaves_it_running(reference):
-    """A frozen policy's or a reference's engine starting beside a new vLLM engine, before its
-    first request, sets another thread count on its own thread: the vLLM engine still answers
-    as before (CI: its CPU attention stopped the engine on "thread_num 3 vs. 2")."""
-    import threading
-
-    from mas_trainer.engines.threads import set_torch_threads
-    from mas_trainer.engines.vllm_engine import VllmEngine, VllmSettings
-
-    fresh = VllmEngine(materialize("tiny"), model_name="tiny", settings=VllmSettings(max_model_len=128, max_num_seqs=8))
-    try:
-        neighbour = threading.Thread(target=set_torch_threads, args=(fresh._threads + 1,))
-        neighbour.start()
-        neighbour.join()
-        got = _run(fresh.generate(PROMPT, GREEDY))[0]
-        assert fresh.failure is None
-        assert got.token_ids == _run(reference.generate(PROMPT, GREEDY))[0].token_ids
-    finally:
-        fresh.close()
-
-
 def test_a_cancelled_call_frees_the_engine(engine):
     async def go():
         task = asyncio.create_task(engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)))
