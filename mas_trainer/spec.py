@@ -305,7 +305,7 @@ class ResolvedSpec:
                 return self._keyed(q, key)
             if parts[depth - 1].startswith(AGENT_MARK):  # a sub-agent is a role of its own: nothing above it maps it
                 pending = next((k for k in self.pending if k == q or k == parts[depth - 1]), None)
-                if pending is not None and (pending in self.declared.roles or pending in self.declared.frozen):
+                if pending is not None:
                     with _NAMED_LOCK:
                         self._pending_seen.add(pending)
                     return self._pending_route(pending)

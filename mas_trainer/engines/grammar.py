@@ -53,10 +53,16 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["MAX_SCHEMA_BYTES", "MAX_SCHEMA_VALUES", "COMPILE_TIMEOUT_S", "check_schema", "schema_key", "json_schema_grammar",
-           "tokenizer_info", "SchemaGrammars"]
+__all__ = ["MAX_SCHEMA_BYTES", "MAX_SCHEMA_VALUES", "COMPILE_TIMEOUT_S", "SchemaRefused", "check_schema", "schema_key",
+           "json_schema_grammar", "tokenizer_info", "SchemaGrammars"]
 
 log = logging.getLogger(__name__)
+
+
+class SchemaRefused(ValueError):
+    """A request's JSON schema is refused (too large, a control character named, past the compile
+    deadline, rejected by xgrammar): that request fails (400), never the engine that answers it,
+    wherever it was raised (a replica's error carries it: `replicas/engine.py`)."""
 
 # Compact JSON bytes of one schema (after the gateway's maxLength/maxItems bounds). Real
 # schemas stay far below: 128 forced-tool schemas of five arguments are 50 KB and compile
@@ -150,10 +156,10 @@ def check_schema(schema: Any, *, max_bytes: int = MAX_SCHEMA_BYTES, max_values: 
                 elif k == "const":
                     values += 1
                 elif k == "pattern" and isinstance(v, str) and len(v) <= max_bytes and _names_control(v):
-                    raise ValueError(f"json_schema pattern {json.dumps(v)} names a control character (U+0000-U+001F), "
+                    raise SchemaRefused(f"json_schema pattern {json.dumps(v)} names a control character (U+0000-U+001F), "
                                      "which a JSON string carries only escaped and the grammar cannot escape; leave it out")
                 if values > max_values:
-                    raise ValueError(f"json_schema has over the limit of {max_values} enum/const values; "
+                    raise SchemaRefused(f"json_schema has over the limit of {max_values} enum/const values; "
                                      "use fewer values or a free-form string")
                 if size > max_bytes:
                     break
@@ -168,7 +174,7 @@ def check_schema(schema: Any, *, max_bytes: int = MAX_SCHEMA_BYTES, max_values: 
         else:
             size += 5  # floats, true/false/null
         if size > max_bytes:
-            raise ValueError(f"json_schema is over the limit of {max_bytes} bytes (compact JSON); send a smaller schema")
+            raise SchemaRefused(f"json_schema is over the limit of {max_bytes} bytes (compact JSON); send a smaller schema")
 
 
 @dataclass(eq=False)
@@ -491,19 +497,19 @@ class SchemaGrammars:
         except TimeoutError:
             self._discard(probe)
             log.warning("json_schema compile ran past %g s: its probe was killed", self.timeout_s)
-            raise ValueError(f"json_schema took over the limit of {self.timeout_s:g} s to compile; "
+            raise SchemaRefused(f"json_schema took over the limit of {self.timeout_s:g} s to compile; "
                              "simplify the schema") from None
         except _Gone:
             self._discard(probe)
             if job.abandoned or self._closed:
                 return  # killed on purpose; its callers were answered
-            raise ValueError(f"json_schema crashed the grammar compiler (exit code {probe.proc.returncode})") from None
+            raise SchemaRefused(f"json_schema crashed the grammar compiler (exit code {probe.proc.returncode})") from None
         finally:
             with self._lock:
                 job.probe = None
         self._release(probe)
         if kind != b"O":
-            raise ValueError(f"invalid json_schema: {error.decode(errors='replace').strip()}")
+            raise SchemaRefused(f"invalid json_schema: {error.decode(errors='replace').strip()}")
         log.debug("json_schema probed in %.3f s", time.monotonic() - start)
         if job.abandoned or self._closed:
             return  # nobody to compile it for
@@ -511,7 +517,7 @@ class SchemaGrammars:
         try:
             grammar = json_schema_grammar(job.key) if self.text else self._compiler.compile_grammar(json_schema_grammar(job.key))
         except Exception as err:  # noqa: BLE001 - as in the probe; not expected once it compiled there
-            raise ValueError(f"invalid json_schema: {err}") from None
+            raise SchemaRefused(f"invalid json_schema: {err}") from None
         with self._lock:
             self.compiles += 1
             if not self._closed:

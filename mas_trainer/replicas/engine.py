@@ -34,22 +34,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 import uuid
 from typing import Any, Callable, Literal, Protocol, Sequence
 
 from mas_trainer.engines.base import EngineUnavailable, FinishReason, Generation, SamplingParams, choice_id, cut_at_stop
-from mas_trainer.engines.grammar import SchemaGrammars
+from mas_trainer.engines.grammar import SchemaGrammars, SchemaRefused
 from mas_trainer.errors import RunStopped, where_lost
 
 __all__ = ["ReplicaClient", "ReplicaEngine", "ReplicaError", "vllm_sampling"]
 
 log = logging.getLogger(__name__)
-
-# How the embedded engine's refusals of a request's schema begin (`engines/grammar.py`: too large, a
-# control character named, past the deadline, rejected or crashed by xgrammar).
-_SCHEMA_REFUSAL = re.compile(r"(invalid )?json_schema\b")
 
 
 class ReplicaError(RunStopped, EngineUnavailable):
@@ -87,9 +82,7 @@ def _schema_refusal(exc: BaseException) -> str | None:
     """The embedded engine's refusal of a request's schema, which a replica's error carries (Ray
     delivers an actor's exception as a `RayTaskError` whose `cause` is the one raised there), else None."""
     cause = getattr(exc, "cause", None) or exc
-    if isinstance(cause, ValueError) and _SCHEMA_REFUSAL.match(str(cause)):
-        return str(cause)
-    return None
+    return str(cause) if isinstance(cause, SchemaRefused) else None
 
 
 class ReplicaEngine:
@@ -162,7 +155,7 @@ class ReplicaEngine:
         except Exception as exc:  # a dead actor, a refused request: the run cannot go on with this policy
             refusal = _schema_refusal(exc) if params.json_schema is not None else None
             if refusal is not None:  # the replica is fine; the request's schema is not (module docstring)
-                raise ValueError(refusal) from None
+                raise SchemaRefused(refusal) from None
             from ray.exceptions import RayActorError
 
             text, lost = str(exc).strip(), isinstance(exc, RayActorError)

@@ -24,7 +24,7 @@ from verl.workers.rollout.replica import TokenOutput  # noqa: E402
 
 from mas_trainer.engines.base import SamplingParams  # noqa: E402
 from mas_trainer.engines.chat import HFChatFormat  # noqa: E402
-from mas_trainer.engines.grammar import SchemaGrammars  # noqa: E402
+from mas_trainer.engines.grammar import SchemaGrammars, SchemaRefused  # noqa: E402
 from mas_trainer.engines.models import load_model  # noqa: E402
 from mas_trainer.engines.torch_engine import TorchEngine  # noqa: E402
 from mas_trainer.replicas import fleet as fleet_module  # noqa: E402
@@ -105,7 +105,7 @@ class Refusing:
 async def test_a_schema_a_replica_refuses_after_the_probe_passed_fails_that_request_only():
     """The probe and the replica's own compile race the same deadline; a replica busy decoding may lose."""
     why = f"json_schema took over the limit of {DEADLINE_S} s to compile; simplify the schema"
-    engine = ReplicaEngine(Refusing(ValueError(why)), model_name="writer", decode=str, eos_ids=[2])
+    engine = ReplicaEngine(Refusing(SchemaRefused(why)), model_name="writer", decode=str, eos_ids=[2])
     with pytest.raises(ValueError) as err:
         await engine.generate([1], SamplingParams(max_tokens=4, json_schema=SLOW))
     assert str(err.value) == why and not isinstance(err.value, ReplicaError) and engine.failure is None
