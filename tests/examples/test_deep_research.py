@@ -16,6 +16,8 @@ from langchain_core.messages import AIMessage
 
 from mas_trainer import api
 from mas_trainer.config import load_config
+from mas_trainer.engines.chat import HFChatFormat
+from mas_trainer.engines.models import load_tokenizer
 from mas_trainer.gateway import server
 from mas_trainer.loop.trainer import fit
 from mas_trainer.trace.schema import LLMCall, Trajectory
@@ -77,12 +79,23 @@ def test_the_openai_string_form_traces_each_agent_on_its_policy_through_response
     # the lead's answer is the Responses API's object, named after the call it records
     assert t.final_state["messages"][-1]["id"] == f"resp_{t.llm_calls[-1].id}"
     assert set(t.rewards.roles) == {"lead", "researcher", "critic"}
+    # the teacher's demo of the lead's first turn is rendered to the very prompt this rollout gave the model
+    first = _demos(app, [task])[0]
+    prompt, completion = HFChatFormat(load_tokenizer("tiny")).render_turn(first["messages"], first["completion"], first["tools"])
+    assert prompt == t.llm_calls[0].prompt_ids and completion
 
 
-def test_fit_trains_one_step_with_every_agent_on_its_policy(app, responses_requests, tmp_path):
+def test_fit_warm_starts_from_the_teachers_demos_then_trains_one_step_with_every_agent_on_its_policy(
+        app, responses_requests, tmp_path):
+    tasks = _jsonl("train.jsonl")[:2]
+    demos = tmp_path / "sft.jsonl"
+    demos.write_text("".join(json.dumps(line) + "\n" for line in _demos(app, tasks)))
     cfg = load_config(overrides=["runtime.execution=local", "model=tiny", "steps=1", "rollout.tasks_per_step=2",
-                                 "rollout.n=2", "rollout.max_tokens=8", "eval_every=100"])
-    rows = fit(_forced(app), _jsonl("train.jsonl")[:2], cfg, tmp_path / "run")
+                                 "rollout.n=2", "rollout.max_tokens=8", "eval_every=100", f"warm_start.data={demos}",
+                                 "warm_start.steps=1", "warm_start.batch_size=2"])
+    rows = fit(_forced(app), tasks, cfg, tmp_path / "run")
+    [warm] = [r for r in rows if r["kind"] == "warm_start"]  # each agent's turns warm-start its own policy
+    assert {p: warm[f"policy/{p}/sft_examples"] for p in ("lead", "research", "critic")} == {"lead": 6, "research": 4, "critic": 2}
     [train] = [r for r in rows if r["kind"] == "train"]
     assert {train[f"policy/{p}/turns"] for p in ("lead", "research", "critic")} == {8, 4}  # 2 lead turns, 1 each sub-agent
     assert {"reward/role/lead", "reward/role/researcher", "reward/role/critic"} <= set(train)
@@ -91,6 +104,42 @@ def test_fit_trains_one_step_with_every_agent_on_its_policy(app, responses_reque
                for line in (tmp_path / "run" / "trajectories" / "step_000001.jsonl").read_text().splitlines()]
     assert len(written) == 4
     _check_calls(written, responses_requests)
+
+
+# ----- the teacher's demonstrations ------------------------------------------------------------
+
+
+def _demos(app, tasks):
+    from deep_research import demos
+
+    return demos.demos(tasks, log=lambda _: None)
+
+
+def test_the_teachers_demos_earn_every_reward_level_and_are_the_same_each_time(app):
+    tasks = _jsonl("train.jsonl")[:3]
+    lines = _demos(app, tasks)
+    assert lines == _demos(app, tasks)  # deterministic: tool-call ids included
+    for task, run in zip(tasks, [lines[i:i + 6] for i in range(0, len(lines), 6)], strict=True):
+        assert [(x["role"], x["policy"]) for x in run] == [
+            ("lead", "lead"), ("researcher", "research"), ("researcher", "research"), ("lead", "lead"), ("critic", "critic"),
+            ("lead", "lead")]
+        assert len({x["run_id"] for x in run}) == 1 and all(x["score"] == 1.0 for x in run)
+        calls = {role: [_call(role, x["completion"].get("content") or "", [
+            (tc["function"]["name"], json.loads(tc["function"]["arguments"])) for tc in x["completion"].get("tool_calls", [])])
+            for x in run if x["role"] == role] for role in ("lead", "researcher", "critic")}
+        assert (app.asked_the_researcher(task, calls["lead"]), app.looked_it_up(task, calls["researcher"]),
+                app.confirmed(task, calls["critic"])) == (1.0, 1.0, 1.0)
+        assert app.answered_right(task, {"messages": [run[-1]["completion"]]}) == 1.0
+        # the sub-agents' prompts hold only what the lead wrote to them, never the task's answer
+        for x in run:
+            if x["role"] == "researcher":
+                assert task["answer"] not in json.dumps(x["messages"][:2])
+
+
+def test_a_task_the_teacher_cannot_answer_right_is_refused(app):
+    [task] = _jsonl("train.jsonl")[:1]
+    with pytest.raises(RuntimeError, match="did not earn the trajectory reward"):
+        _demos(app, [{**task, "answer": "Nowhere"}])
 
 
 # ----- rewards and data ----------------------------------------------------------------------

@@ -32,7 +32,7 @@ import json
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from deepagents import create_deep_agent
 from langchain_core.tools import tool
@@ -87,9 +87,14 @@ LEAD_PROMPT = ("You answer questions about observatories. You do not know them: 
                "observatory's facts, have the critic check your draft, then reply with the answer in a few words.")
 
 
-def build(middleware: Sequence[Any] = ()) -> Any:
-    """The app, decorated. `middleware` goes to the main agent (the tests force its delegation with one)."""
-    agent = create_deep_agent(model=MODEL, tools=[], system_prompt=LEAD_PROMPT, subagents=SUBAGENTS,
+def build(middleware: Sequence[Any] = (), subagent_middleware: Mapping[str, Sequence[Any]] | None = None) -> Any:
+    """The app, decorated. `middleware` goes to the main agent (the tests force its delegation with one),
+    `subagent_middleware` to the sub-agents by name (the scripted teacher of demos.py answers for all three)."""
+    extra = dict(subagent_middleware or {})
+    if unknown := set(extra) - {s["name"] for s in SUBAGENTS}:
+        raise ValueError(f"subagent_middleware: no sub-agent named {sorted(unknown)}; they are {[s['name'] for s in SUBAGENTS]}")
+    subagents = [{**s, "middleware": list(extra[s["name"]])} if s["name"] in extra else s for s in SUBAGENTS]
+    agent = create_deep_agent(model=MODEL, tools=[], system_prompt=LEAD_PROMPT, subagents=subagents,
                               middleware=list(middleware), name="lead")
     return trainable(agent, roles=ROLES, policies=POLICIES, reward=answered_right,
                      role_rewards={"lead": asked_the_researcher, "researcher": looked_it_up, "critic": confirmed})
