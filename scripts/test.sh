@@ -7,4 +7,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check --output-format concise .
 .venv/bin/mypy
-exec .venv/bin/python -m pytest -q "$@"
+# the slowest tests are listed at the end: what to look at first when the suite outgrows CI's budget
+exec .venv/bin/python -m pytest -q --durations=25 "$@"
