@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -24,16 +26,14 @@ from mas_trainer.engines.chat import HFChatFormat  # noqa: E402
 from mas_trainer.engines.grammar import check_schema, json_schema_grammar, schema_key  # noqa: E402
 from mas_trainer.engines.models import load_model  # noqa: E402
 from mas_trainer.engines.torch_engine import TorchEngine  # noqa: E402
-from mas_trainer.gateway.protocol import ChatRequest, bound_schema, json_schema_of  # noqa: E402
+from mas_trainer.gateway.protocol import bound_schema  # noqa: E402
 
-# The gateway's bounds, shortened so that a random model ends its strings within max_tokens.
-BOUNDS = {"max_string_length": 10, "max_items": 3}
-TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {
-             "type": "object", "properties": {"query": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
-             "required": ["query", "tags"]}}},
-         {"type": "function", "function": {"name": "note", "parameters": {
-             "type": "object", "properties": {"text": {"type": "string", "maxLength": 6}}, "required": ["text"]}}}]
-FORCED = json_schema_of(ChatRequest(model="tiny", messages=[{"role": "user", "content": "hi"}], tools=TOOLS, tool_choice="required"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+from grammar_cases import BOUNDS, SEARCH, forced  # noqa: E402
+
+TOOLS = [SEARCH, {"type": "function", "function": {"name": "note", "parameters": {
+    "type": "object", "properties": {"text": {"type": "string", "maxLength": 6}}, "required": ["text"]}}}]
+FORCED = forced(TOOLS)
 
 # shape -> (schema, a prefix that ends inside a string, where any character may come next)
 SHAPES = {

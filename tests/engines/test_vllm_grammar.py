@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -24,19 +26,16 @@ jsonschema = pytest.importorskip("jsonschema")
 from mas_trainer.engines.base import SamplingParams  # noqa: E402
 from mas_trainer.engines.chat import HFChatFormat  # noqa: E402
 from mas_trainer.engines.models import load_model  # noqa: E402
-from mas_trainer.gateway.protocol import ChatRequest, bound_schema, json_schema_of  # noqa: E402
+from mas_trainer.gateway.protocol import bound_schema  # noqa: E402
 
-# The gateway's bounds, shortened so that a random model ends its strings within max_tokens.
-BOUNDS = {"max_string_length": 10, "max_items": 3}
-TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {
-    "type": "object", "properties": {"query": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
-    "required": ["query", "tags"]}}}]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+from grammar_cases import BOUNDS, OBJECT_OF_STRINGS, SEARCH, forced  # noqa: E402
+
+TOOLS = [SEARCH]
 SCHEMAS = {
-    "object of strings": {"type": "object", "required": ["a", "b", "c"], "properties": {
-        "a": {"type": "string"}, "b": {"type": ["string", "null"]}, "c": {"type": "array", "items": {"type": "string"}}}},
+    "object of strings": OBJECT_OF_STRINGS,
     "string with its own bounds": {"type": "string", "minLength": 2, "maxLength": 8},
-    "forced tool call": json_schema_of(ChatRequest(model="tiny", messages=[{"role": "user", "content": "hi"}], tools=TOOLS,
-                                                   tool_choice="required")),
+    "forced tool call": forced(TOOLS),
 }
 DEADLINE_S = 5  # far above the ~0.1 s the schemas above take to compile, far below the slow one's 25-40 s
 
