@@ -130,7 +130,8 @@ def test_the_teachers_demos_earn_every_reward_level_and_are_the_same_each_time(a
         assert (app.asked_the_researcher(task, calls["lead"]), app.looked_it_up(task, calls["researcher"]),
                 app.confirmed(task, calls["critic"])) == (1.0, 1.0, 1.0)
         assert app.answered_right(task, {"messages": [run[-1]["completion"]]}) == 1.0
-        # the sub-agents' prompts hold only what the lead wrote to them, never the task's answer
+        # the researcher's prompt holds only what the lead wrote to it, never the task's answer (the critic is sent
+        # the draft, which the lead took from the researcher's facts)
         for x in run:
             if x["role"] == "researcher":
                 assert task["answer"] not in json.dumps(x["messages"][:2])
